@@ -1,0 +1,32 @@
+"""The chain Bazel -> pip hub -> pytest works: the pinned libraries import and compute."""
+
+import gguf
+import numpy as np
+import torch
+import transformers
+
+
+def test_torch_is_the_pinned_cpu_build():
+    assert torch.__version__.startswith("2.13.0")
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert torch.equal(x @ x.T, torch.tensor([[5.0, 14.0], [14.0, 50.0]]))
+
+
+def test_gguf_round_trips_a_tensor(tmp_path):
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_uint32("llama.block_count", 3)
+    writer.add_tensor("w", np.array([1.5, -2.0, 0.25], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["llama.block_count"].parts[-1][0] == 3
+    assert reader.tensors[0].data.tolist() == [1.5, -2.0, 0.25]
+
+
+def test_transformers_builds_a_llama_config():
+    config = transformers.LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    assert config.head_dim == 8
+    assert config.model_type == "llama"

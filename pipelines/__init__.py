@@ -1,0 +1,1 @@
+"""Inference pipelines under test (the golden tests in max_tests/ run them)."""

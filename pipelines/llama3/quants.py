@@ -1,0 +1,126 @@
+"""GGML tensor types to float32 torch tensors.
+
+One function per type, over a [n_blocks, type_size] uint8 tensor of raw blocks, returning
+[n_blocks, block_size] float32. Each follows gguf-py's numpy `dequantize_blocks` operation for
+operation (same float32 products and sums in the same order), so the results are bit-identical
+to `gguf.quants.dequantize`; torch only makes them fast and lets them run on the GPU.
+Block layouts are llama.cpp's (ggml-common.h).
+"""
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+QK_K = 256  # values per k-quant super-block
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 stored at byte `start` of every block, as float32 [n_blocks, 1]."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n]: all low nibbles, then all high nibbles (ggml's order)."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
+def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    # block_q8_0: f16 d, int8 qs[32]
+    d = _f16(blocks, 0)
+    qs = blocks[:, 2:].contiguous().view(torch.int8).float()
+    return qs * d
+
+
+def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    # block_q4_0: f16 d, u8 qs[16] (value = d * (nibble - 8))
+    d = _f16(blocks, 0)
+    qs = (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).float()
+    return d * qs
+
+
+def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    # block_q4_1: f16 d, f16 m, u8 qs[16] (value = d * nibble + m)
+    d = _f16(blocks, 0)
+    m = _f16(blocks, 2)
+    qs = _nibbles(blocks[:, 4:]).float()
+    return (d * qs) + m
+
+
+def _q4_k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack the 12 bytes of 6-bit scales and mins into 8 of each per super-block."""
+    n_blocks = scales.shape[0]
+    scales = scales.reshape(n_blocks, 3, 4)
+    d, m, m_d = scales[:, 0], scales[:, 1], scales[:, 2]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mins
+
+
+def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    # block_q4_K: f16 d, f16 dmin, u8 scales[12], u8 qs[128]; 8 sub-blocks of 32 values
+    n_blocks = blocks.shape[0]
+    d = _f16(blocks, 0)
+    dmin = _f16(blocks, 2)
+    sc, mins = _q4_k_scales_mins(blocks[:, 4:16])
+    d = (d * sc.float()).reshape(n_blocks, -1, 1)
+    dm = (dmin * mins.float()).reshape(n_blocks, -1, 1)
+    # [n_blocks, 4, 32] bytes -> [n_blocks, 4, 2, 32] nibbles -> [n_blocks, 8, 32]
+    qs = blocks[:, 16:].reshape(n_blocks, 4, 1, 32)
+    qs = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n_blocks, 8, 32).float()
+    return (d * qs - dm).reshape(n_blocks, QK_K)
+
+
+def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    # block_q6_K: u8 ql[128], u8 qh[64], int8 scales[16], f16 d; 16 sub-blocks of 16 values
+    n_blocks = blocks.shape[0]
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    d = _f16(blocks, 208)
+    d = (d * scales).reshape(n_blocks, QK_K // 16, 1)
+    # low 4 bits: [n_blocks, 2, 64] -> [n_blocks, 2, 2, 64] -> [n_blocks, 8, 32]
+    ql = ql.reshape(n_blocks, 2, 1, 64)
+    ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(n_blocks, 8, 32)
+    # high 2 bits: [n_blocks, 2, 32] -> [n_blocks, 2, 4, 32] -> [n_blocks, 8, 32]
+    qh = qh.reshape(n_blocks, 2, 1, 32)
+    qh = torch.cat([(qh >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=2).reshape(n_blocks, 8, 32)
+    q = (ql | (qh << 4)).to(torch.int8) - 32
+    q = q.reshape(n_blocks, QK_K // 16, -1).float()
+    return (d * q).reshape(n_blocks, QK_K)
+
+
+BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    GGMLQuantizationType.Q8_0: dequantize_q8_0,
+    GGMLQuantizationType.Q4_0: dequantize_q4_0,
+    GGMLQuantizationType.Q4_1: dequantize_q4_1,
+    GGMLQuantizationType.Q4_K: dequantize_q4_k,
+    GGMLQuantizationType.Q6_K: dequantize_q6_k,
+}
+FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
+SUPPORTED_TYPES = frozenset(BLOCK_DEQUANTIZERS) | frozenset(FLOAT_TYPES)
+
+
+def dequantize(
+    raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """Raw GGUF tensor bytes (numpy, possibly memory-mapped) -> float32 tensor of `shape`.
+
+    `shape` is numpy order (slowest dimension first), the reverse of GGUF's ne[]. The bytes move
+    to `device` still packed, so a GPU does the unpacking. The result owns its memory.
+    """
+    if qtype not in SUPPORTED_TYPES:
+        raise ValueError(f"unsupported tensor type {qtype.name}")
+    packed = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1)).to(device)
+    if qtype in FLOAT_TYPES:
+        values = packed.view(FLOAT_TYPES[qtype])
+        # .float() copies F16/BF16; F32 is copied explicitly so nothing points into the mmap.
+        values = values.clone() if qtype == GGMLQuantizationType.F32 and values.device.type == "cpu" else values.float()
+        return values.reshape(shape)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = packed.reshape(-1, type_size)
+    return BLOCK_DEQUANTIZERS[qtype](blocks).reshape(shape)
