@@ -1,0 +1,197 @@
+"""The golden file: what one producer (engine or torch reference) saw for one model x encoding.
+
+A golden stores what diagnoses a failure, not full-vocabulary dumps: per step the chosen token,
+the top-k ids and logits, the logsumexp and summary statistics of the full logits. That keeps a
+4-prompt x 10-step file at vocab 128256 in tens of kilobytes. Full logits are opt-in.
+
+Files are written deterministically: sorted keys, floats rounded to float32 precision
+(`repr` of a float32 value is stable), no wall-clock fields, trailing newline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+    """Where a golden came from; compared loosely (a different producer is information)."""
+
+    producer: str  # "engine" or "torch"
+    producer_version: str
+    model: str  # tinyllama | smollm2 | llama3_1
+    encoding: str  # float32 | bfloat16 | q4_k | q4_1 | ...
+    hardware: str  # "all" where the result does not depend on it, else the GPU's name
+    device: str  # cpu | cuda
+    dtype: str  # compute dtype: float32 | bfloat16
+    checkpoint: str  # file name, not a path: goldens are machine-independent
+    checkpoint_sha256: str
+    torch_version: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    token_id: int
+    token_text: str
+    topk_ids: list[int]
+    topk_logits: list[float]
+    logsumexp: float
+    stats: dict[str, float]  # mean, std, min, max of the full logits
+    logits: list[float] | None = None  # the full vocabulary, only with --full-logits
+
+    @property
+    def top_gap(self) -> float:
+        """Top-1 minus top-2 logit: small means the greedy choice is a near-tie."""
+        return self.topk_logits[0] - self.topk_logits[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    prompt: str
+    input_ids: list[int]
+    steps: list[Step]
+    stopped_on_eos: bool = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [s.token_id for s in self.steps]
+
+
+@dataclasses.dataclass(frozen=True)
+class Golden:
+    provenance: Provenance
+    cases: list[Case]
+    schema_version: int = SCHEMA_VERSION
+
+    def case(self, case_id: str) -> Case:
+        for case in self.cases:
+            if case.id == case_id:
+                return case
+        raise KeyError(f"golden has no case {case_id!r}; it has {[c.id for c in self.cases]}")
+
+
+def golden_file_name(model: str, encoding: str, hardware: str, producer: str = "engine") -> str:
+    """`{model}_{encoding}_{hardware}_golden.json`, or `torch_{model}_{encoding}_golden.json`."""
+    if producer == "torch":
+        return f"torch_{model}_{encoding}_golden.json"
+    return f"{model}_{encoding}_{hardware}_golden.json"
+
+
+def hardware_key(name: str) -> str:
+    """A device name as a file-name part: "NVIDIA H200" -> "nvidia_h200"."""
+    key = "".join(c if c.isalnum() else "_" for c in name.lower())
+    return "_".join(part for part in key.split("_") if part)
+
+
+def _f32(value: float) -> float:
+    """Round to float32 and back: stable text, and no precision the producer did not have."""
+    value = float(np.float32(value))
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite value {value} in a golden")
+    return value
+
+
+def step_from_logits(
+    logits: np.ndarray, token_id: int, token_text: str, top_k: int, full: bool = False
+) -> Step:
+    """Summarize one step's next-token logits (1-D, vocab) as a golden `Step`."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.ndim != 1:
+        raise ValueError(f"expected 1-D logits, got shape {logits.shape}")
+    # Stable ordering: by logit descending, then by id, so ties never reorder between runs.
+    order = np.lexsort((np.arange(logits.size), -logits))[:top_k]
+    peak = logits.max()
+    lse = peak + math.log(np.exp(logits - peak).sum())
+    return Step(
+        token_id=int(token_id),
+        token_text=token_text,
+        topk_ids=[int(i) for i in order],
+        topk_logits=[_f32(logits[i]) for i in order],
+        logsumexp=round(float(lse), 9),  # float64: KL estimates divide by exp of it
+        stats={
+            "mean": _f32(logits.mean()),
+            "std": _f32(logits.std()),
+            "min": _f32(logits.min()),
+            "max": _f32(peak),
+        },
+        logits=[_f32(v) for v in logits] if full else None,
+    )
+
+
+def to_json(golden: Golden) -> str:
+    def plain(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj):
+            return {
+                f.name: plain(getattr(obj, f.name))
+                for f in dataclasses.fields(obj)
+                if not (f.name == "logits" and getattr(obj, f.name) is None)
+            }
+        if isinstance(obj, list):
+            return [plain(v) for v in obj]
+        if isinstance(obj, dict):
+            return {k: plain(v) for k, v in obj.items()}
+        return obj
+
+    body = plain(golden)
+    return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
+
+
+def from_json(text: str, source: str = "<golden>") -> Golden:
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not valid JSON ({e})") from None
+    version = body.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ValueError(
+            f"{source}: golden schema version {version}, this library reads {SCHEMA_VERSION}; "
+            "regenerate the golden with the current tools"
+        )
+    try:
+        return Golden(
+            provenance=Provenance(**body["provenance"]),
+            cases=[
+                Case(
+                    id=c["id"],
+                    prompt=c["prompt"],
+                    input_ids=c["input_ids"],
+                    stopped_on_eos=c.get("stopped_on_eos", False),
+                    steps=[Step(**s) for s in c["steps"]],
+                )
+                for c in body["cases"]
+            ],
+            schema_version=version,
+        )
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{source}: malformed golden ({e})") from None
+
+
+def read(path: str | os.PathLike) -> Golden:
+    path = Path(path)
+    return from_json(path.read_text(encoding="utf-8"), source=str(path))
+
+
+def write(golden: Golden, path: str | os.PathLike) -> None:
+    """Write atomically: a reader never sees half a golden."""
+    path = Path(path)
+    text = to_json(golden)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
