@@ -1,0 +1,98 @@
+"""Bazel itself resolves pinned archives from the local store, and never a corrupted one.
+
+Runs real Bazel in a throwaway workspace (batch mode, its own output base, no repository
+cache, so nothing is shared with the repository's server). Needs `bazel` on PATH; skipped
+inside `bazel test`, where a nested Bazel has no business running. About 10 s:
+    python3 -m pytest tools/artifacts/test_bazel_distdir.py -m slow
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tools.artifacts import stanza
+from tools.artifacts.upload_artifact import main
+
+REPO = Path(__file__).resolve().parents[2]
+STANDINS = REPO / "third_party" / "bazel_standins"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("bazel") is None, reason="bazel is not on PATH"),
+    pytest.mark.skipif("TEST_SRCDIR" in os.environ, reason="no nested Bazel inside bazel test"),
+    pytest.mark.skipif(not STANDINS.is_dir(), reason="third_party/bazel_standins is missing"),
+]
+
+MODULE = """\
+module(name = "distdir_check")
+
+[
+    local_path_override(module_name = m, path = "bazel_standins/" + m)
+    for m in ["zlib", "protobuf", "buildozer", "apple_support"]
+]
+
+bazel_dep(name = "zlib", version = "")
+bazel_dep(name = "protobuf", version = "")
+bazel_dep(name = "buildozer", version = "")
+bazel_dep(name = "apple_support", version = "")
+"""
+
+
+def _bazel(workspace: Path, output_base: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bazel", "--batch", f"--output_base={output_base}", "build", "--repository_cache=",
+         "@test_llama_golden//:test_llama_golden"],
+        cwd=workspace, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def _publish(workspace: Path, version: str, golden: Path) -> str:
+    code = main([
+        "upload", "test_llama_golden", version, str(golden), "--update-module",
+        f"--artifacts-dir={workspace / 'artifacts'}",
+        f"--module-file={workspace / 'MODULE.bazel'}",
+        f"--distdir-bazelrc={workspace / 'third_party' / 'golden_distdir.bazelrc'}",
+    ])  # fmt: skip
+    assert code == 0
+    return stanza.parse((workspace / "MODULE.bazel").read_text())["test_llama_golden"].sha256
+
+
+def test_bazel_takes_the_pinned_archive_from_the_store_and_refuses_a_corrupted_one(
+    tmp_path: Path,
+) -> None:
+    workspace = tmp_path / "ws"
+    (workspace / "third_party").mkdir(parents=True)
+    shutil.copytree(STANDINS, workspace / "bazel_standins")
+    (workspace / "MODULE.bazel").write_text(MODULE)
+    (workspace / "BUILD.bazel").write_text("")
+    golden = tmp_path / "llama3_1_float32_cpu_golden.json"
+    golden.write_text('{"version": 1}\n')
+    old_sha = _publish(workspace, "1", golden)
+    golden.write_text('{"version": 2}\n')
+    new_sha = _publish(workspace, "2", golden)
+    # A stale distdir holding another test_llama_golden.tar.gz comes first: Bazel must match
+    # by sha256, not by basename alone.
+    (workspace / ".bazelrc").write_text(
+        "common --noenable_workspace\ncommon --lockfile_mode=off\n"
+        f"common --distdir=artifacts/test_llama_golden/1/{old_sha}\n"
+        "try-import %workspace%/third_party/golden_distdir.bazelrc\n"
+    )
+
+    fetched = _bazel(workspace, tmp_path / "ob")
+    assert fetched.returncode == 0, fetched.stderr[-3000:]
+    repo = tmp_path / "ob" / "external" / "_main~_repo_rules~test_llama_golden"
+    assert (repo / golden.name).read_text() == '{"version": 2}\n'
+
+    archive = workspace / f"artifacts/test_llama_golden/2/{new_sha}/test_llama_golden.tar.gz"
+    data = bytearray(archive.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    archive.write_bytes(bytes(data))
+    corrupted = _bazel(workspace, tmp_path / "ob2")
+    # Bazel 7 skips a distdir file whose sha256 differs and falls back to the pinned URL,
+    # whose reserved .invalid host never resolves: the build fails, never uses the bytes.
+    assert corrupted.returncode != 0
+    assert f"test_llama_golden/2/{new_sha}/test_llama_golden.tar.gz" in corrupted.stderr
+    assert "llama-goldens.invalid" in corrupted.stderr

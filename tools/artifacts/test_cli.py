@@ -1,0 +1,276 @@
+"""The command line as users run it: exit codes, stdout/stderr, files written or not."""
+
+import difflib
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.artifacts import archive, stanza
+from tools.artifacts.sample_module import SAMPLE_MODULE
+from tools.artifacts.upload_artifact import main
+
+SCRIPT = Path(__file__).resolve().parents[1] / "upload-public-bazel-artifact.sh"
+
+
+def _repo_flags(repo: Path) -> list[str]:
+    return [
+        f"--artifacts-dir={repo / 'artifacts'}",
+        f"--module-file={repo / 'MODULE.bazel'}",
+        f"--distdir-bazelrc={repo / 'third_party' / 'golden_distdir.bazelrc'}",
+    ]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _store_files(repo: Path) -> list[Path]:
+    return sorted(p for p in (repo / "artifacts").rglob("*") if p.is_file())
+
+
+@pytest.fixture(autouse=True)
+def _caller_cwd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("BUILD_WORKING_DIRECTORY", raising=False)
+    monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_upload_is_the_default_command_and_takes_paths_from_the_callers_folder(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    os.chdir(goldens[0].parent)
+    names = [p.name for p in goldens]
+    code, out, err = _run(capsys, "test_llama_golden", "2", *names, *_repo_flags(scratch_repo))
+    assert code == 0, err
+    (published,) = _store_files(scratch_repo)
+    sha = archive.sha256_hex(published.read_bytes())
+    assert published.relative_to(scratch_repo).as_posix() == (
+        f"artifacts/test_llama_golden/2/{sha}/test_llama_golden.tar.gz"
+    )
+    assert set(archive.unpack_members(published.read_bytes())) == set(names)
+    assert out.startswith('http_archive(\n    name = "test_llama_golden",\n')
+    assert f'    sha256 = "{sha}",\n' in out
+    assert (scratch_repo / "MODULE.bazel").read_text() == SAMPLE_MODULE  # no --update-module
+
+
+def test_update_module_pins_the_archive_and_its_distdir(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = _repo_flags(scratch_repo)
+    files = [str(p) for p in goldens]
+    assert (
+        _run(capsys, "upload", "test_llama_golden", "1", *files, *flags, "--update-module")[0] == 0
+    )
+    before = (scratch_repo / "MODULE.bazel").read_text()
+    goldens[0].write_text('{"tokens": [9]}\n')
+    code, out, _ = _run(capsys, "test_llama_golden", "2", *files, *flags, "--update-module")
+    assert code == 0
+    after = (scratch_repo / "MODULE.bazel").read_text()
+    changed = [
+        line[1:].split("=")[0].strip()
+        for line in difflib.unified_diff(before.splitlines(), after.splitlines(), lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
+    assert changed == ["sha256", "url", "sha256", "url"]
+    pin = stanza.parse(after)["test_llama_golden"]
+    assert stanza.render(pin) + "\n" == out
+    bazelrc = (scratch_repo / "third_party" / "golden_distdir.bazelrc").read_text()
+    assert (
+        bazelrc.splitlines()[-1] == f"common --distdir=artifacts/test_llama_golden/2/{pin.sha256}"
+    )
+    assert bazelrc.count("--distdir") == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["test_llama_golden", "1", "missing_golden.json"], "missing_golden.json does not exist"),
+        (["test_llama_golden", "1"], "the following arguments are required: FILE"),
+        (["upload"], "the following arguments are required"),
+        (["tests/llama", "1", "{golden}"], "Bazel repository name"),
+        (["test llama", "1", "{golden}"], "Bazel repository name"),
+        (["test_llama_golden", "three", "{golden}"], "positive integer"),
+        (["test_llama_golden", "1.5", "{golden}"], "positive integer"),
+        (["test_llama_golden", "1", "{golden}", "--store=s3"], "needs --bucket"),
+    ],
+)
+def test_bad_usage_is_one_line_exit_2_and_publishes_nothing(
+    args: list[str],
+    message: str,
+    scratch_repo: Path,
+    goldens: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = [a.replace("{golden}", str(goldens[0])) for a in args]
+    code, out, err = _run(capsys, *args, *_repo_flags(scratch_repo), "--update-module")
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and out == ""
+    assert len(errors) == 1 and message in errors[0], err
+    assert _store_files(scratch_repo) == []
+    assert (scratch_repo / "MODULE.bazel").read_text() == SAMPLE_MODULE
+
+
+def test_help_shows_an_example(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0
+    assert "tools/upload-public-bazel-artifact.sh test_llama_golden 3 *golden.json" in out
+
+
+def test_overwriting_a_published_version_is_exit_1(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = _repo_flags(scratch_repo)
+    assert _run(capsys, "g", "1", str(goldens[0]), *flags)[0] == 0
+    code, out, err = _run(capsys, "g", "1", str(goldens[1]), *flags)
+    assert code == 1 and out == ""
+    assert "immutable: publish version 2 instead" in err
+    assert len(_store_files(scratch_repo)) == 1
+
+
+def test_fetch_extracts_the_pinned_archive(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = _repo_flags(scratch_repo)
+    files = [str(p) for p in goldens]
+    assert _run(capsys, "test_llama_golden", "1", *files, *flags, "--update-module")[0] == 0
+    code, out, _ = _run(capsys, "fetch", "test_llama_golden", "--output-dir=fetched", *flags)
+    assert code == 0
+    for golden in goldens:
+        assert (Path("fetched") / golden.name).read_bytes() == golden.read_bytes()
+    assert len(out.splitlines()) == len(goldens)
+
+
+def test_fetch_and_verify_refuse_a_corrupted_local_archive(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = _repo_flags(scratch_repo)
+    assert _run(capsys, "g", "1", str(goldens[0]), *flags, "--update-module")[0] == 0
+    assert _run(capsys, "verify", *flags)[0] == 0
+    (published,) = _store_files(scratch_repo)
+    published.write_bytes(published.read_bytes() + b"\0")
+    code, _, err = _run(capsys, "fetch", "g", *flags)
+    assert code == 1 and "checksum mismatch" in err
+    assert not Path("g").exists()
+    code, _, err = _run(capsys, "verify", *flags)
+    assert code == 1 and "checksum mismatch" in err
+
+
+def test_add_publishes_the_pinned_files_plus_new_ones_as_the_next_version(
+    scratch_repo: Path, goldens: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = _repo_flags(scratch_repo)
+    assert _run(capsys, "g", "4", str(goldens[0]), *flags, "--update-module")[0] == 0
+    replaced = tmp_path / goldens[0].name
+    replaced.write_text('{"tokens": [4]}\n')
+    new = tmp_path / "torch_llama3_1_bfloat16_golden.json"
+    new.write_text("{}\n")
+    code, _, _ = _run(capsys, "add", "g", replaced.name, new.name, *flags, "--update-module")
+    assert code == 0
+    pin = stanza.parse((scratch_repo / "MODULE.bazel").read_text())["g"]
+    assert f"/g/5/{pin.sha256}/g.tar.gz" in pin.url
+    (v5,) = [p for p in _store_files(scratch_repo) if "/5/" in p.as_posix()]
+    assert archive.unpack_members(v5.read_bytes()) == {
+        replaced.name: replaced.read_bytes(),
+        new.name: new.read_bytes(),
+    }
+    # The same files again: nothing new to publish.
+    code, _, err = _run(capsys, "add", "g", str(new), *flags)
+    assert code == 0 and "nothing to publish" in err
+    assert len(_store_files(scratch_repo)) == 2
+
+
+def test_fetch_of_an_unpinned_name_is_bad_usage(
+    scratch_repo: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(capsys, "fetch", "torch_llama_golden", *_repo_flags(scratch_repo))
+    assert code == 2 and "is not pinned" in err
+
+
+def test_distdir_check_reports_a_stale_fragment(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = _repo_flags(scratch_repo)
+    assert _run(capsys, "g", "1", str(goldens[0]), *flags, "--update-module")[0] == 0
+    assert _run(capsys, "distdir", "--check", *flags)[0] == 0
+    (scratch_repo / "third_party" / "golden_distdir.bazelrc").write_text("")
+    assert _run(capsys, "distdir", "--check", *flags)[0] == 1
+    assert _run(capsys, "distdir", *flags)[0] == 0
+    assert _run(capsys, "distdir", "--check", *flags)[0] == 0
+
+
+def test_s3_upload_through_the_cli(
+    s3_endpoint: str, s3_bucket: str, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["g", "1", str(goldens[0]), f"--bucket={s3_bucket}", f"--endpoint-url={s3_endpoint}"]
+    code, out, err = _run(capsys, *args)
+    assert code == 0, err
+    assert f'url = "{s3_endpoint}/{s3_bucket}/artifacts/g/1/' in out
+    code, out, err = _run(capsys, *args)
+    assert code == 0 and "nothing to do" in err
+
+
+def test_missing_credentials_are_exit_1_with_a_clear_message(
+    s3_endpoint: str, no_aws_config: None, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run(
+        capsys,
+        "g",
+        "1",
+        str(goldens[0]),
+        "--store=s3",
+        "--bucket=goldens",
+        f"--endpoint-url={s3_endpoint}",
+    )
+    assert code == 1 and out == ""
+    assert err.splitlines()[-1].startswith("error: no AWS credentials for s3://goldens/artifacts")
+
+
+def test_an_unreachable_endpoint_is_exit_1_quickly(
+    closed_port: int,
+    fake_aws_credentials: None,
+    goldens: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    started = time.monotonic()
+    code, _, err = _run(
+        capsys,
+        "g",
+        "1",
+        str(goldens[0]),
+        "--bucket=goldens",
+        f"--endpoint-url=http://127.0.0.1:{closed_port}",
+    )
+    assert code == 1
+    assert "Could not connect to the endpoint URL" in err.splitlines()[-1]
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.skipif(
+    not SCRIPT.exists() or not shutil.which("bash"), reason="script not in runfiles"
+)
+def test_the_shell_wrapper_runs_from_the_callers_folder(
+    scratch_repo: Path, goldens: list[Path]
+) -> None:
+    result = subprocess.run(
+        [
+            str(SCRIPT),
+            "test_llama_golden",
+            "3",
+            *[p.name for p in goldens],
+            *_repo_flags(scratch_repo),
+        ],
+        cwd=goldens[0].parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("http_archive(\n")
+    assert len(_store_files(scratch_repo)) == 1

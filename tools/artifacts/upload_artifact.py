@@ -1,0 +1,393 @@
+"""Publish golden files as a content-addressed archive and pin it in MODULE.bazel.
+
+Commands (the first argument; `upload` when it is none of them, as the seed's script runs):
+  upload NAME VERSION FILE...  pack FILEs into NAME.tar.gz, publish it as NAME/VERSION/SHA256,
+                               print the http_archive stanza
+  fetch NAME                   get the archive MODULE.bazel pins for NAME, check it, extract it
+  add NAME FILE...             the pinned archive plus new or replaced FILEs, as the next version
+  distdir                      regenerate third_party/golden_distdir.bazelrc from MODULE.bazel
+  verify                       check every pinned archive in the local store against its sha256
+
+Exit status: 0 done (also when identical bytes were already published), 1 a store or check
+failed, 2 bad usage. The stanza goes to stdout, progress to stderr.
+"""
+
+import argparse
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from tools.artifacts import archive, distdir, stanza
+from tools.artifacts.publish import publish
+from tools.artifacts.stanza import GoldenPin
+from tools.artifacts.store import (
+    DEFAULT_PREFIX,
+    LOCAL_PUBLIC_URL_TEMPLATE,
+    LocalStore,
+    PublishRefused,
+    S3Store,
+    Store,
+    StoreError,
+    check_name,
+    check_version,
+    ref_from_url,
+    repo_root,
+)
+
+COMMANDS = ("upload", "fetch", "add", "distdir", "verify")
+
+EXAMPLES = """\
+examples:
+  tools/upload-public-bazel-artifact.sh test_llama_golden 3 *golden.json --update-module
+  ./bazelw run //tools:upload_artifact -- upload test_llama_golden 3 a_golden.json b_golden.json
+  python3 -m tools.artifacts.upload_artifact upload torch_llama_golden 2 torch_*_golden.json \\
+      --store=s3 --bucket=my-goldens --endpoint-url=http://127.0.0.1:9000
+  python3 -m tools.artifacts.upload_artifact fetch test_llama_golden --output-dir=/tmp/goldens
+  python3 -m tools.artifacts.upload_artifact add test_llama_golden new_golden.json --update-module
+"""
+
+
+class UsageError(Exception):
+    """Bad input: exit 2."""
+
+
+class CheckFailed(Exception):
+    """A store, download or checksum failed: exit 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # One line, naming the problem; the full usage is one --help away.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] not in (*COMMANDS, "-h", "--help"):
+        args_list.insert(0, "upload")
+    try:
+        args = _parser().parse_args(args_list)
+    except SystemExit as stop:  # usage errors and --help: return the code, let callers exit
+        return int(stop.code or 0)
+    try:
+        return args.run(args)
+    except (UsageError, ValueError) as error:
+        _progress(f"error: {error}")
+        return 2
+    except (CheckFailed, StoreError, PublishRefused) as error:
+        _progress(f"error: {error}")
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="upload_artifact",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    common = _Parser(add_help=False)
+    stores = common.add_argument_group("store (default: the repository's artifacts/ folder)")
+    stores.add_argument(
+        "--store", choices=["local", "s3"], help="local, or s3 (default when --bucket is given)"
+    )
+    stores.add_argument("--artifacts-dir", help="root of the local store (default: REPO/artifacts)")
+    stores.add_argument("--bucket", help="S3 bucket")
+    stores.add_argument(
+        "--prefix", default=DEFAULT_PREFIX, help="S3 key prefix (default: %(default)s)"
+    )
+    stores.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
+    stores.add_argument("--region", help="S3 region (default: boto3's configuration)")
+    stores.add_argument(
+        "--public-url-template",
+        help="URL pinned in MODULE.bazel; fields {name} {version} {sha256} {key} "
+        f"(local default: {LOCAL_PUBLIC_URL_TEMPLATE})",
+    )
+    files = common.add_argument_group("repository files")
+    files.add_argument(
+        "--module-file", help="MODULE.bazel to read or rewrite (default: REPO/MODULE.bazel)"
+    )
+    files.add_argument(
+        "--distdir-bazelrc", help=f"distdir fragment (default: REPO/{distdir.BAZELRC_PATH})"
+    )
+
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    update = _Parser(add_help=False)
+    update.add_argument(
+        "--update-module",
+        action="store_true",
+        help="pin the archive in MODULE.bazel and regenerate the distdir bazelrc",
+    )
+
+    upload = commands.add_parser(
+        "upload",
+        parents=[common, update],
+        help="publish FILEs as NAME/VERSION",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    upload.add_argument("name", metavar="NAME", help="repository name, e.g. test_llama_golden")
+    upload.add_argument("version", metavar="VERSION", help="positive integer, above older ones")
+    upload.add_argument(
+        "files", metavar="FILE", nargs="+", help="golden files (basenames must differ)"
+    )
+    upload.set_defaults(run=_upload)
+
+    fetch = commands.add_parser(
+        "fetch", parents=[common], help="extract the pinned archive of NAME"
+    )
+    fetch.add_argument("name", metavar="NAME")
+    fetch.add_argument("--output-dir", help="where to extract (default: ./NAME)")
+    fetch.set_defaults(run=_fetch)
+
+    add = commands.add_parser(
+        "add",
+        parents=[common, update],
+        help="pinned archive of NAME plus FILEs, as the next version",
+    )
+    add.add_argument("name", metavar="NAME")
+    add.add_argument(
+        "files", metavar="FILE", nargs="+", help="files to add or replace (by basename)"
+    )
+    add.set_defaults(run=_add)
+
+    sync = commands.add_parser("distdir", parents=[common], help="regenerate the distdir bazelrc")
+    sync.add_argument("--check", action="store_true", help="exit 1 if it is stale, write nothing")
+    sync.set_defaults(run=_distdir)
+
+    verify = commands.add_parser("verify", parents=[common], help="check pinned archives locally")
+    verify.set_defaults(run=_verify)
+    return parser
+
+
+# --- commands ---------------------------------------------------------------------------
+
+
+def _upload(args: argparse.Namespace) -> int:
+    name = check_name(args.name)
+    version = check_version(args.version)
+    files = [_existing_file(f) for f in args.files]
+    module_file = _module_file(args, must_exist=args.update_module)
+    store = _store(args)
+    data = _pack(archive.read_members(files), name)
+    return _publish_and_pin(args, store, name, version, data, module_file)
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    name = check_name(args.name)
+    pin = _pinned(args, name)
+    members = archive.unpack_members(_download(_store(args), pin))
+    output_dir = _caller_path(args.output_dir or name)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for member, content in sorted(members.items()):
+        stanza.write_atomically(output_dir / member, content)
+        print(output_dir / member)
+    _progress(f"extracted {len(members)} files of {name} (sha256 {pin.sha256}) into {output_dir}")
+    return 0
+
+
+def _add(args: argparse.Namespace) -> int:
+    name = check_name(args.name)
+    files = [_existing_file(f) for f in args.files]
+    module_file = _module_file(args, must_exist=True)
+    pin = _pinned(args, name)
+    store = _store(args)
+    members = archive.unpack_members(_download(store, pin))
+    added = archive.read_members(files)
+    for member in sorted(added):
+        _progress(f"{member}: {'replaces the pinned one' if member in members else 'new'}")
+    members.update(added)
+    data = _pack(members, name)
+    if archive.sha256_hex(data) == pin.sha256:
+        _progress(f"the pinned {name} already holds these files; nothing to publish")
+        print(stanza.render(pin))
+        return 0
+    pinned = ref_from_url(pin.url)
+    version = max(store.versions(name) + ([pinned.version] if pinned else []), default=0) + 1
+    _progress(f"publishing {name} version {version}")
+    return _publish_and_pin(args, store, name, version, data, module_file)
+
+
+def _distdir(args: argparse.Namespace) -> int:
+    module_file = _module_file(args, must_exist=True)
+    bazelrc = _bazelrc_path(args)
+    expected = distdir.render(stanza.parse(module_file.read_text(encoding="utf-8")).values())
+    current = bazelrc.read_text(encoding="utf-8") if bazelrc.exists() else None
+    if current == expected:
+        _progress(f"{bazelrc} is up to date")
+        return 0
+    if args.check:
+        raise CheckFailed(f"{bazelrc} is stale; regenerate it: upload_artifact distdir")
+    stanza.write_atomically(bazelrc, expected)
+    _progress(f"wrote {bazelrc}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    module_file = _module_file(args, must_exist=True)
+    local = _local_store(args)
+    problems = []
+    pins = stanza.parse(module_file.read_text(encoding="utf-8"))
+    checked = 0
+    for pin in pins.values():
+        ref = ref_from_url(pin.url)
+        if ref is None:
+            continue
+        checked += 1
+        path = local.path(ref)
+        if ref.sha256 != pin.sha256:
+            problems.append(f"{pin.name}: sha256 {pin.sha256} differs from its URL's {ref.sha256}")
+        elif not path.is_file():
+            problems.append(f"{pin.name}: {path} is missing from the local store")
+        elif (actual := archive.sha256_hex(path.read_bytes())) != pin.sha256:
+            problems.append(
+                f"{pin.name}: checksum mismatch: {path} has sha256 {actual}, MODULE.bazel pins "
+                f"{pin.sha256}; restore it (git checkout) or fetch it from the store it came from"
+            )
+    bazelrc = _bazelrc_path(args)
+    expected = distdir.render(pins.values())
+    if not bazelrc.exists() or bazelrc.read_text(encoding="utf-8") != expected:
+        problems.append(f"{bazelrc} is stale; regenerate it: upload_artifact distdir")
+    for problem in problems:
+        _progress(f"error: {problem}")
+    if problems:
+        return 1
+    print(f"{checked} pinned archives match their sha256 in {local.root}")
+    return 0
+
+
+# --- shared steps -----------------------------------------------------------------------
+
+
+def _pack(members: dict[str, bytes], name: str) -> bytes:
+    data = archive.pack_members(members)
+    _progress(
+        f"packed {len(members)} files into {name}.tar.gz: {len(data)} bytes, "
+        f"sha256 {archive.sha256_hex(data)}"
+    )
+    return data
+
+
+def _publish_and_pin(
+    args: argparse.Namespace, store: Store, name: str, version: int, data: bytes, module_file: Path
+) -> int:
+    if args.update_module:
+        # A MODULE.bazel the rewrite cannot handle must stop us before anything is published.
+        stanza.set_pin(module_file.read_text(encoding="utf-8"), GoldenPin(name, "0" * 64, "x"))
+    result = publish(store, name, version, data)
+    pin = GoldenPin(name, result.ref.sha256, result.url)
+    print(stanza.render(pin))
+    if args.update_module:
+        changed = stanza.update_module_file(module_file, pin)
+        _progress(f"{'pinned' if changed else 'already pinned'} {name} in {module_file}")
+        bazelrc = _bazelrc_path(args)
+        text = distdir.render(stanza.parse(module_file.read_text(encoding="utf-8")).values())
+        stanza.write_atomically(bazelrc, text)
+        _progress(f"wrote {bazelrc}")
+    return 0
+
+
+def _download(store: Store, pin: GoldenPin) -> bytes:
+    """The pinned archive's bytes from the store, else from its URL; sha256 checked."""
+    ref = ref_from_url(pin.url)
+    data = store.read(ref) if ref is not None else None
+    source = store.description
+    if data is None:
+        if not _fetchable(pin.url):
+            where = ref.relative_path if ref else pin.url
+            raise CheckFailed(f"{pin.name}: {where} is not in the {store.description}")
+        _progress(f"downloading {pin.url}")
+        try:
+            with urllib.request.urlopen(pin.url, timeout=30) as response:
+                data = response.read()
+        except (urllib.error.URLError, OSError) as error:
+            raise CheckFailed(f"{pin.name}: cannot download {pin.url}: {error}") from error
+        source = pin.url
+    actual = archive.sha256_hex(data)
+    if actual != pin.sha256:
+        raise CheckFailed(
+            f"{pin.name}: checksum mismatch: {source} gave sha256 {actual}, "
+            f"MODULE.bazel pins {pin.sha256}"
+        )
+    return data
+
+
+def _fetchable(url: str) -> bool:
+    parsed = urllib.parse.urlparse(url)
+    host = parsed.hostname or ""
+    return parsed.scheme in {"http", "https"} and not host.endswith(".invalid")
+
+
+def _pinned(args: argparse.Namespace, name: str) -> GoldenPin:
+    module_file = _module_file(args, must_exist=True)
+    pins = stanza.parse(module_file.read_text(encoding="utf-8"))
+    if name not in pins:
+        known = ", ".join(sorted(pins)) or "none"
+        raise UsageError(
+            f"{name} is not pinned in {module_file} (pinned: {known}); publish it first: "
+            f"upload_artifact upload {name} 1 FILE... --update-module"
+        )
+    return pins[name]
+
+
+def _store(args: argparse.Namespace) -> Store:
+    kind = args.store or ("s3" if args.bucket else "local")
+    if kind == "local":
+        if args.bucket or args.endpoint_url:
+            raise UsageError("--bucket/--endpoint-url need --store=s3")
+        return _local_store(args)
+    if not args.bucket:
+        raise UsageError("--store=s3 needs --bucket=NAME")
+    try:
+        return S3Store(
+            args.bucket,
+            prefix=args.prefix,
+            endpoint_url=args.endpoint_url,
+            public_url_template=args.public_url_template,
+            region=args.region,
+        )
+    except ImportError as error:
+        raise CheckFailed(f"--store=s3 needs boto3 ({error}); pip install boto3") from error
+
+
+def _local_store(args: argparse.Namespace) -> LocalStore:
+    root = _caller_path(args.artifacts_dir) if args.artifacts_dir else None
+    return LocalStore(root, args.public_url_template or LOCAL_PUBLIC_URL_TEMPLATE)
+
+
+def _module_file(args: argparse.Namespace, must_exist: bool) -> Path:
+    path = _caller_path(args.module_file) if args.module_file else repo_root() / "MODULE.bazel"
+    if must_exist and not path.is_file():
+        raise UsageError(f"--module-file {path} does not exist; point it at MODULE.bazel")
+    return path
+
+
+def _bazelrc_path(args: argparse.Namespace) -> Path:
+    if args.distdir_bazelrc:
+        return _caller_path(args.distdir_bazelrc)
+    return repo_root() / distdir.BAZELRC_PATH
+
+
+def _existing_file(name: str) -> Path:
+    path = _caller_path(name)
+    if not path.is_file():
+        raise UsageError(f"FILE {name} does not exist (resolved to {path}); give a golden file")
+    return path
+
+
+def _caller_path(name: str) -> Path:
+    # `bazel run` starts us in the runfiles tree; relative paths mean the caller's folder.
+    cwd = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
+    return Path(cwd, name)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
