@@ -19,7 +19,11 @@ def smollm2_gguf() -> pathlib.Path:
         path = pathlib.Path(from_env)
         if not path.is_absolute() and os.environ.get("TEST_SRCDIR") and not path.exists():
             # Bazel's $(rootpath) is relative to the runfiles root, not the test's cwd.
-            path = pathlib.Path(os.environ["TEST_SRCDIR"]) / os.environ.get("TEST_WORKSPACE", "") / path
+            path = (
+                pathlib.Path(os.environ["TEST_SRCDIR"])
+                / os.environ.get("TEST_WORKSPACE", "")
+                / path
+            )
         if path.is_file():
             return path
         raise FileNotFoundError(f"{SMOLLM2_ENV}={from_env} does not name a file")

@@ -40,5 +40,7 @@ class LlamaConfig:
         known = {field.name for field in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise ValueError(f"unknown LlamaConfig fields in overrides: {unknown}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown LlamaConfig fields in overrides: {unknown}; known: {sorted(known)}"
+            )
         return dataclasses.replace(self, **overrides)

@@ -7,6 +7,7 @@ to `gguf.quants.dequantize`; torch only makes them fast and lets them run on the
 Block layouts are llama.cpp's (ggml-common.h).
 """
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -105,22 +106,59 @@ FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
 SUPPORTED_TYPES = frozenset(BLOCK_DEQUANTIZERS) | frozenset(FLOAT_TYPES)
 
 
+# Blocks unpacked per step on the CPU: the temporaries (a few MiB) are reused from the heap,
+# instead of several passes over freshly allocated full-size tensors, which page faults make slow.
+CPU_CHUNK_BLOCKS = 65536
+
+
+class NonFiniteError(ValueError):
+    """Dequantized values contain NaN or infinity: the scales in the file are damaged."""
+
+
 def dequantize(
-    raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], device: str | torch.device = "cpu"
+    raw: np.ndarray,
+    qtype: GGMLQuantizationType,
+    shape: tuple[int, ...],
+    device: str | torch.device = "cpu",
 ) -> torch.Tensor:
     """Raw GGUF tensor bytes (numpy, possibly memory-mapped) -> float32 tensor of `shape`.
 
     `shape` is numpy order (slowest dimension first), the reverse of GGUF's ne[]. The bytes move
     to `device` still packed, so a GPU does the unpacking. The result owns its memory.
+    Raises NonFiniteError when a value is NaN or infinite.
     """
     if qtype not in SUPPORTED_TYPES:
         raise ValueError(f"unsupported tensor type {qtype.name}")
-    packed = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1)).to(device)
+    with warnings.catch_warnings():
+        # The mapping is read-only and torch warns about that; nothing here writes into it.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        packed = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
+    packed = packed.to(device)
     if qtype in FLOAT_TYPES:
         values = packed.view(FLOAT_TYPES[qtype])
-        # .float() copies F16/BF16; F32 is copied explicitly so nothing points into the mmap.
-        values = values.clone() if qtype == GGMLQuantizationType.F32 and values.device.type == "cpu" else values.float()
+        # .float() copies F16/BF16; F32 is cloned so nothing keeps pointing into the file.
+        values = values.clone() if qtype == GGMLQuantizationType.F32 else values.float()
+        _check_finite(values)
         return values.reshape(shape)
+
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = packed.reshape(-1, type_size)
-    return BLOCK_DEQUANTIZERS[qtype](blocks).reshape(shape)
+    n_blocks = blocks.shape[0]
+    dequantize_blocks = BLOCK_DEQUANTIZERS[qtype]
+    if blocks.device.type != "cpu":
+        values = dequantize_blocks(blocks)
+        _check_finite(values)
+        return values.reshape(shape)
+    values = torch.empty(n_blocks, block_size, dtype=torch.float32)
+    for start in range(0, n_blocks, CPU_CHUNK_BLOCKS):
+        chunk = dequantize_blocks(blocks[start : start + CPU_CHUNK_BLOCKS])
+        _check_finite(chunk)
+        values[start : start + CPU_CHUNK_BLOCKS] = chunk
+    return values.reshape(shape)
+
+
+def _check_finite(values: torch.Tensor) -> None:
+    # NaN and infinity survive a sum (finite GGUF values cannot overflow float32 this way), and
+    # one reduction is much cheaper than materialising isfinite's mask.
+    if not bool(torch.isfinite(values.sum())):
+        raise NonFiniteError("holds NaN or infinite values")

@@ -172,7 +172,7 @@ def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
         "eos_token": {k: v for k, v in _added_token_entry(EOS_TOKEN).items() if k != "special"},
     }
     return {
-        "tokenizer.json": tokenizer.to_str(pretty=True).encode("utf-8") + b"\n",
+        "tokenizer.json": tokenizer.to_str().encode("utf-8") + b"\n",
         "tokenizer_config.json": _json_bytes(config),
         "special_tokens_map.json": _json_bytes(special_map),
     }

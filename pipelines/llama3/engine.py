@@ -1,0 +1,154 @@
+"""Load a GGUF checkpoint, then prefill and greedy-decode with or without the KV cache."""
+
+import dataclasses
+import os
+import pathlib
+import time
+
+import torch
+
+from pipelines.llama3.config import LlamaConfig
+from pipelines.llama3.gguf_loader import (
+    CheckpointError,
+    load_weights,
+    metadata_value,
+    open_gguf,
+    read_config,
+)
+from pipelines.llama3.model import Transformer
+from pipelines.llama3.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    tokens: list[int]  # the greedy choice of each step
+    logits: (
+        torch.Tensor
+    )  # [steps, vocab] float32 cpu; row i chose tokens[i] (row 0: last prompt position)
+    prefill_seconds: float
+    decode_seconds: float  # the forward passes after prefill (one per token but the first)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        decode_steps = max(len(self.tokens) - 1, 0)
+        return decode_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Llama3Engine:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        model: Transformer,
+        tokenizer: Tokenizer | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer  # None when the GGUF stores no vocabulary
+        self.device = device
+        self.dtype = dtype
+
+    @classmethod
+    def from_gguf(
+        cls,
+        path: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        overrides: dict | None = None,
+    ) -> "Llama3Engine":
+        """Read config, tokenizer and weights from one GGUF file.
+
+        `overrides` replaces LlamaConfig fields after reading (e.g. {"rope_theta": 1e4}), so a
+        test can check that a wrong setting is caught by the goldens.
+        """
+        path = pathlib.Path(path)
+        device = torch.device(device)
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype {dtype} is not supported (float32 or bfloat16)")
+        reader = open_gguf(path)
+        config = read_config(reader, path).replace(overrides)
+        tokenizer = None
+        if metadata_value(reader, "tokenizer.ggml.tokens") is not None:
+            tokenizer = Tokenizer.from_gguf_reader(reader, path)
+        weights = load_weights(reader, config, path, device=device, dtype=dtype)
+        with torch.device("meta"):
+            model = Transformer(config)
+        # assign=True adopts the loaded tensors; nothing is randomly initialised and thrown away.
+        model.load_state_dict(weights, strict=not config.tie_word_embeddings, assign=True)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        model.eval()
+        return cls(config, model, tokenizer, device, dtype)
+
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        if not ids:
+            raise ValueError("input_ids is empty")
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are outside the vocabulary (size {self.config.vocab_size})"
+            )
+        return torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, seq]
+
+    @torch.inference_mode()
+    def forward_logits(self, input_ids: list[int]) -> torch.Tensor:
+        """One full forward without reusing any cache: [seq, vocab] float32 on cpu."""
+        tokens = self._tensor(input_ids)
+        self.model.setup_caches(len(input_ids))
+        return self.model(tokens, 0)[0].cpu()
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        use_kv_cache: bool = True,
+        stop_on_eos: bool = True,
+    ) -> GenerationOutput:
+        """Prefill, then greedy decode; without the KV cache each step recomputes the sequence."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        prompt = self._tensor(input_ids)
+        self.model.setup_caches(len(input_ids) + max_new_tokens)
+        eos_ids = set()
+        if stop_on_eos:
+            eos_ids = (
+                self.tokenizer.eos_ids if self.tokenizer else {self.config.eos_token_id} - {None}
+            )
+        step_logits = torch.empty(max_new_tokens, self.config.vocab_size, dtype=torch.float32)
+        tokens: list[int] = []
+
+        _synchronize(self.device)
+        start = time.perf_counter()
+        logits = self.model(prompt, 0, last_only=True)[0, -1]  # [vocab]
+        _synchronize(self.device)
+        prefill_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        sequence = prompt
+        for step in range(max_new_tokens):
+            token = int(torch.argmax(logits))
+            step_logits[step] = logits
+            tokens.append(token)
+            if token in eos_ids or step == max_new_tokens - 1:
+                break
+            next_token = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            if use_kv_cache:
+                logits = self.model(next_token, len(input_ids) + step)[0, -1]
+            else:
+                sequence = torch.cat([sequence, next_token], dim=1)
+                logits = self.model(sequence, 0, last_only=True)[0, -1]
+        _synchronize(self.device)
+        decode_seconds = time.perf_counter() - start
+        return GenerationOutput(
+            tokens, step_logits[: len(tokens)].clone(), prefill_seconds, decode_seconds
+        )
+
+
+__all__ = ["CheckpointError", "GenerationOutput", "Llama3Engine"]

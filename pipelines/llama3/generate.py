@@ -1,0 +1,83 @@
+"""Generate text greedily from a GGUF checkpoint with the Llama 3 engine.
+
+Example:
+    bazel run //pipelines/llama3:generate -- \\
+        --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --prompt "The capital of France is" --max-new-tokens 16
+"""
+
+import argparse
+import os
+import pathlib
+import sys
+
+import torch
+
+from pipelines.llama3.engine import Llama3Engine
+from pipelines.llama3.gguf_loader import CheckpointError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--gguf", required=True, type=pathlib.Path, help="GGUF checkpoint (llama architecture)"
+    )
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument(
+        "--no-kv-cache", action="store_true", help="recompute the whole sequence every step"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
+    )
+    return parser
+
+
+def _resolve(path: pathlib.Path) -> pathlib.Path:
+    # `bazel run` starts in the runfiles tree; relative paths mean the user's directory.
+    base = os.environ.get("BUILD_WORKING_DIRECTORY")
+    path = path.expanduser()
+    return path if path.is_absolute() or not base else pathlib.Path(base) / path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device={args.device}: this torch has no CUDA device; use --device=cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gguf_path = _resolve(args.gguf)
+    print(f"loading {gguf_path} on {args.device} ({args.dtype})", file=sys.stderr)
+    try:
+        engine = Llama3Engine.from_gguf(gguf_path, device=args.device, dtype=DTYPES[args.dtype])
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if engine.tokenizer is None:
+        print(
+            f"error: {gguf_path} stores no tokenizer (tokenizer.ggml.*); cannot encode --prompt",
+            file=sys.stderr,
+        )
+        return 2
+    input_ids = engine.tokenizer.encode(args.prompt)
+    out = engine.generate(input_ids, args.max_new_tokens, use_kv_cache=not args.no_kv_cache)
+    print(args.prompt + engine.tokenizer.decode(out.tokens))
+    prefill_rate = len(input_ids) / out.prefill_seconds
+    print(
+        f"{len(input_ids)} prompt tokens at {prefill_rate:.1f} tok/s, "
+        f"{len(out.tokens)} new tokens, decode {out.decode_tokens_per_second:.1f} tok/s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The Llama 3 transformer, in the order data flows through it (after Meta's llama3 model.py).
+
+Differences from Meta's file: the Q/K weights are in the "rotate half" layout (the loader
+undoes llama.cpp's permutation), so RoPE rotates the two halves of each head instead of
+complex pairs; the KV cache is allocated on demand by `setup_caches`; and the model is built
+on the meta device and given its weights by `load_state_dict(assign=True)`.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipelines.llama3.config import LlamaConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 whatever the compute dtype (bfloat16 has too few mantissa bits).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, with Llama 3.1 scaling when configured."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_freq_factors is not None:
+        # llama.cpp's semantics of the rope_freqs tensor: theta_i / factor_i
+        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    if config.rope_scaling_type == "llama3":
+        return _llama3_scaled(inv_freq, config)
+    if config.rope_scaling_type == "linear":
+        return inv_freq / config.rope_scaling_factor
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+    """Meta's apply_scaling: long wavelengths slowed by `factor`, short kept, smooth between."""
+    factor = config.rope_scaling_factor
+    low_freq_wavelen = config.rope_original_context_length / config.rope_low_freq_factor
+    high_freq_wavelen = config.rope_original_context_length / config.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (config.rope_original_context_length / wavelen - config.rope_low_freq_factor) / (
+        config.rope_high_freq_factor - config.rope_low_freq_factor
+    )
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def precompute_rope(
+    config: LlamaConfig, max_seq_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each [max_seq_len, head_dim] float32."""
+    inv_freq = rope_inverse_frequencies(config).to(device)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # [seq, head_dim / 2]
+    angles = torch.cat([angles, angles], dim=-1)  # [seq, head_dim]: both halves share a frequency
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [bsz, n_heads, seq, head_dim]; cos, sin [seq, head_dim] float32."""
+    rotated = x.float() * cos + rotate_half(x.float()) * sin
+    return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.cache_k: torch.Tensor | None = None  # [max_batch, n_kv_heads, max_seq_len, head_dim]
+        self.cache_v: torch.Tensor | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # [bsz, seq, heads * head_dim] -> [bsz, heads, seq, head_dim]
+        xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        xq = apply_rotary_emb(xq, cos, sin)
+        xk = apply_rotary_emb(xk, cos, sin)
+
+        end_pos = start_pos + seqlen
+        self.cache_k[:bsz, :, start_pos:end_pos] = xk
+        self.cache_v[:bsz, :, start_pos:end_pos] = xv
+        keys = self.cache_k[:bsz, :, :end_pos]  # [bsz, n_kv_heads, end_pos, head_dim]
+        values = self.cache_v[:bsz, :, :end_pos]
+
+        # Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
+        output = F.scaled_dot_product_attention(xq, keys, values, attn_mask=mask, enable_gqa=True)
+        output = output.transpose(1, 2).reshape(bsz, seqlen, -1)  # [bsz, seq, heads * head_dim]
+        return self.wo(output)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+        self.attention_norm = RMSNorm(config.dim, eps=config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), start_pos, cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        # _weight skips the random init: the loader supplies every weight anyway.
+        self.tok_embeddings = nn.Embedding(
+            config.vocab_size, config.dim, _weight=torch.empty(config.vocab_size, config.dim)
+        )
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, eps=config.rms_norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.max_seq_len = 0
+        self.max_batch_size = 0
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head (files without output.weight)."""
+        self.output.weight = self.tok_embeddings.weight
+
+    def setup_caches(self, max_seq_len: int, max_batch_size: int = 1) -> None:
+        """Allocate KV caches and RoPE tables for `max_seq_len` positions, once, up front.
+
+        Decoding then writes into preallocated memory instead of growing tensors every step.
+        Does nothing when the current caches are big enough.
+        """
+        if max_seq_len <= self.max_seq_len and max_batch_size <= self.max_batch_size:
+            return
+        max_seq_len = max(max_seq_len, self.max_seq_len)
+        max_batch_size = max(max_batch_size, self.max_batch_size)
+        weight = self.tok_embeddings.weight
+        self.rope_cos, self.rope_sin = precompute_rope(self.config, max_seq_len, weight.device)
+        shape = (max_batch_size, self.config.n_kv_heads, max_seq_len, self.config.head_dim)
+        for layer in self.layers:
+            layer.attention.cache_k = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
+            layer.attention.cache_v = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
+        self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
+
+    def forward(
+        self, tokens: torch.Tensor, start_pos: int, last_only: bool = False
+    ) -> torch.Tensor:
+        """tokens [bsz, seq] at positions start_pos.. -> logits [bsz, seq or 1, vocab] float32.
+
+        Keys and values of these positions are written to the cache; attention reads every
+        cached position before them. `last_only` runs the LM head on the last position only.
+        """
+        bsz, seqlen = tokens.shape
+        end_pos = start_pos + seqlen
+        if end_pos > self.max_seq_len or bsz > self.max_batch_size:
+            raise ValueError(
+                f"positions {start_pos}..{end_pos} x batch {bsz} exceed the caches "
+                f"({self.max_seq_len} x {self.max_batch_size}); call setup_caches first"
+            )
+        h = self.tok_embeddings(tokens)  # [bsz, seq, dim]
+        cos, sin = self.rope_cos[start_pos:end_pos], self.rope_sin[start_pos:end_pos]
+
+        mask = None
+        if seqlen > 1:
+            # Causal over the whole cache: query i (at start_pos + i) sees keys 0..start_pos + i.
+            mask = torch.ones(seqlen, end_pos, dtype=torch.bool, device=tokens.device).tril(
+                diagonal=start_pos
+            )
+
+        for layer in self.layers:
+            h = layer(h, start_pos, cos, sin, mask)
+        if last_only:
+            h = h[:, -1:]
+        return self.output(self.norm(h)).float()

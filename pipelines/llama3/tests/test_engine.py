@@ -1,0 +1,121 @@
+"""The model and generation API on tiny random checkpoints (milliseconds each)."""
+
+import dataclasses
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.llama3 import Llama3Engine, load_config
+from pipelines.llama3.model import rope_inverse_frequencies
+from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+
+PROMPT = [261, 83, 257, 259, 260, 5, 17, 99]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Llama3Engine:
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_llama(path)
+    return Llama3Engine.from_gguf(path)
+
+
+def test_forward_logits_shape_and_dtype(engine: Llama3Engine) -> None:
+    logits = engine.forward_logits(PROMPT)
+    assert logits.shape == (len(PROMPT), engine.config.vocab_size)
+    assert logits.dtype == torch.float32 and logits.device.type == "cpu"
+
+
+def test_kv_cache_decode_equals_recomputation(engine: Llama3Engine) -> None:
+    cached = engine.generate(PROMPT, 32, stop_on_eos=False)
+    recomputed = engine.generate(PROMPT, 32, use_kv_cache=False, stop_on_eos=False)
+    assert cached.tokens == recomputed.tokens
+    assert len(set(cached.tokens)) > 4  # the case discriminates: not one token repeated
+    # Batched matmuls round differently for 1 row than for n rows (see README), hence not 0.
+    assert (cached.logits - recomputed.logits).abs().max() <= 5e-5
+
+
+def test_generate_logits_are_the_ones_that_chose_each_token(engine: Llama3Engine) -> None:
+    out = engine.generate(PROMPT, 6, stop_on_eos=False)
+    assert out.logits.shape == (6, engine.config.vocab_size)
+    assert out.tokens == out.logits.argmax(-1).tolist()
+    full = engine.forward_logits(PROMPT + out.tokens[:-1])
+    torch.testing.assert_close(out.logits, full[len(PROMPT) - 1 :], atol=5e-5, rtol=0)
+
+
+def test_perturbed_cache_position_is_detected(engine: Llama3Engine) -> None:
+    model = engine.model
+    forward = model.forward
+
+    def off_by_one(tokens: torch.Tensor, start_pos: int, **kwargs: object) -> torch.Tensor:
+        return forward(tokens, start_pos + 1 if start_pos > 0 else 0, **kwargs)
+
+    reference = engine.generate(PROMPT, 8, stop_on_eos=False)
+    model.forward = off_by_one
+    try:
+        broken = engine.generate(PROMPT, 8, stop_on_eos=False)
+    finally:
+        del model.forward
+    assert (broken.logits[1:] - reference.logits[1:]).abs().max() > 1e-2
+
+
+def test_generation_stops_at_eos(engine: Llama3Engine) -> None:
+    out = engine.generate(PROMPT, 16, stop_on_eos=False)
+    eos = out.tokens[2]
+    engine.tokenizer.eos_ids.add(eos)
+    try:
+        stopped = engine.generate(PROMPT, 16)
+    finally:
+        engine.tokenizer.eos_ids.discard(eos)
+    assert stopped.tokens == out.tokens[: out.tokens.index(eos) + 1]
+
+
+def test_bfloat16_runs_and_mostly_agrees(tmp_path: pathlib.Path, engine: Llama3Engine) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    bf16 = Llama3Engine.from_gguf(path, dtype=torch.bfloat16)
+    assert bf16.model.tok_embeddings.weight.dtype == torch.bfloat16
+    reference = engine.forward_logits(PROMPT)
+    logits = bf16.forward_logits(PROMPT)
+    assert logits.dtype == torch.float32
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.75
+
+
+def test_llama3_rope_factors_match_meta_formula(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, dim=128, n_heads=2, n_kv_heads=1)
+    config = dataclasses.replace(
+        load_config(path),
+        rope_theta=500000.0,
+        rope_scaling_type="llama3",
+        rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_context_length=8192,
+    )
+    from_parameters = rope_inverse_frequencies(config)
+    # The same scaling as llama.cpp's converter stores it: a per-frequency divisor tensor.
+    base = 1.0 / (config.rope_theta ** (np.arange(0, config.head_dim, 2) / config.head_dim))
+    factors = []
+    for freq in base:
+        wavelen = 2 * np.pi / freq
+        if wavelen < 8192 / 4.0:
+            factors.append(1.0)
+        elif wavelen > 8192 / 1.0:
+            factors.append(8.0)
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / 8.0 + smooth))
+    from_tensor = rope_inverse_frequencies(
+        dataclasses.replace(config, rope_freq_factors=tuple(factors))
+    )
+    torch.testing.assert_close(from_parameters, from_tensor, rtol=1e-6, atol=0)
+    assert (
+        from_parameters[-1] < torch.tensor(base[-1], dtype=torch.float32) / 7.9
+    )  # long waves slowed 8x
+
+
+def test_out_of_vocabulary_ids_are_refused(engine: Llama3Engine) -> None:
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.forward_logits([engine.config.vocab_size])

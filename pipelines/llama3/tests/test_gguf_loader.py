@@ -1,0 +1,151 @@
+"""Reading config and weights from GGUF files, and the one-line errors for files we cannot use."""
+
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pipelines.llama3 import CheckpointError, Llama3Engine, load_config
+from pipelines.llama3.gguf_loader import load_weights, open_gguf, read_config, unpermute_qk
+from pipelines.llama3.tests.tiny_checkpoint import llama_cpp_permute, write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_llama(path)
+    return path
+
+
+def test_config_comes_from_llama_metadata(tiny_gguf: pathlib.Path) -> None:
+    config = load_config(tiny_gguf)
+    assert (config.dim, config.n_layers, config.n_heads, config.n_kv_heads) == (64, 2, 4, 2)
+    assert (config.ffn_dim, config.head_dim, config.context_length) == (128, 16, 256)
+    assert config.rope_theta == 10000.0
+    assert config.rms_norm_eps == pytest.approx(1e-5)
+    assert not config.tie_word_embeddings
+    assert config.rope_scaling_type is None
+    assert config.n_rep == 2
+
+
+def test_missing_output_weight_means_tied_embeddings(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "tied.gguf"
+    weights = write_tiny_llama(path, tied=True)
+    engine = Llama3Engine.from_gguf(path)
+    assert engine.config.tie_word_embeddings
+    assert engine.model.output.weight is engine.model.tok_embeddings.weight
+    assert torch.equal(engine.model.output.weight, torch.from_numpy(weights["token_embd.weight"]))
+
+
+def test_rope_freqs_tensor_turns_on_llama3_scaling(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "rope.gguf"
+    factors = np.linspace(1.0, 8.0, 8).astype(np.float32)
+    write_tiny_llama(path, rope_freqs=factors)
+    config = load_config(path)
+    assert config.rope_scaling_type == "llama3"
+    assert config.rope_freq_factors == pytest.approx(tuple(factors))
+    assert config.rope_scaling_factor == pytest.approx(8.0)
+
+
+def test_weights_are_unpermuted_back_to_the_written_layout(tiny_gguf: pathlib.Path) -> None:
+    written = write_tiny_llama(tiny_gguf.parent / "again.gguf")
+    reader = open_gguf(tiny_gguf)
+    weights = load_weights(reader, read_config(reader, tiny_gguf), tiny_gguf)
+    for gguf_name, param in [
+        ("blk.1.attn_q.weight", "layers.1.attention.wq.weight"),
+        ("blk.1.attn_k.weight", "layers.1.attention.wk.weight"),
+        ("blk.0.ffn_down.weight", "layers.0.feed_forward.w2.weight"),
+    ]:
+        assert torch.equal(weights[param], torch.from_numpy(written[gguf_name]))
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    weight = np.arange(8 * 3 * 5, dtype=np.float32).reshape(8 * 3, 5)  # 3 heads of head_dim 8
+    restored = unpermute_qk(torch.from_numpy(llama_cpp_permute(weight, 3)), 3)
+    assert torch.equal(restored, torch.from_numpy(weight))
+
+
+def test_overrides_replace_config_fields(tiny_gguf: pathlib.Path) -> None:
+    engine = Llama3Engine.from_gguf(
+        tiny_gguf, overrides={"rope_theta": 500.0, "rms_norm_eps": 1e-3}
+    )
+    assert engine.config.rope_theta == 500.0
+    assert engine.model.norm.eps == 1e-3
+    with pytest.raises(ValueError, match="rope_thetta"):
+        Llama3Engine.from_gguf(tiny_gguf, overrides={"rope_thetta": 1.0})
+
+
+def test_truncated_file_is_one_line_error_naming_it(
+    tiny_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    data = tiny_gguf.read_bytes()
+    for keep in (len(data) - 100, len(data) // 2, 40):
+        truncated = tmp_path / f"truncated_{keep}.gguf"
+        truncated.write_bytes(data[:keep])
+        with pytest.raises(CheckpointError) as error:
+            Llama3Engine.from_gguf(truncated)
+        message = str(error.value)
+        assert str(truncated) in message and "\n" not in message
+
+
+def test_corrupted_header_is_one_line_error(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"NOTAGGUF" * 64)
+    with pytest.raises(CheckpointError, match=r"garbage\.gguf: not a readable GGUF"):
+        load_config(path)
+
+
+def test_non_llama_architecture_is_refused(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"gpt2\.gguf: architecture 'gpt2' is not supported"):
+        Llama3Engine.from_gguf(path)
+
+
+def test_unsupported_tensor_type_is_refused(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "q5k.gguf"
+    write_tiny_llama(
+        path,
+        dim=256,
+        n_heads=4,
+        n_kv_heads=4,
+        ffn_dim=256,
+        weight_type=gguf.GGMLQuantizationType.Q4_0,
+    )
+    # Relabel one tensor's type id in the tensor index: Q4_0 (2) -> Q5_0 (6), same block size.
+    reader = open_gguf(path)
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    # tensor info: name, n_dims, dims, type (uint32), offset (uint64)
+    type_offset = tensor.field.offset + sum(int(p.nbytes) for p in tensor.field.parts[:-2])
+    del reader
+    data = bytearray(path.read_bytes())
+    data[type_offset : type_offset + 4] = int(gguf.GGMLQuantizationType.Q5_0).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up\.weight has unsupported type Q5_0"):
+        Llama3Engine.from_gguf(path)
+
+
+def test_nan_in_weights_is_reported(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "nan.gguf"
+    write_tiny_llama(path)
+    reader = open_gguf(path)
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_norm.weight")
+    offset = tensor.data_offset  # absolute position in the file
+    del reader
+    data = bytearray(path.read_bytes())
+    data[offset : offset + 4] = np.array([np.nan], np.float32).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_norm\.weight holds NaN"):
+        Llama3Engine.from_gguf(path)
+
+
+def test_missing_file_is_checkpoint_error(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(CheckpointError, match="no such file"):
+        load_config(tmp_path / "absent.gguf")

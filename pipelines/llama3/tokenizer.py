@@ -1,0 +1,194 @@
+"""Text <-> token ids, from a tokenizer.json folder or from the vocabulary stored in a GGUF.
+
+Both build a `tokenizers.Tokenizer`. For a GGUF the byte-level BPE is rebuilt from
+`tokenizer.ggml.tokens` and `tokenizer.ggml.merges`, with the pre-tokenizer llama.cpp uses for
+the file's `tokenizer.ggml.pre`, and control tokens kept whole.
+BOS is added by this class (never by the backend's post-processor), as the checkpoint says.
+"""
+
+import json
+import os
+import pathlib
+from collections.abc import Iterable
+
+from gguf import GGUFReader
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from pipelines.llama3.gguf_loader import CheckpointError, metadata_value, open_gguf
+
+# Pre-tokenizer regexes, from llama.cpp's llama-vocab.cpp (by tokenizer.ggml.pre).
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_PRE_TYPES = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"})
+# GPT-2's own split (tokenizers' ByteLevel use_regex), with every digit split off first.
+DIGITS_THEN_GPT2_PRE_TYPES = frozenset(
+    {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone"}
+)
+GPT2_PRE_TYPES = frozenset({"gpt2", "default"})
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map that byte-level vocabularies are spelled in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars), strict=True))
+
+
+def _pre_tokenizer(pre_type: str, path: pathlib.Path) -> pre_tokenizers.PreTokenizer:
+    if pre_type in LLAMA3_PRE_TYPES:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if pre_type in DIGITS_THEN_GPT2_PRE_TYPES:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if pre_type in GPT2_PRE_TYPES:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    known = sorted(LLAMA3_PRE_TYPES | DIGITS_THEN_GPT2_PRE_TYPES | GPT2_PRE_TYPES)
+    raise CheckpointError(
+        path, f"tokenizer.ggml.pre {pre_type!r} is not supported (known: {', '.join(known)})"
+    )
+
+
+class Tokenizer:
+    def __init__(
+        self, backend: BackendTokenizer, bos_id: int | None, eos_ids: Iterable[int], add_bos: bool
+    ) -> None:
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_ids: set[int] = set(eos_ids)
+        self.add_bos = add_bos and bos_id is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; BOS first when `add_bos` (default: as the checkpoint says)."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise ValueError("this tokenizer has no BOS token")
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
+        return cls.from_gguf_reader(open_gguf(path), path)
+
+    @classmethod
+    def from_gguf_reader(cls, reader: GGUFReader, path: str | os.PathLike) -> "Tokenizer":
+        path = pathlib.Path(path)
+        model = metadata_value(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise CheckpointError(
+                path,
+                f"tokenizer.ggml.model {model!r} is not supported (only 'gpt2', byte-level BPE)",
+            )
+        tokens: list[str] = metadata_value(reader, "tokenizer.ggml.tokens")
+        merges: list[str] = metadata_value(reader, "tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise CheckpointError(path, "tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
+        token_types = metadata_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+
+        alphabet = _byte_alphabet()
+        spelled_chars = set(alphabet.values())
+        # A few converters store a token in plain UTF-8; respell it in the byte alphabet.
+        vocab = {
+            token
+            if set(token) <= spelled_chars
+            else "".join(alphabet[b] for b in token.encode()): index
+            for index, token in enumerate(tokens)
+        }
+        pairs = []
+        for merge in merges:
+            left, _, right = merge.partition(" ")
+            pairs.append((left, right))
+        pre_type = metadata_value(reader, "tokenizer.ggml.pre", "default")
+        backend = BackendTokenizer(
+            models.BPE(
+                vocab, pairs, ignore_merges=pre_type in LLAMA3_PRE_TYPES
+            )  # llama.cpp does the same
+        )
+        backend.pre_tokenizer = _pre_tokenizer(pre_type, path)
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens (<|begin_of_text|>, <|im_start|>...) match whole in text, never split.
+        backend.add_special_tokens(
+            [
+                AddedToken(token, special=True, normalized=False)
+                for token, kind in zip(tokens, token_types, strict=True)
+                if kind == TOKEN_TYPE_CONTROL and set(token) <= spelled_chars
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(token, special=False, normalized=False)
+                for token, kind in zip(tokens, token_types, strict=True)
+                if kind == TOKEN_TYPE_USER_DEFINED
+            ]
+        )
+        bos_id = metadata_value(reader, "tokenizer.ggml.bos_token_id")
+        eos_id = metadata_value(reader, "tokenizer.ggml.eos_token_id")
+        eot_id = metadata_value(
+            reader, "tokenizer.ggml.eot_token_id"
+        )  # Llama 3 Instruct's <|eot_id|>
+        add_bos = metadata_value(reader, "tokenizer.ggml.add_bos_token")
+        return cls(
+            backend,
+            bos_id=None if bos_id is None else int(bos_id),
+            eos_ids={int(i) for i in (eos_id, eot_id) if i is not None},
+            add_bos=bool(add_bos) if add_bos is not None else bos_id is not None,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike) -> "Tokenizer":
+        """A Hugging Face tokenizer folder: tokenizer.json; tokenizer_config.json for BOS/EOS."""
+        folder = pathlib.Path(folder)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"{tokenizer_file} not found: expected a Hugging Face tokenizer folder"
+            )
+        backend = BackendTokenizer.from_file(str(tokenizer_file))
+        settings = {}
+        if (folder / "tokenizer_config.json").is_file():
+            settings = json.loads((folder / "tokenizer_config.json").read_text())
+
+        def token_id(entry: object) -> int | None:
+            content = entry.get("content") if isinstance(entry, dict) else entry
+            return None if content is None else backend.token_to_id(content)
+
+        bos_id = token_id(settings.get("bos_token"))
+        eos_ids = {i for i in [token_id(settings.get("eos_token"))] if i is not None}
+        if (folder / "generation_config.json").is_file():
+            generation = json.loads((folder / "generation_config.json").read_text())
+            extra = generation.get("eos_token_id", [])
+            eos_ids |= set(extra if isinstance(extra, list) else [extra])
+        add_bos = settings.get("add_bos_token")
+        if add_bos is None and bos_id is not None:
+            # Llama 3's tokenizer.json adds BOS in its post-processor rather than saying so.
+            add_bos = backend.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
+        return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=bool(add_bos))

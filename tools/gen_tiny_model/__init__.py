@@ -1,0 +1,1 @@
+"""Tiny random Llama 3.1 GGUF checkpoints for golden tests."""

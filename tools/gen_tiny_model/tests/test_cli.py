@@ -1,0 +1,80 @@
+import pytest
+
+from tools.gen_tiny_model import gen_tiny_model
+from tools.gen_tiny_model.gen_tiny_model import main, resolve_user_path
+
+VALID = [
+    "--quantization-encoding=float32",
+    "--n-layers=1",
+    "--n-heads=1",
+    "--n-kv-heads=1",
+    "--hidden-dim=16",
+]
+
+
+def _with(*overrides: str) -> list[str]:
+    names = {o.split("=")[0] for o in overrides}
+    return [a for a in VALID if a.split("=")[0] not in names] + list(overrides)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            _with("--hidden-dim=12"),
+            "--hidden-dim=12 must be a multiple of 8 (required for fused QKV matmul alignment)",
+        ),
+        (_with("--n-heads=7", "--hidden-dim=24"), "--n-heads=7 must divide --hidden-dim=24"),
+        (_with("--n-heads=5", "--hidden-dim=16"), "--n-heads=5 must divide --hidden-dim=16"),
+        (_with("--n-heads=4", "--n-kv-heads=3"), "--n-kv-heads=3 must divide --n-heads=4"),
+        (_with("--n-heads=16"), "must be even (RoPE rotates pairs)"),
+        (
+            _with("--quantization-encoding=q4_k"),
+            "--hidden-dim=16 must be a multiple of 256 for --quantization-encoding=q4_k",
+        ),
+        (
+            _with("--quantization-encoding=q4_k", "--hidden-dim=256", "--intermediate-dim=300"),
+            "--intermediate-dim=300 must be a multiple of 256",
+        ),
+        (_with("--quantization-encoding=q8_0"), "invalid choice: 'q8_0'"),
+        (_with("--n-layers=0"), "0 must be at least 1"),
+        (_with("--n-heads=two"), "'two' is not an integer"),
+    ],
+)
+def test_invalid_argument_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, args, message):
+    output = tmp_path / "model.gguf"
+    with pytest.raises(SystemExit) as exit_info:
+        exit_code = main([f"--output={output}", *args])
+        raise SystemExit(exit_code)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_output_directory_exits_2(tmp_path, capsys):
+    output = tmp_path / "absent" / "model.gguf"
+    assert main([f"--output={output}", *VALID]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist; create it first" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tokenizer_dir_without_tokenizer_json_exits_2(tmp_path, capsys):
+    assert main([f"--output={tmp_path / 'm.gguf'}", f"--tokenizer-dir={tmp_path}", *VALID]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_relative_output_resolves_against_bazel_working_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
+    assert resolve_user_path("sub/model.gguf") == tmp_path / "sub" / "model.gguf"
+    assert resolve_user_path("/abs/model.gguf").as_posix() == "/abs/model.gguf"
+
+
+def test_help_shows_an_example(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gen_tiny_model.build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    assert "./bazelw run //tools:gen_tiny_model -- --output=" in capsys.readouterr().out

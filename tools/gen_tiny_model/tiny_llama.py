@@ -1,0 +1,248 @@
+"""A tiny random Llama 3.1 checkpoint: its shape, its weights, and its GGUF file.
+
+The weights are drawn so the model is a useful golden subject rather than a constant
+predictor: the embedding is tied to the output and kept small next to what the blocks add, so
+each next token depends on the block outputs (attention over the context and the MLP) and not
+only on the current token; the final norm's gain sets the logit spread (standard deviation
+about LOGIT_STD over the vocabulary). Whether every greedy step of the golden prompts clears
+the near-tie margin still depends on the draw, so the committed checkpoints use seeds checked
+by tests/test_golden_subject.py.
+
+The file follows llama.cpp's conventions (convert_hf_to_gguf.py for a Llama 3.1 checkpoint):
+the weights are defined in Hugging Face layout and Q/K rows are permuted into llama.cpp's
+interleaved rotary layout on the way out; the Llama 3.1 rope scaling is carried by the
+`rope_freqs` tensor, not by metadata keys.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+from gguf.quants import quantize as gguf_quantize
+
+from tools.gen_tiny_model import counter_rng, q4_k
+from tools.gen_tiny_model.llama3_tokenizer import GGUFVocab
+
+ARCHITECTURE = "llama"
+ENCODINGS = ("float32", "bfloat16", "q4_k")
+
+# The 2-D weights' storage type and the general.file_type written for each encoding. 1-D norms
+# and rope_freqs stay F32 in every encoding, as llama.cpp keeps them.
+WEIGHT_TYPE = {
+    "float32": GGMLQuantizationType.F32,
+    "bfloat16": GGMLQuantizationType.BF16,
+    "q4_k": GGMLQuantizationType.Q4_K,
+}
+# Every 2-D weight is Q4_K here; llama.cpp calls that mix Q4_K_S (Q4_K_M would add Q6_K).
+FILE_TYPE = {
+    "float32": LlamaFileType.ALL_F32,
+    "bfloat16": LlamaFileType.MOSTLY_BF16,
+    "q4_k": LlamaFileType.MOSTLY_Q4_K_S,
+}
+
+LOGIT_STD = 12.0  # target spread of the logits over the vocabulary (see module docstring)
+QK_SCALE = 1.5  # q and k weights a bit larger than 1/sqrt(d) so attention is not uniform
+
+
+@dataclass(frozen=True)
+class TinyLlamaConfig:
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    intermediate_dim: int
+    vocab_size: int = 128256
+    context_length: int = 131072
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    # Llama 3.1 rope scaling (rope_type "llama3").
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
+    bos_token_id: int = 128000
+    eos_token_id: int = 128009
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_dim // self.n_heads
+
+    def hf_config(self) -> dict[str, object]:
+        """The Hugging Face LlamaConfig (config.json) of the same model."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_dim,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_dim,
+            "max_position_embeddings": self.context_length,
+            "mlp_bias": False,
+            "model_type": "llama",
+            "num_attention_heads": self.n_heads,
+            "num_hidden_layers": self.n_layers,
+            "num_key_value_heads": self.n_kv_heads,
+            "pretraining_tp": 1,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": {
+                "factor": self.rope_factor,
+                "high_freq_factor": self.rope_high_freq_factor,
+                "low_freq_factor": self.rope_low_freq_factor,
+                "original_max_position_embeddings": self.rope_original_context,
+                "rope_type": "llama3",
+            },
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": True,
+            "torch_dtype": "float32",
+            "use_cache": True,
+            "vocab_size": self.vocab_size,
+        }
+
+
+def rope_freq_factors(config: TinyLlamaConfig) -> np.ndarray:
+    """Per-frequency divisors of Llama 3.1 rope scaling, as llama.cpp's converter computes them."""
+    dim = config.head_dim
+    low_freq_wavelen = config.rope_original_context / config.rope_low_freq_factor
+    high_freq_wavelen = config.rope_original_context / config.rope_high_freq_factor
+    factors = []
+    for i in range(0, dim, 2):
+        freq = 1.0 / (config.rope_theta ** (i / dim))
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(config.rope_factor)
+        else:
+            smooth = (config.rope_original_context / wavelen - config.rope_low_freq_factor) / (
+                config.rope_high_freq_factor - config.rope_low_freq_factor
+            )
+            factors.append(1.0 / ((1 - smooth) / config.rope_factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def permute_for_gguf(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Hugging Face (half-split) rotary rows -> llama.cpp (interleaved), like convert_hf_to_gguf."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def unit_rows(weight: np.ndarray) -> np.ndarray:
+    """Rows scaled to norm 1.
+
+    With rows of equal norm the tied output ranks tokens by direction alone; otherwise the few
+    longest rows win the argmax for most states (hubness in low dimension) and greedy decoding
+    settles on one token. The squared norm is summed column by column in float64, a fixed order
+    of correctly rounded operations, so the result is the same on every machine.
+    """
+    wide = weight.astype(np.float64)
+    squared_norm = np.zeros(wide.shape[0], dtype=np.float64)
+    for column in wide.T:
+        squared_norm += column * column
+    return (wide / np.sqrt(squared_norm)[:, None]).astype(np.float32)
+
+
+def hf_weights(config: TinyLlamaConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF tensor name, float32 weight in Hugging Face layout), in llama.cpp's file order."""
+
+    def draw(name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+        return counter_rng.normal(seed, name, shape, std)
+
+    def gain(name: str, size: int, base: float) -> np.ndarray:
+        # Around `base` rather than exactly it, so a norm weight applied wrongly shows.
+        return (base * (1.0 + draw(name, (size,), 0.2).astype(np.float64))).astype(np.float32)
+
+    h, hd, ffn = config.hidden_dim, config.head_dim, config.intermediate_dim
+    q_dim, kv_dim = config.n_heads * hd, config.n_kv_heads * hd
+    yield "rope_freqs.weight", rope_freq_factors(config)
+    yield "token_embd.weight", unit_rows(draw("token_embd.weight", (config.vocab_size, h), 1.0))
+    for layer in range(config.n_layers):
+        blk = f"blk.{layer}"
+        yield f"{blk}.attn_norm.weight", gain(f"{blk}.attn_norm.weight", h, 1.0)
+        qk_std = QK_SCALE / math.sqrt(h)
+        yield f"{blk}.attn_q.weight", draw(f"{blk}.attn_q.weight", (q_dim, h), qk_std)
+        yield f"{blk}.attn_k.weight", draw(f"{blk}.attn_k.weight", (kv_dim, h), qk_std)
+        yield f"{blk}.attn_v.weight", draw(f"{blk}.attn_v.weight", (kv_dim, h), 1 / math.sqrt(h))
+        yield (
+            f"{blk}.attn_output.weight",
+            draw(f"{blk}.attn_output.weight", (h, q_dim), 1 / math.sqrt(q_dim)),
+        )
+        yield f"{blk}.ffn_norm.weight", gain(f"{blk}.ffn_norm.weight", h, 1.0)
+        yield f"{blk}.ffn_gate.weight", draw(f"{blk}.ffn_gate.weight", (ffn, h), 1 / math.sqrt(h))
+        yield f"{blk}.ffn_up.weight", draw(f"{blk}.ffn_up.weight", (ffn, h), 1 / math.sqrt(h))
+        yield (
+            f"{blk}.ffn_down.weight",
+            draw(f"{blk}.ffn_down.weight", (h, ffn), 2 / math.sqrt(ffn)),
+        )
+    # Tied output: logits = token_embd @ (output_norm * normalized h); the embedding rows have
+    # norm ~1, so the gain is the logit standard deviation.
+    yield "output_norm.weight", gain("output_norm.weight", h, LOGIT_STD)
+
+
+def gguf_tensors(
+    config: TinyLlamaConfig, encoding: str, seed: int
+) -> Iterator[tuple[str, np.ndarray, GGMLQuantizationType]]:
+    """(name, raw data, storage type) of each tensor as it goes into the file."""
+    weight_type = WEIGHT_TYPE[encoding]
+    for name, weight in hf_weights(config, seed):
+        if name.endswith(".attn_q.weight"):
+            weight = permute_for_gguf(weight, config.n_heads)
+        elif name.endswith(".attn_k.weight"):
+            weight = permute_for_gguf(weight, config.n_kv_heads)
+        if weight.ndim == 1 or weight_type == GGMLQuantizationType.F32:
+            yield name, weight, GGMLQuantizationType.F32
+        elif weight_type == GGMLQuantizationType.Q4_K:
+            yield name, q4_k.quantize_q4_k(weight), weight_type
+        else:
+            yield name, gguf_quantize(weight, weight_type), weight_type
+
+
+def write_gguf(
+    path: Path, config: TinyLlamaConfig, encoding: str, seed: int, vocab: GGUFVocab
+) -> None:
+    """Write the checkpoint to `path` (the caller makes it atomic)."""
+    writer = GGUFWriter(path, ARCHITECTURE)
+    writer.add_type("model")
+    writer.add_name(f"tiny-llama-3.1-{encoding}")
+    writer.add_block_count(config.n_layers)
+    writer.add_context_length(config.context_length)
+    writer.add_embedding_length(config.hidden_dim)
+    writer.add_feed_forward_length(config.intermediate_dim)
+    writer.add_head_count(config.n_heads)
+    writer.add_head_count_kv(config.n_kv_heads)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_file_type(FILE_TYPE[encoding])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    writer.add_bos_token_id(vocab.bos_token_id)
+    writer.add_eos_token_id(vocab.eos_token_id)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(vocab.chat_template)
+    writer.add_quantization_version(2)  # GGML_QNT_VERSION, as llama.cpp's converter writes it
+    for name, data, storage in gguf_tensors(config, encoding, seed):
+        if storage == GGMLQuantizationType.F32:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=storage)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
