@@ -16,7 +16,29 @@ def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, **kwargs)
         main = "//bazel:pytest_runner.py",
         deps = deps + [requirement("pytest")],
         data = data + ["//:pyproject.toml"],
-        args = ["$(rootpath %s)" % src for src in srcs] + args,
+        # Only test modules are collected; conftest.py and helpers are imported by pytest.
+        args = ["$(rootpath %s)" % src for src in srcs if src.split("/")[-1].startswith("test_")] + args,
         env = env,
+        **kwargs
+    )
+
+def gpu_pytest_test(name, tags = [], exec_properties = {}, **kwargs):
+    """A pytest_test that needs a CUDA device.
+
+    Incompatible (reported SKIPPED) unless --config=gpu; `size = "enormous"` and the
+    gpu-memory resource let a remote executor place it on a GPU worker. Under --config=gpu
+    without a GPU the tests fail with "no CUDA device" instead of skipping.
+    """
+    props = {"test.resources:gpu-memory": "2"}
+    props.update(exec_properties)
+    pytest_test(
+        name = name,
+        size = "enormous",
+        tags = tags + ["gpu"],
+        exec_properties = props,
+        target_compatible_with = select({
+            "//:gpu_enabled": [],
+            "//conditions:default": ["@platforms//:incompatible"],
+        }),
         **kwargs
     )

@@ -82,9 +82,11 @@ class Golden:
 
 
 def golden_file_name(model: str, encoding: str, hardware: str, producer: str = "engine") -> str:
-    """`{model}_{encoding}_{hardware}_golden.json`, or `torch_{model}_{encoding}_golden.json`."""
+    """`{model}_{encoding}_{hardware}_golden.json`; torch's: `torch_{model}_{encoding}_golden.json`
+    on the CPU ("all") and `torch_{model}_{encoding}_{hardware}_golden.json` on a GPU."""
     if producer == "torch":
-        return f"torch_{model}_{encoding}_golden.json"
+        suffix = "" if hardware == "all" else f"_{hardware}"
+        return f"torch_{model}_{encoding}{suffix}_golden.json"
     return f"{model}_{encoding}_{hardware}_golden.json"
 
 

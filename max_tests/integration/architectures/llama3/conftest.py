@@ -1,0 +1,72 @@
+"""Fixtures of the llama3 golden tests.
+
+`modular_path` (env MODULAR_PATH) is the repository root the tests run against and
+`testdata_directory` (env PIPELINES_TESTDATA) the folder with the tiny checkpoints; Bazel's
+BUILD sets both, plain pytest falls back to this checkout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from max_tests.goldens import locate, schema
+from max_tests.integration.architectures.llama3 import golden_run
+from max_tests.integration.architectures.llama3.variants import Variant
+from max_tests.integration.architectures.llama3.variants import testdata_directory as _testdata
+
+GOLDENS_REQUIRED_ENV = "GOLDENS_REQUIRED"  # set by --config=ci: a missing golden fails
+
+
+@pytest.fixture(scope="session")
+def modular_path() -> Path:
+    return Path(os.environ.get("MODULAR_PATH", Path(__file__).resolve().parents[4])).resolve()
+
+
+@pytest.fixture(scope="session")
+def testdata_directory() -> Path:
+    return _testdata().resolve()
+
+
+class GoldenStore:
+    """Finds goldens; a missing one skips with the command that makes it (fails under CI)."""
+
+    def __init__(self, testdata: Path) -> None:
+        self.testdata = testdata
+
+    @staticmethod
+    def file_name(reference: str, variant: Variant, hardware: str = "all") -> str:
+        producer = "torch" if reference == "torch" else "engine"
+        return schema.golden_file_name(variant.model, variant.encoding, hardware, producer)
+
+    def find(
+        self, reference: str, variant: Variant, hardware: str = "all"
+    ) -> tuple[schema.Golden, str] | None:
+        name = self.file_name(reference, variant, hardware)
+        path, _ = locate.find_golden(reference, name, self.testdata)
+        return None if path is None else (schema.read(path), f"{name} ({path.parent})")
+
+    def load(
+        self, reference: str, variant: Variant, hardware: str = "all", device: str = "cpu"
+    ) -> tuple[schema.Golden, str]:
+        """The golden, or a skip naming the command that makes it (a failure under CI)."""
+        found = self.find(reference, variant, hardware)
+        if found is not None:
+            return found
+        name = self.file_name(reference, variant, hardware)
+        searched = "; ".join(s.description for s in locate.golden_sources(reference, self.testdata))
+        command = golden_run.regenerate_command(variant, reference, device)
+        message = (
+            f"missing golden {name} (searched: {searched}). Make it with:\n  {command}\n"
+            "then publish it: tools/upload-public-bazel-artifact.sh (testdata/README.md)"
+        )
+        if os.environ.get(GOLDENS_REQUIRED_ENV) == "1":
+            pytest.fail(message + f"\n(${GOLDENS_REQUIRED_ENV}=1: a missing golden fails)")
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def goldens(testdata_directory: Path) -> GoldenStore:
+    return GoldenStore(testdata_directory)

