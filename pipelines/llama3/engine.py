@@ -1,13 +1,16 @@
 """Load a GGUF checkpoint, then prefill and greedy-decode with or without the KV cache."""
 
+import collections
 import dataclasses
 import os
 import pathlib
+import threading
 import time
 
 import torch
 
 from pipelines.llama3.config import LlamaConfig
+from pipelines.llama3.gguf_file import GGUFFile
 from pipelines.llama3.gguf_loader import (
     CheckpointError,
     load_weights,
@@ -32,6 +35,61 @@ class GenerationOutput:
     def decode_tokens_per_second(self) -> float:
         decode_steps = max(len(self.tokens) - 1, 0)
         return decode_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+@dataclasses.dataclass
+class _ParsedCheckpoint:
+    """What loading a file computes besides its weights; shared, so never handed out as is."""
+
+    gguf: GGUFFile
+    config: LlamaConfig  # frozen
+    tokenizer: Tokenizer | None  # engines get a copy()
+    verified: set[str]  # tensors already checked for NaN and infinity
+
+
+# Parsed files by (real path, inode, size, mtime, ctime): a file replaced or rewritten gets a
+# new entry. A few entries only, because each keeps its file mapped.
+_PARSED_CACHE: collections.OrderedDict[tuple[str, int, int, int, int], _ParsedCheckpoint] = (
+    collections.OrderedDict()
+)
+_PARSED_CACHE_SIZE = 4
+_PARSED_CACHE_LOCK = threading.Lock()
+
+
+def _parsed_checkpoint(path: pathlib.Path) -> _ParsedCheckpoint:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(path, "no such file") from None
+    key = (
+        os.path.realpath(path),
+        stat.st_ino,
+        stat.st_size,
+        stat.st_mtime_ns,
+        stat.st_ctime_ns,
+    )
+    with _PARSED_CACHE_LOCK:
+        parsed = _PARSED_CACHE.get(key)
+        if parsed is not None:
+            _PARSED_CACHE.move_to_end(key)
+            return parsed
+    reader = open_gguf(path)
+    config = read_config(reader, path)
+    tokenizer = None
+    if metadata_value(reader, "tokenizer.ggml.tokens") is not None:
+        tokenizer = Tokenizer.from_gguf_reader(reader, path)
+    parsed = _ParsedCheckpoint(reader, config, tokenizer, set())
+    with _PARSED_CACHE_LOCK:
+        _PARSED_CACHE[key] = parsed
+        while len(_PARSED_CACHE) > _PARSED_CACHE_SIZE:
+            _PARSED_CACHE.popitem(last=False)
+    return parsed
+
+
+def clear_checkpoint_cache() -> None:
+    """Forget every parsed file (the next from_gguf parses again)."""
+    with _PARSED_CACHE_LOCK:
+        _PARSED_CACHE.clear()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -66,17 +124,19 @@ class Llama3Engine:
 
         `overrides` replaces LlamaConfig fields after reading (e.g. {"rope_theta": 1e4}), so a
         test can check that a wrong setting is caught by the goldens.
+        Metadata and tokenizer of a file are parsed once per process; each call reads the
+        weights again, into tensors of its own.
         """
         path = pathlib.Path(path)
         device = torch.device(device)
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype {dtype} is not supported (float32 or bfloat16)")
-        reader = open_gguf(path)
-        config = read_config(reader, path).replace(overrides)
-        tokenizer = None
-        if metadata_value(reader, "tokenizer.ggml.tokens") is not None:
-            tokenizer = Tokenizer.from_gguf_reader(reader, path)
-        weights = load_weights(reader, config, path, device=device, dtype=dtype)
+        parsed = _parsed_checkpoint(path)
+        config = parsed.config.replace(overrides)
+        tokenizer = parsed.tokenizer.copy() if parsed.tokenizer else None
+        weights = load_weights(
+            parsed.gguf, config, path, device=device, dtype=dtype, verified=parsed.verified
+        )
         with torch.device("meta"):
             model = Transformer(config)
         # assign=True adopts the loaded tensors; nothing is randomly initialised and thrown away.
@@ -151,4 +211,4 @@ class Llama3Engine:
         )
 
 
-__all__ = ["CheckpointError", "GenerationOutput", "Llama3Engine"]
+__all__ = ["CheckpointError", "GenerationOutput", "Llama3Engine", "clear_checkpoint_cache"]

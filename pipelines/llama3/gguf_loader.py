@@ -1,6 +1,6 @@
 """GGUF checkpoint -> LlamaConfig and float tensors named after the model's parameters.
 
-Parsing is gguf-py's `GGUFReader` (memory-mapped); this module only knows which llama.* keys
+Parsing is `gguf_file.GGUFFile` (memory-mapped); this module only knows which llama.* keys
 and tensor names mean what, checks them, and turns the raw bytes into torch tensors.
 """
 
@@ -9,10 +9,10 @@ import pathlib
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
 
 from pipelines.llama3 import quants
 from pipelines.llama3.config import LlamaConfig
+from pipelines.llama3.gguf_file import CheckpointError, GGUFFile, TensorInfo
 
 ARCHITECTURE = "llama"
 
@@ -36,71 +36,25 @@ BLOCK_TENSORS = {
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file this engine cannot use; the message names the file and the problem."""
-
-    def __init__(self, path: str | os.PathLike, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
-        self.path = pathlib.Path(path)
-        self.problem = problem
-
-
-class _Reader(GGUFReader):
-    """GGUFReader over a plain ndarray view of its np.memmap.
-
-    Still memory-mapped, but slicing a plain ndarray skips np.memmap's per-view bookkeeping,
-    which made parsing a 49k-token vocabulary take seconds instead of under one.
-    """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._mapped
-
-    @data.setter
-    def data(self, mapped: np.ndarray) -> None:
-        self._mapped = mapped.view(np.ndarray)
-
-
-def open_gguf(path: str | os.PathLike) -> GGUFReader:
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse a GGUF file's header, metadata and tensor index; tensor data stays on disk."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise CheckpointError(path, "no such file")
-    try:
-        reader = _Reader(path, "r")
-    except Exception as error:  # gguf-py reports damage as whatever numpy or struct raised
-        raise CheckpointError(
-            path, f"not a readable GGUF file (truncated or corrupted?): {error}"
-        ) from None
-    for tensor in reader.tensors:
-        if tensor.data.nbytes != tensor.n_bytes:
-            raise CheckpointError(
-                path,
-                f"tensor {tensor.name} needs {tensor.n_bytes} bytes, "
-                f"file has {tensor.data.nbytes} (truncated?)",
-            )
-    return reader
+    return GGUFFile(path)
 
 
-def metadata_value(reader: GGUFReader, key: str, default: object = None) -> object:
-    """A metadata value as a Python value (str, int, float, bool or list); `default` if absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    if field.types and field.types[0] == GGUFValueType.ARRAY:
-        return list(value)
-    return value
+def metadata_value(reader: GGUFFile, key: str, default: object = None) -> object:
+    """A metadata value: str, int, float or bool; a read-only numpy array for numeric arrays,
+    a tuple of str for string arrays; `default` if absent."""
+    return reader.fields.get(key, default)
 
 
-def _required(reader: GGUFReader, path: pathlib.Path, key: str) -> object:
+def _required(reader: GGUFFile, path: pathlib.Path, key: str) -> object:
     value = metadata_value(reader, key)
     if value is None:
         raise CheckpointError(path, f"missing metadata key {key}")
     return value
 
 
-def read_config(reader: GGUFReader, path: str | os.PathLike) -> LlamaConfig:
+def read_config(reader: GGUFFile, path: str | os.PathLike) -> LlamaConfig:
     path = pathlib.Path(path)
     architecture = metadata_value(reader, "general.architecture")
     if architecture != ARCHITECTURE:
@@ -108,7 +62,7 @@ def read_config(reader: GGUFReader, path: str | os.PathLike) -> LlamaConfig:
             path, f"architecture {architecture!r} is not supported (this engine runs 'llama')"
         )
     arch = ARCHITECTURE
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors = reader.tensors
     if "token_embd.weight" not in tensors:
         raise CheckpointError(path, "missing tensor token_embd.weight")
 
@@ -116,8 +70,8 @@ def read_config(reader: GGUFReader, path: str | os.PathLike) -> LlamaConfig:
     n_heads = int(_required(reader, path, f"{arch}.attention.head_count"))
     n_kv_heads = int(metadata_value(reader, f"{arch}.attention.head_count_kv", n_heads))
     vocab_size = metadata_value(reader, f"{arch}.vocab_size")
-    if vocab_size is None:  # older files: the embedding's row count, GGUF ne = [dim, vocab]
-        vocab_size = int(tensors["token_embd.weight"].shape[1])
+    if vocab_size is None:  # older files: the embedding's row count
+        vocab_size = int(tensors["token_embd.weight"].shape[0])
 
     scaling_type = metadata_value(reader, f"{arch}.rope.scaling.type")
     freq_factors = None
@@ -168,16 +122,23 @@ def load_config(path: str | os.PathLike) -> LlamaConfig:
 
 
 def load_tensor(
-    reader: GGUFReader, name: str, path: str | os.PathLike, device: str | torch.device = "cpu"
+    reader: GGUFFile, name: str, path: str | os.PathLike, device: str | torch.device = "cpu"
 ) -> torch.Tensor:
     """One tensor, dequantized to float32, in numpy/torch shape order (GGUF ne reversed)."""
-    tensor = next((t for t in reader.tensors if t.name == name), None)
+    tensor = reader.tensors.get(name)
     if tensor is None:
         raise CheckpointError(path, f"missing tensor {name}")
-    return _dequantize(tensor, path, device)
+    return _dequantize(tensor, reader.tensor_data(name), path, device)
 
 
-def _dequantize(tensor, path: str | os.PathLike, device: str | torch.device) -> torch.Tensor:
+def _dequantize(
+    tensor: TensorInfo,
+    raw: np.ndarray,
+    path: str | os.PathLike,
+    device: str | torch.device,
+    copy: bool = True,
+    check_finite: bool = True,
+) -> torch.Tensor:
     if tensor.tensor_type not in quants.SUPPORTED_TYPES:
         supported = ", ".join(sorted(t.name for t in quants.SUPPORTED_TYPES))
         raise CheckpointError(
@@ -185,9 +146,10 @@ def _dequantize(tensor, path: str | os.PathLike, device: str | torch.device) -> 
             f"tensor {tensor.name} has unsupported type {tensor.tensor_type.name} "
             f"(supported: {supported})",
         )
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     try:
-        return quants.dequantize(tensor.data, tensor.tensor_type, shape, device)
+        return quants.dequantize(
+            raw, tensor.tensor_type, tensor.shape, device, copy=copy, check_finite=check_finite
+        )
     except quants.NonFiniteError:
         raise CheckpointError(
             path, f"tensor {tensor.name} holds NaN or infinite values (corrupted?)"
@@ -230,35 +192,49 @@ def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_weights(
-    reader: GGUFReader,
+    reader: GGUFFile,
     config: LlamaConfig,
     path: str | os.PathLike,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    verified: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every model parameter, dequantized on `device`, cast to `dtype`, Q/K rows unpermuted.
 
     With tied embeddings "output.weight" is absent; the model shares tok_embeddings.weight.
+    Float32 tensors on the CPU are not copied: they are views of a private copy-on-write map
+    of the file, so writing into a weight changes neither the file nor any other engine.
+    `verified` names tensors already checked finite in this file (skipped, then updated).
     """
-    gguf_tensors = {tensor.name: tensor for tensor in reader.tensors}
     names = dict(GLOBAL_TENSORS)
     for i in range(config.n_layers):
         names |= {gguf.format(i=i): param.format(i=i) for gguf, param in BLOCK_TENSORS.items()}
     if config.tie_word_embeddings:
         del names["output.weight"]
     expected = _expected_shapes(config)
-
-    weights = {}
     for gguf_name, param in names.items():
-        if gguf_name not in gguf_tensors:
+        tensor = reader.tensors.get(gguf_name)
+        if tensor is None:
             raise CheckpointError(path, f"missing tensor {gguf_name}")
-        weight = _dequantize(gguf_tensors[gguf_name], path, device)
-        if tuple(weight.shape) != expected[param]:
+        if tensor.shape != expected[param]:
             raise CheckpointError(
                 path,
-                f"tensor {gguf_name} has shape {tuple(weight.shape)}, "
-                f"config implies {expected[param]}",
+                f"tensor {gguf_name} has shape {tensor.shape}, config implies {expected[param]}",
             )
+
+    verified = set() if verified is None else verified
+    private = reader.private_tensor_data()
+    weights = {}
+    for gguf_name, param in names.items():
+        weight = _dequantize(
+            reader.tensors[gguf_name],
+            private[gguf_name],
+            path,
+            device,
+            copy=False,
+            check_finite=gguf_name not in verified,
+        )
+        verified.add(gguf_name)
         if gguf_name.endswith("attn_q.weight"):
             weight = unpermute_qk(weight, config.n_heads)
         elif gguf_name.endswith("attn_k.weight"):

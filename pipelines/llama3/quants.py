@@ -120,25 +120,32 @@ def dequantize(
     qtype: GGMLQuantizationType,
     shape: tuple[int, ...],
     device: str | torch.device = "cpu",
+    copy: bool = True,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """Raw GGUF tensor bytes (numpy, possibly memory-mapped) -> float32 tensor of `shape`.
 
     `shape` is numpy order (slowest dimension first), the reverse of GGUF's ne[]. The bytes move
-    to `device` still packed, so a GPU does the unpacking. The result owns its memory.
-    Raises NonFiniteError when a value is NaN or infinite.
+    to `device` still packed, so a GPU does the unpacking. The result owns its memory, except
+    for F32 on the CPU with `copy=False`: then it is a view of `raw` (which must be writable,
+    e.g. a private copy-on-write map). Raises NonFiniteError when a value is NaN or infinite
+    (unless `check_finite` is False: the caller checked these bytes before).
     """
     if qtype not in SUPPORTED_TYPES:
         raise ValueError(f"unsupported tensor type {qtype.name}")
     with warnings.catch_warnings():
-        # The mapping is read-only and torch warns about that; nothing here writes into it.
+        # A read-only mapping makes torch warn; nothing here writes into it.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         packed = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
     packed = packed.to(device)
     if qtype in FLOAT_TYPES:
         values = packed.view(FLOAT_TYPES[qtype])
-        # .float() copies F16/BF16; F32 is cloned so nothing keeps pointing into the file.
-        values = values.clone() if qtype == GGMLQuantizationType.F32 else values.float()
-        _check_finite(values)
+        if qtype != GGMLQuantizationType.F32:
+            values = values.float()
+        elif values.device.type == "cpu" and (copy or not raw.flags.writeable):
+            values = values.clone()  # so nothing keeps pointing into a shared map of the file
+        if check_finite:
+            _check_finite(values)
         return values.reshape(shape)
 
     block_size, type_size = GGML_QUANT_SIZES[qtype]
@@ -147,12 +154,14 @@ def dequantize(
     dequantize_blocks = BLOCK_DEQUANTIZERS[qtype]
     if blocks.device.type != "cpu":
         values = dequantize_blocks(blocks)
-        _check_finite(values)
+        if check_finite:
+            _check_finite(values)
         return values.reshape(shape)
     values = torch.empty(n_blocks, block_size, dtype=torch.float32)
     for start in range(0, n_blocks, CPU_CHUNK_BLOCKS):
         chunk = dequantize_blocks(blocks[start : start + CPU_CHUNK_BLOCKS])
-        _check_finite(chunk)
+        if check_finite:
+            _check_finite(chunk)
         values[start : start + CPU_CHUNK_BLOCKS] = chunk
     return values.reshape(shape)
 

@@ -119,3 +119,35 @@ def test_llama3_rope_factors_match_meta_formula(tmp_path: pathlib.Path) -> None:
 def test_out_of_vocabulary_ids_are_refused(engine: Llama3Engine) -> None:
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.forward_logits([engine.config.vocab_size])
+
+
+def test_second_load_reuses_parsed_metadata_but_not_weights(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    written = write_tiny_llama(path)
+    first = Llama3Engine.from_gguf(path)
+    with torch.no_grad():
+        first.model.layers[0].attention.wq.weight[0, 0] += 0.05
+        first.model.tok_embeddings.weight[3, 1] += 0.05  # a zero-copy view of the file's pages
+    first.tokenizer.eos_ids.add(5)
+    second = Llama3Engine.from_gguf(path)
+    assert second.tokenizer is not first.tokenizer
+    assert second.tokenizer.backend is first.tokenizer.backend  # built once per process
+    assert 5 not in second.tokenizer.eos_ids
+    assert torch.equal(
+        second.model.tok_embeddings.weight, torch.from_numpy(written["token_embd.weight"])
+    )
+    assert torch.equal(
+        second.model.layers[0].attention.wq.weight,
+        torch.from_numpy(written["blk.0.attn_q.weight"]),
+    )
+    assert not torch.equal(first.model.tok_embeddings.weight, second.model.tok_embeddings.weight)
+
+
+def test_a_replaced_file_is_parsed_again(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, seed=0)
+    before = Llama3Engine.from_gguf(path)
+    write_tiny_llama(tmp_path / "other.gguf", seed=1, ffn_dim=64)
+    (tmp_path / "other.gguf").replace(path)
+    after = Llama3Engine.from_gguf(path)
+    assert (before.config.ffn_dim, after.config.ffn_dim) == (128, 64)

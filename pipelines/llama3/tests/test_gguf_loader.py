@@ -120,7 +120,7 @@ def test_unsupported_tensor_type_is_refused(tmp_path: pathlib.Path) -> None:
         weight_type=gguf.GGMLQuantizationType.Q4_0,
     )
     # Relabel one tensor's type id in the tensor index: Q4_0 (2) -> Q5_0 (6), same block size.
-    reader = open_gguf(path)
+    reader = gguf.GGUFReader(path)
     tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
     # tensor info: name, n_dims, dims, type (uint32), offset (uint64)
     type_offset = tensor.field.offset + sum(int(p.nbytes) for p in tensor.field.parts[:-2])
@@ -135,10 +135,7 @@ def test_unsupported_tensor_type_is_refused(tmp_path: pathlib.Path) -> None:
 def test_nan_in_weights_is_reported(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "nan.gguf"
     write_tiny_llama(path)
-    reader = open_gguf(path)
-    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_norm.weight")
-    offset = tensor.data_offset  # absolute position in the file
-    del reader
+    offset = open_gguf(path).tensors["blk.0.ffn_norm.weight"].offset  # absolute position
     data = bytearray(path.read_bytes())
     data[offset : offset + 4] = np.array([np.nan], np.float32).tobytes()
     path.write_bytes(bytes(data))

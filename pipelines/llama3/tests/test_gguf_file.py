@@ -1,0 +1,174 @@
+"""The fast GGUF parser against gguf-py's GGUFReader, and its one-line errors for bad files."""
+
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+
+from pipelines.llama3.gguf_file import CheckpointError, GGUFFile
+from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+
+TESTDATA = pathlib.Path("max_tests/integration/architectures/llama3/testdata")
+
+
+def assert_same_as_gguf_py(path: pathlib.Path) -> None:
+    ours = GGUFFile(path)
+    reference = gguf.GGUFReader(path)
+    # GGUFReader adds the header as pseudo-fields "GGUF.*".
+    expected_fields = {k: f for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.fields) == list(expected_fields)
+    for key, field in expected_fields.items():
+        value, expected = ours.fields[key], field.contents()
+        assert ours.field_types[key] == tuple(field.types), key
+        if len(field.types) > 2:
+            continue  # arrays of arrays: gguf-py's contents() flattens them; checked separately
+        if isinstance(value, np.ndarray):
+            assert not value.flags.writeable
+            assert value.tolist() == list(expected), key
+        elif isinstance(value, tuple):
+            assert list(value) == list(expected), key
+        else:
+            assert value == expected and type(value) is type(expected), key
+    assert list(ours.tensors) == [t.name for t in reference.tensors]
+    for tensor in reference.tensors:
+        info = ours.tensors[tensor.name]
+        assert info.shape == tuple(reversed(tensor.shape.tolist()))
+        assert info.tensor_type == tensor.tensor_type
+        assert (info.offset, info.n_bytes, info.n_elements) == (
+            tensor.data_offset,
+            tensor.n_bytes,
+            tensor.n_elements,
+        )
+        data = ours.tensor_data(tensor.name)
+        assert not data.flags.writeable
+        assert data.tobytes() == tensor.data.tobytes()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_llama(path, weight_type=gguf.GGMLQuantizationType.Q8_0, ffn_dim=256)
+    return path
+
+
+def test_tiny_checkpoint_reads_like_gguf_py(
+    tiny_gguf: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def walk(*args: object) -> None:
+        raise AssertionError("a plain vocabulary must take the vectorized path")
+
+    monkeypatch.setattr(GGUFFile, "_walk_string_prefixes", walk)
+    assert_same_as_gguf_py(tiny_gguf)
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny_llama.gguf", "tiny_llama_bf16.gguf", "tiny_llama_q4_k.gguf"]
+)
+@pytest.mark.slow  # gguf-py needs seconds for the 128k-token vocabulary
+def test_testdata_checkpoints_read_like_gguf_py(name: str) -> None:
+    path = TESTDATA / name
+    if not path.is_file():
+        pytest.skip(f"{path} not generated yet")
+    assert_same_as_gguf_py(path)
+
+
+@pytest.mark.slow
+def test_smollm2_reads_like_gguf_py() -> None:
+    from pipelines.checkpoints import smollm2_gguf
+
+    try:
+        path = smollm2_gguf()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    assert_same_as_gguf_py(path)
+
+
+def test_unusual_strings_and_every_value_type(tmp_path: pathlib.Path) -> None:
+    # Empty strings, NUL inside a string and multi-byte characters take the slow decoding path;
+    # alignment 64 moves the tensor data.
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)
+    writer.add_array("test.strings", ["", "a\x00b", "", "東京", "x" * 300, ""])
+    writer.add_array("test.plain", ["Ġthe", "he", "x" * 70000])
+    writer.add_array("test.empty", [])
+    writer.add_array("test.floats", [1.5, -2.25])
+    writer.add_array("test.ints", [1, -2, 3])
+    writer.add_array("test.bools", [True, False])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_bool("test.bool", True)
+    writer.add_int8("test.int8", -3)
+    writer.add_uint16("test.uint16", 65535)
+    writer.add_int64("test.int64", -(2**40))
+    writer.add_uint64("test.uint64", 2**63)
+    writer.add_float64("test.float64", 0.1)
+    writer.add_string("test.string", "")
+    writer.add_tensor("a", np.arange(3, dtype=np.float32))
+    writer.add_tensor("b", np.arange(12, dtype=np.float16).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_same_as_gguf_py(path)
+    ours = GGUFFile(path)
+    assert ours.alignment == 64 and ours.tensors["b"].offset % 64 == 0
+    assert ours.fields["test.strings"] == ("", "a\x00b", "", "東京", "x" * 300, "")
+    assert [item.tolist() for item in ours.fields["test.nested"]] == [[1, 2], [3]]
+
+
+def _assert_one_line_error(path: pathlib.Path, match: str) -> None:
+    with pytest.raises(CheckpointError, match=match) as error:
+        GGUFFile(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+
+
+def test_truncated_anywhere_is_a_one_line_error(
+    tiny_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    data = tiny_gguf.read_bytes()
+    metadata_end = GGUFFile(tiny_gguf).data_offset
+    cuts = sorted({*range(1, metadata_end, 97), metadata_end - 1, len(data) - 1, 0})
+    for cut in cuts:
+        path = tmp_path / f"cut_{cut}.gguf"
+        path.write_bytes(data[:cut])
+        _assert_one_line_error(path, "truncated|empty|tensor")
+
+
+def test_wrong_magic_and_version(tiny_gguf: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    data = bytearray(tiny_gguf.read_bytes())
+    path = tmp_path / "magic.gguf"
+    path.write_bytes(b"GGML" + data[4:])
+    _assert_one_line_error(path, "bad magic")
+    path = tmp_path / "version.gguf"
+    path.write_bytes(data[:4] + (7).to_bytes(4, "little") + data[8:])
+    _assert_one_line_error(path, "GGUF version 7 is not supported")
+    path = tmp_path / "big_endian.gguf"
+    path.write_bytes(data[:4] + (3).to_bytes(4, "big") + data[8:])
+    _assert_one_line_error(path, "big-endian")
+
+
+def test_tensor_data_past_the_end_is_reported(
+    tiny_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    data = tiny_gguf.read_bytes()
+    path = tmp_path / "short.gguf"
+    path.write_bytes(data[:-1])
+    _assert_one_line_error(path, r"tensor \S+ needs bytes .* \(truncated\?\)")
+
+
+def test_missing_file_and_directory(tmp_path: pathlib.Path) -> None:
+    _assert_one_line_error(tmp_path / "absent.gguf", "no such file")
+    _assert_one_line_error(tmp_path, "is a directory")
+
+
+def test_private_tensor_data_is_copy_on_write(tiny_gguf: pathlib.Path) -> None:
+    reader = GGUFFile(tiny_gguf)
+    name = "output_norm.weight"
+    before = tiny_gguf.read_bytes()
+    private = reader.private_tensor_data()[name]
+    private[:4] = 0xFF
+    assert tiny_gguf.read_bytes() == before
+    assert reader.tensor_data(name)[:4].tolist() != [0xFF] * 4
+    assert reader.private_tensor_data()[name][:4].tolist() != [0xFF] * 4
