@@ -203,7 +203,7 @@ class Llama3Engine:
                 logits = self.model(next_token, len(input_ids) + step)[0, -1]
             else:
                 sequence = torch.cat([sequence, next_token], dim=1)
-                logits = self.model(sequence, 0, last_only=True)[0, -1]
+                logits = self.model.recompute(sequence, len(input_ids))[0, -1]
         _synchronize(self.device)
         decode_seconds = time.perf_counter() - start
         return GenerationOutput(
