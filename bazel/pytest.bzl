@@ -22,7 +22,7 @@ def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, **kwargs)
         **kwargs
     )
 
-def gpu_pytest_test(name, tags = [], exec_properties = {}, **kwargs):
+def gpu_pytest_test(name, size = "enormous", tags = [], exec_properties = {}, **kwargs):
     """A pytest_test that needs a CUDA device.
 
     Incompatible (reported SKIPPED) unless --config=gpu; `size = "enormous"` and the
@@ -33,7 +33,7 @@ def gpu_pytest_test(name, tags = [], exec_properties = {}, **kwargs):
     props.update(exec_properties)
     pytest_test(
         name = name,
-        size = "enormous",
+        size = size,
         tags = tags + ["gpu"],
         exec_properties = props,
         target_compatible_with = select({
