@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import tarfile
 from pathlib import Path
+
+from tools.artifacts import stanza
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ARCHIVES = {
@@ -40,22 +41,14 @@ def _runfiles_source(env: str) -> Source | None:
     return Source(folders.pop().resolve(), f"Bazel runfiles (${env})")
 
 
-def _pinned_sha256(module_text: str, name: str) -> str | None:
-    match = re.search(
-        rf'http_archive\(\s*name\s*=\s*"{re.escape(name)}".*?sha256\s*=\s*"([0-9a-f]{{64}})"',
-        module_text,
-        re.S,
-    )
-    return match.group(1) if match else None
-
-
 def _store_source(name: str, repo_root: Path) -> Source | None:
     module = repo_root / "MODULE.bazel"
     if not module.is_file():
         return None
-    sha = _pinned_sha256(module.read_text(encoding="utf-8"), name)
-    if sha is None:
+    pin = stanza.parse(module.read_text(encoding="utf-8")).get(name)
+    if pin is None:
         return None
+    sha = pin.sha256
     archives = sorted((repo_root / "artifacts" / name).glob(f"*/{sha}/{name}.tar.gz"))
     if not archives:
         return None
