@@ -14,11 +14,12 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tools.cli_files import write_atomically
 
 SCHEMA_VERSION = 1
 
@@ -186,14 +187,4 @@ def read(path: str | os.PathLike) -> Golden:
 
 def write(golden: Golden, path: str | os.PathLike) -> None:
     """Write atomically: a reader never sees half a golden."""
-    path = Path(path)
-    text = to_json(golden)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(Path(path), to_json(golden))

@@ -6,11 +6,11 @@ replaced atomically (temp file + rename), so a crash never leaves it half writte
 """
 
 import ast
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from tools.cli_files import write_atomically
 
 REPO_RULE_LINE = (
     'http_archive = use_repo_rule("@bazel_tools//tools/build_defs/repo:http.bzl", "http_archive")'
@@ -93,21 +93,6 @@ def update_module_file(path: Path, pin: GoldenPin) -> bool:
         return False
     write_atomically(path, updated)
     return True
-
-
-def write_atomically(path: Path, content: str | bytes) -> None:
-    """Replaces `path` in one rename, keeping its mode; readers see the old or the new file."""
-    data = content.encode("utf-8") if isinstance(content, str) else content
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as temp:
-            temp.write(data)
-        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-        os.chmod(temp_name, mode)
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
 
 
 def _insert(module_text: str, stanza: str) -> str:

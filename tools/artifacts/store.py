@@ -8,11 +8,12 @@ the repository's `artifacts/` folder or `s3://BUCKET/PREFIX/` (PREFIX defaults t
 import contextlib
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from tools.cli_files import write_atomically
 
 NAME_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
@@ -164,16 +165,9 @@ class LocalStore:
         target = self.path(ref)
         created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{ref.filename}.")
         try:
-            with os.fdopen(fd, "wb") as temp:
-                temp.write(data)
-                temp.flush()
-                os.fsync(temp.fileno())
-            os.chmod(temp_name, 0o644)
-            os.replace(temp_name, target)
+            write_atomically(target, data, fsync=True)
         except OSError as error:
-            Path(temp_name).unlink(missing_ok=True)
             _remove_empty(created)
             raise StoreError(f"cannot write {target}: {error}") from error
 

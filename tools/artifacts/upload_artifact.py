@@ -13,7 +13,6 @@ failed, 2 bad usage. The stanza goes to stdout, progress to stderr.
 """
 
 import argparse
-import os
 import sys
 import urllib.error
 import urllib.parse
@@ -37,6 +36,7 @@ from tools.artifacts.store import (
     ref_from_url,
     repo_root,
 )
+from tools.cli_files import user_path, write_atomically
 
 COMMANDS = ("upload", "fetch", "add", "distdir", "verify")
 
@@ -181,10 +181,10 @@ def _fetch(args: argparse.Namespace) -> int:
     name = check_name(args.name)
     pin = _pinned(args, name)
     members = archive.unpack_members(_download(_store(args), pin))
-    output_dir = _caller_path(args.output_dir or name)
+    output_dir = user_path(args.output_dir or name)
     output_dir.mkdir(parents=True, exist_ok=True)
     for member, content in sorted(members.items()):
-        stanza.write_atomically(output_dir / member, content)
+        write_atomically(output_dir / member, content)
         print(output_dir / member)
     _progress(f"extracted {len(members)} files of {name} (sha256 {pin.sha256}) into {output_dir}")
     return 0
@@ -222,7 +222,7 @@ def _distdir(args: argparse.Namespace) -> int:
         return 0
     if args.check:
         raise CheckFailed(f"{bazelrc} is stale; regenerate it: upload_artifact distdir")
-    stanza.write_atomically(bazelrc, expected)
+    write_atomically(bazelrc, expected)
     _progress(f"wrote {bazelrc}")
     return 0
 
@@ -286,7 +286,7 @@ def _publish_and_pin(
         _progress(f"{'pinned' if changed else 'already pinned'} {name} in {module_file}")
         bazelrc = _bazelrc_path(args)
         text = distdir.render(stanza.parse(module_file.read_text(encoding="utf-8")).values())
-        stanza.write_atomically(bazelrc, text)
+        write_atomically(bazelrc, text)
         _progress(f"wrote {bazelrc}")
     return 0
 
@@ -355,12 +355,12 @@ def _store(args: argparse.Namespace) -> Store:
 
 
 def _local_store(args: argparse.Namespace) -> LocalStore:
-    root = _caller_path(args.artifacts_dir) if args.artifacts_dir else None
+    root = user_path(args.artifacts_dir) if args.artifacts_dir else None
     return LocalStore(root, args.public_url_template or LOCAL_PUBLIC_URL_TEMPLATE)
 
 
 def _module_file(args: argparse.Namespace, must_exist: bool) -> Path:
-    path = _caller_path(args.module_file) if args.module_file else repo_root() / "MODULE.bazel"
+    path = user_path(args.module_file) if args.module_file else repo_root() / "MODULE.bazel"
     if must_exist and not path.is_file():
         raise UsageError(f"--module-file {path} does not exist; point it at MODULE.bazel")
     return path
@@ -368,21 +368,15 @@ def _module_file(args: argparse.Namespace, must_exist: bool) -> Path:
 
 def _bazelrc_path(args: argparse.Namespace) -> Path:
     if args.distdir_bazelrc:
-        return _caller_path(args.distdir_bazelrc)
+        return user_path(args.distdir_bazelrc)
     return repo_root() / distdir.BAZELRC_PATH
 
 
 def _existing_file(name: str) -> Path:
-    path = _caller_path(name)
+    path = user_path(name)
     if not path.is_file():
         raise UsageError(f"FILE {name} does not exist (resolved to {path}); give a golden file")
     return path
-
-
-def _caller_path(name: str) -> Path:
-    # `bazel run` starts us in the runfiles tree; relative paths mean the caller's folder.
-    cwd = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
-    return Path(cwd, name)
 
 
 def _progress(message: str) -> None:

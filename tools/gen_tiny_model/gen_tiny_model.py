@@ -7,12 +7,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import NoReturn
 
+from tools.cli_files import atomic_path, user_path
 from tools.gen_tiny_model import llama3_tokenizer, q4_k
 from tools.gen_tiny_model.tiny_llama import ENCODINGS, TinyLlamaConfig, write_gguf
 
@@ -80,12 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_user_path(path: str) -> Path:
-    """Relative paths mean the user's cwd, which under `bazel run` is BUILD_WORKING_DIRECTORY."""
-    base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
-    return Path(base, os.path.expanduser(path))
-
-
 def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Path | None]:
     hidden, heads, kv_heads = args.hidden_dim, args.n_heads, args.n_kv_heads
     if hidden % HIDDEN_ALIGNMENT:
@@ -112,7 +105,7 @@ def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Path | No
                     f"{flag}={value} must be a multiple of {q4_k.QK_K} for "
                     f"--quantization-encoding=q4_k (Q4_K blocks hold {q4_k.QK_K} values)"
                 )
-    output = resolve_user_path(args.output)
+    output = user_path(args.output)
     if not output.parent.is_dir():
         raise UsageError(
             f"--output={args.output}: directory {output.parent} does not exist; create it first"
@@ -121,7 +114,7 @@ def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Path | No
         raise UsageError(f"--output={args.output} is a directory; name the .gguf file to write")
     tokenizer_dir = None
     if args.tokenizer_dir is not None:
-        tokenizer_dir = resolve_user_path(args.tokenizer_dir)
+        tokenizer_dir = user_path(args.tokenizer_dir)
         if not (tokenizer_dir / "tokenizer.json").is_file():
             raise UsageError(
                 f"--tokenizer-dir={args.tokenizer_dir} has no tokenizer.json; point it at a "
@@ -161,16 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     print(f"writing {args.quantization_encoding} checkpoint {config}", file=sys.stderr)
-    fd, tmp_name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with atomic_path(output) as tmp:
         write_gguf(tmp, config, args.quantization_encoding, args.seed, vocab)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, output)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     print(output)
     return 0
 

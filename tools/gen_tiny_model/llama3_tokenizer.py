@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer, processors
+
+from tools.cli_files import user_path, write_atomically
 
 # The pre-tokenizer split of Llama 3 (llama_models.llama3.tokenizer.Tokenizer.pat_str).
 LLAMA3_PATTERN = (
@@ -182,24 +182,6 @@ def _json_bytes(value: object) -> bytes:
     return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def write_atomically(path: Path, content: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _resolve(path: str) -> Path:
-    # Under `bazel run` the process runs in the runfiles tree; the user meant their own cwd.
-    base = os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd())
-    return Path(base, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="write_tokenizer",
@@ -210,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output-dir", required=True, help="existing folder to write into")
     args = parser.parse_args(argv)
-    out_dir = _resolve(args.output_dir)
+    out_dir = user_path(args.output_dir)
     if not out_dir.is_dir():
         print(
             f"write_tokenizer: error: --output-dir={args.output_dir} is not an existing "

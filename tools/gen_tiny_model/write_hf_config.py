@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import sys
 
+from tools.cli_files import write_atomically
 from tools.gen_tiny_model.gen_tiny_model import UsageError, build_parser, validate
-from tools.gen_tiny_model.llama3_tokenizer import write_atomically
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 import pytest
 
+from tools.cli_files import user_path
 from tools.gen_tiny_model import gen_tiny_model
-from tools.gen_tiny_model.gen_tiny_model import main, resolve_user_path
+from tools.gen_tiny_model.gen_tiny_model import main
 
 VALID = [
     "--quantization-encoding=float32",
@@ -69,8 +70,8 @@ def test_tokenizer_dir_without_tokenizer_json_exits_2(tmp_path, capsys):
 
 def test_relative_output_resolves_against_bazel_working_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
-    assert resolve_user_path("sub/model.gguf") == tmp_path / "sub" / "model.gguf"
-    assert resolve_user_path("/abs/model.gguf").as_posix() == "/abs/model.gguf"
+    assert user_path("sub/model.gguf") == tmp_path / "sub" / "model.gguf"
+    assert user_path("/abs/model.gguf").as_posix() == "/abs/model.gguf"
 
 
 def test_help_shows_an_example(capsys):

@@ -23,6 +23,7 @@ import torch
 from max_tests.goldens import schema
 from max_tests.integration.architectures.llama3 import golden_run
 from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV, MODELS, variants
+from tools.cli_files import user_path
 
 TESTDATA_REL = Path("max_tests/integration/architectures/llama3/testdata")
 
@@ -56,15 +57,9 @@ def _usage_error(parser: argparse.ArgumentParser, message: str) -> None:
     sys.exit(2)
 
 
-def _resolve(path: str) -> Path:
-    """Relative paths mean relative to where the user ran `bazel run`."""
-    base = os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd())
-    return (Path(base) / path).resolve()
-
-
 def _repository_root(modular_path: str | None) -> Path:
     if modular_path:
-        return _resolve(modular_path)
+        return user_path(modular_path).resolve()
     if "BUILD_WORKSPACE_DIRECTORY" in os.environ:
         return Path(os.environ["BUILD_WORKSPACE_DIRECTORY"])
     return Path(__file__).resolve().parents[4]
@@ -78,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if not testdata.is_dir():
         _usage_error(parser, f"--modular-path={root} has no {TESTDATA_REL}; pass a checkout")
     os.environ["PIPELINES_TESTDATA"] = str(testdata)
-    output_dir = _resolve(args.output_dir) if args.output_dir else testdata
+    output_dir = user_path(args.output_dir).resolve() if args.output_dir else testdata
     if not output_dir.is_dir():
         _usage_error(parser, f"--output-dir={output_dir} does not exist; create it first")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -39,6 +39,7 @@ from max_tests.integration.architectures.llama3.variants import (
     Variant,
     variants,
 )
+from tools.cli_files import user_path
 
 PRODUCER_VERSION = "transformers/{}"
 TESTDATA_REL = Path("max_tests/integration/architectures/llama3/testdata")
@@ -157,13 +158,12 @@ def torch_golden_file_name(golden: schema.Golden) -> str:
 def main(argv: list[str] | None = None, default_device: str = "cpu") -> int:
     parser = _parser(default_device)
     args = parser.parse_args(argv)
-    base = Path(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd()))
     if "BUILD_WORKSPACE_DIRECTORY" in os.environ:  # bazel run: write into the checkout
         testdata = Path(os.environ["BUILD_WORKSPACE_DIRECTORY"]) / TESTDATA_REL
         os.environ["PIPELINES_TESTDATA"] = str(testdata)
     else:
         testdata = Path(__file__).resolve().parent
-    output_dir = (base / args.output_dir).resolve() if args.output_dir else testdata
+    output_dir = user_path(args.output_dir).resolve() if args.output_dir else testdata
     if not output_dir.is_dir():
         parser.print_usage(sys.stderr)
         print(f"run_torch_llama: error: --output-dir={output_dir} does not exist", file=sys.stderr)

@@ -1,0 +1,53 @@
+"""How the repository's command-line tools treat files.
+
+- `user_path`: a path the user typed means their working directory. Under `bazel run` the
+  process starts in the runfiles tree, and Bazel says where the user was in
+  BUILD_WORKING_DIRECTORY.
+- `atomic_path` / `write_atomically`: an output appears whole or not at all. Data goes to a
+  temporary file beside the target, then one rename replaces it; on any failure the temporary
+  file is removed and an existing target is left untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def user_path(path: str | os.PathLike) -> Path:
+    base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
+    return Path(base, os.path.expanduser(path))
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path to write `path`'s new content to; renamed over `path` on success.
+
+    The result keeps an existing file's mode, else gets 0644 (mkstemp's 0600 would not do).
+    """
+    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    temp = Path(temp_name)
+    try:
+        yield temp
+        os.chmod(temp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomically(path: Path, content: str | bytes, fsync: bool = False) -> None:
+    """Replace `path` with `content` (str is written as UTF-8) in one rename.
+
+    `fsync` flushes the data to disk before the rename, for files that must survive a crash.
+    """
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    with atomic_path(path) as temp, open(temp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
