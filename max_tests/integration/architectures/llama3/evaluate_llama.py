@@ -22,10 +22,14 @@ import torch
 
 from max_tests.goldens import schema
 from max_tests.integration.architectures.llama3 import golden_run
-from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV, MODELS, variants
+from max_tests.integration.architectures.llama3.variants import (
+    LLAMA3_1_ENV,
+    MODELS,
+    TESTDATA_REL,
+    checkout_testdata,
+    variants,
+)
 from tools.cli_files import user_path
-
-TESTDATA_REL = Path("max_tests/integration/architectures/llama3/testdata")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,21 +61,13 @@ def _usage_error(parser: argparse.ArgumentParser, message: str) -> None:
     sys.exit(2)
 
 
-def _repository_root(modular_path: str | None) -> Path:
-    if modular_path:
-        return user_path(modular_path).resolve()
-    if "BUILD_WORKSPACE_DIRECTORY" in os.environ:
-        return Path(os.environ["BUILD_WORKSPACE_DIRECTORY"])
-    return Path(__file__).resolve().parents[4]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    root = _repository_root(args.modular_path)
-    testdata = root / TESTDATA_REL
+    repository = user_path(args.modular_path).resolve() if args.modular_path else None
+    testdata = checkout_testdata(repository)
     if not testdata.is_dir():
-        _usage_error(parser, f"--modular-path={root} has no {TESTDATA_REL}; pass a checkout")
+        _usage_error(parser, f"--modular-path={repository} has no {TESTDATA_REL}; pass a checkout")
     os.environ["PIPELINES_TESTDATA"] = str(testdata)
     output_dir = user_path(args.output_dir).resolve() if args.output_dir else testdata
     if not output_dir.is_dir():

@@ -19,6 +19,7 @@ import torch
 MODELS = ("tinyllama", "smollm2", "llama3_1")
 TINY_ENCODINGS = ("float32", "bfloat16", "q4_k")
 LLAMA3_1_ENV = "LLAMA3_1_GGUF"
+TESTDATA_REL = Path("max_tests/integration/architectures/llama3/testdata")
 
 # general.file_type (llama.cpp's LlamaFileType) -> encoding name, for user-supplied files.
 _FILE_TYPE_ENCODING = {
@@ -51,6 +52,15 @@ class Variant:
     def dtype(self) -> torch.dtype:
         """Compute dtype: bfloat16 checkpoints run in bfloat16, everything else in float32."""
         return torch.bfloat16 if self.encoding == "bfloat16" else torch.float32
+
+
+def checkout_testdata(repository: Path | None = None) -> Path:
+    """The testdata folder a tool writes goldens into: of `repository` when given, else of the
+    workspace `bazel run` was called in, else of this file's checkout."""
+    if repository is None:
+        workspace = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
+        repository = Path(workspace) if workspace else Path(__file__).resolve().parents[4]
+    return repository / TESTDATA_REL
 
 
 def testdata_directory() -> Path:

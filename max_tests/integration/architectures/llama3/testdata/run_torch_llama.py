@@ -37,12 +37,12 @@ from max_tests.integration.architectures.llama3.variants import (
     LLAMA3_1_ENV,
     MODELS,
     Variant,
+    checkout_testdata,
     variants,
 )
 from tools.cli_files import user_path
 
 PRODUCER_VERSION = "transformers/{}"
-TESTDATA_REL = Path("max_tests/integration/architectures/llama3/testdata")
 # Llama 3.1's published rope scaling; checked against the file's rope_freqs before use.
 LLAMA3_ROPE = {
     "factor": 8.0,
@@ -158,11 +158,8 @@ def torch_golden_file_name(golden: schema.Golden) -> str:
 def main(argv: list[str] | None = None, default_device: str = "cpu") -> int:
     parser = _parser(default_device)
     args = parser.parse_args(argv)
-    if "BUILD_WORKSPACE_DIRECTORY" in os.environ:  # bazel run: write into the checkout
-        testdata = Path(os.environ["BUILD_WORKSPACE_DIRECTORY"]) / TESTDATA_REL
-        os.environ["PIPELINES_TESTDATA"] = str(testdata)
-    else:
-        testdata = Path(__file__).resolve().parent
+    testdata = checkout_testdata()  # under bazel run: the checkout's, not the runfiles'
+    os.environ["PIPELINES_TESTDATA"] = str(testdata)
     output_dir = user_path(args.output_dir).resolve() if args.output_dir else testdata
     if not output_dir.is_dir():
         parser.print_usage(sys.stderr)
