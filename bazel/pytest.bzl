@@ -8,19 +8,39 @@ def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, **kwargs)
 
     Extra pytest arguments reach the runner through `args` here or `--test_arg` on the
     command line, so `--test_arg=-k --test_arg='test_llama[tiny-float32-llama3_1]'` selects
-    one case.
+    one case. The package's other test files ride along as data (PYTEST_SIBLING_TESTS) so the
+    runner can tell a selection that ran in a sibling target from one that matches nothing.
     """
+    # The package's other test files, collected (never run) by the runner when a -k/-m
+    # selection matches nothing in this target: a selection that ran in a sibling target of a
+    # suite passes here, one that matches nothing anywhere (a typo) fails.
+    siblings = native.glob(
+        ["**/test_*.py"],
+        exclude = [_package_relative(src) for src in srcs if _package_relative(src)],
+        allow_empty = True,
+    )
     py_test(
         name = name,
         srcs = srcs + ["//bazel:pytest_runner.py"],
         main = "//bazel:pytest_runner.py",
         deps = deps + [requirement("pytest")],
-        data = data + ["//:pyproject.toml"],
+        data = data + ["//:pyproject.toml"] + [":" + f for f in siblings],
         # Only test modules are collected; conftest.py and helpers are imported by pytest.
         args = ["$(rootpath %s)" % src for src in srcs if src.split("/")[-1].startswith("test_")] + args,
-        env = env,
+        env = env | {"PYTEST_SIBLING_TESTS": " ".join(["$(rootpath :%s)" % f for f in siblings])},
         **kwargs
     )
+
+def _package_relative(src):
+    """`src` as a path in this package ("test_x.py" for ":test_x.py" too); None if elsewhere."""
+    prefix = "//%s:" % native.package_name()
+    if src.startswith(prefix):
+        return src[len(prefix):]
+    if src.startswith(":"):
+        return src[1:]
+    if src.startswith(("//", "@")):
+        return None
+    return src
 
 def gpu_pytest_test(name, size = "enormous", tags = [], exec_properties = {}, **kwargs):
     """A pytest_test that needs a CUDA device.
