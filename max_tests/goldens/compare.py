@@ -1,14 +1,22 @@
-"""Compare one run of a model with a golden case, step by step, and say what moved.
+"""Compare a teacher-forced run of a model with a golden case, step by step, and say what moved.
 
-Order of checks at each step, the first failing one decides:
-  1. token id: the run's greedy choice must equal the golden's. When it does not and the
-     golden's top-1/top-2 gap is under the near-tie margin, the step is AMBIGUOUS (either
-     token is a fair answer) and the comparison stops following the case: later steps would
-     compare different continuations.
-  2. logits of the golden's top-k ids within atol + rtol*|golden|.
-  3. top-k overlap: the share of the golden's top-k ids that are in the run's top-k.
-  4. KL(golden || run) over the golden's top-k ids plus one bucket for the rest of the
-     vocabulary, from the stored logsumexp: a lower bound of the full KL, exact in the limit.
+The run is fed the golden's own tokens (prompt, then the golden's greedy tokens so far), so
+every step of every case compares the same prefix, before and after any divergence. Each
+step records the run's greedy choice and its full next-token logits. At every step:
+
+  1. log-probabilities (logit minus logsumexp) of the golden's top-k ids: |Δ| <= logprob_atol;
+  2. top-k overlap: the share of the golden's top-k ids in the run's top-k;
+  3. KL(golden || run) over the golden's top-k ids plus one bucket for the rest of the
+     vocabulary, from the stored logsumexp: a lower bound of the full KL, exact in the limit;
+  4. the greedy token. A different choice is AMBIGUOUS, not a failure, only when all of:
+     the run's token is in the golden's top-k within the near-tie margin of the golden's
+     top-1, the golden's top-1 is within the margin of the run's top-1 in the run's logits,
+     and checks 1-3 pass at that step. Anything else is a FAIL.
+
+A case fails on any failing step or when the run's own tokenization of the prompt differs
+from the golden's input ids. Ambiguous steps are counted and reported, never hidden.
+Free-running greedy agreement is reported too: the run, fed the golden's prefix, chose the
+golden's token up to `greedy_agreement`; a free-running generation would diverge there.
 """
 
 from __future__ import annotations
@@ -23,13 +31,14 @@ from max_tests.goldens.schema import Case, Step
 from max_tests.goldens.tolerances import Tolerance
 
 PASS, FAIL, AMBIGUOUS = "PASS", "FAIL", "AMBIGUOUS"
+METRICS = ("input_ids", "token", "logprob", "topk_overlap", "kl", "missing")
 
 
 @dataclasses.dataclass(frozen=True)
-class LogitDiff:
+class LogprobDiff:
     token_id: int
-    expected: float
-    actual: float
+    expected: float  # the golden's log-probability
+    actual: float  # the run's
 
     @property
     def abs_diff(self) -> float:
@@ -40,59 +49,73 @@ class LogitDiff:
 class StepCheck:
     step: int
     status: str
-    metric: str  # what decided the status: "token", "logits", "topk_overlap", "kl", or ""
+    metric: str  # what decided the status (one of METRICS), or "" for PASS
     detail: str  # the measured value against its threshold
     expected_token: int
     actual_token: int | None
-    golden_gap: float
-    max_abs_diff: float
+    golden_gap: float  # golden top-1 minus top-2 logit
+    max_logprob_diff: float
     kl: float
     topk_overlap: float
-    worst: list[LogitDiff]
+    worst: list[LogprobDiff]
 
 
 @dataclasses.dataclass(frozen=True)
 class CaseReport:
     case_id: str
     prompt: str
-    status: str  # PASS, FAIL, or AMBIGUOUS (stopped at a near-tie; counts as passing)
-    steps: list[StepCheck]
+    status: str  # PASS or FAIL; ambiguous steps are counted in `ambiguous_steps`
+    steps: list[StepCheck]  # every step of the golden
     input_ids_match: bool
     tolerance: Tolerance
 
     @property
-    def first_diverging(self) -> StepCheck | None:
-        return next((s for s in self.steps if s.status != PASS), None)
+    def first_failing(self) -> StepCheck | None:
+        return next((s for s in self.steps if s.status == FAIL), None)
 
     @property
-    def max_abs_diff(self) -> float:
-        return max((s.max_abs_diff for s in self.steps), default=0.0)
+    def ambiguous_steps(self) -> list[StepCheck]:
+        return [s for s in self.steps if s.status == AMBIGUOUS]
+
+    @property
+    def greedy_agreement(self) -> int:
+        """Leading steps whose greedy token equals the golden's (free-running agreement)."""
+        for s in self.steps:
+            if s.actual_token != s.expected_token:
+                return s.step
+        return len(self.steps)
+
+    @property
+    def failing_metrics(self) -> list[str]:
+        metrics = [] if self.input_ids_match else ["input_ids"]
+        return metrics + sorted({s.metric for s in self.steps if s.status == FAIL})
+
+    @property
+    def max_logprob_diff(self) -> float:
+        return max((s.max_logprob_diff for s in self.steps), default=0.0)
 
     @property
     def max_kl(self) -> float:
         return max((s.kl for s in self.steps), default=0.0)
 
 
-def _softmax_bucket_kl(golden: Step, actual_logits: np.ndarray, actual_lse: float) -> float:
-    ids = np.asarray(golden.topk_ids)
-    p = np.exp(np.asarray(golden.topk_logits, dtype=np.float64) - golden.logsumexp)
-    q_all = np.exp(actual_logits.astype(np.float64) - actual_lse)
-    q = q_all[ids]
-    # The run's tail is summed directly (no 1 - sum cancellation); the golden's tail below
-    # float32 rounding noise of its stored logsumexp counts as empty.
-    p_tail = max(1.0 - p.sum(), 0.0)
-    p = p / (p.sum() + p_tail)  # renormalize: the stored logsumexp is rounded
-    q_tail = q_all.sum() - q.sum()
-    kl = float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))))
-    if p_tail > 1e-6:
-        kl += p_tail * (math.log(p_tail) - math.log(max(q_tail, 1e-300)))
-    return max(kl, 0.0)
-
-
-def _logsumexp(x: np.ndarray) -> float:
-    x = x.astype(np.float64)
+def logsumexp(x: np.ndarray) -> float:
+    x = np.asarray(x, dtype=np.float64)
     peak = x.max()
     return float(peak + math.log(np.exp(x - peak).sum()))
+
+
+def _bucket_kl(golden_lp: np.ndarray, run_lp_topk: np.ndarray, run_tail: float) -> float:
+    """KL over the golden's top-k plus a tail bucket; golden_lp are its log-probabilities."""
+    p = np.exp(golden_lp)
+    p_tail = max(1.0 - p.sum(), 0.0)
+    p = p / (p.sum() + p_tail)  # renormalize: the stored logsumexp is rounded
+    q = np.exp(run_lp_topk)
+    kl = float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))))
+    # The golden's tail below float32 rounding noise of its stored logsumexp counts as empty.
+    if p_tail > 1e-6:
+        kl += p_tail * (math.log(p_tail) - math.log(max(run_tail, 1e-300)))
+    return max(kl, 0.0)
 
 
 def compare_case(
@@ -102,27 +125,21 @@ def compare_case(
     logits: np.ndarray,
     tolerance: Tolerance,
 ) -> CaseReport:
-    """Compare a run (its input ids, greedy tokens and per-step full logits) with a golden."""
+    """Compare a teacher-forced run (its input ids, its greedy choice at each step and the
+    per-step full logits, row i after the golden's first i tokens) with a golden case."""
     logits = np.asarray(logits, dtype=np.float32)
-    checks: list[StepCheck] = []
-    input_ids_match = list(input_ids) == list(golden.input_ids)
-    status = PASS
+    checks = []
     for i, gstep in enumerate(golden.steps):
-        if i >= len(tokens):
+        if i < len(tokens):
+            checks.append(_check_step(i, gstep, int(tokens[i]), logits[i], tolerance))
+        else:
             checks.append(_missing_step(i, gstep))
-            status = FAIL
-            break
-        check = _check_step(i, gstep, int(tokens[i]), logits[i], tolerance)
-        checks.append(check)
-        if check.status != PASS:
-            status = check.status
-            break
-    if not input_ids_match:
-        status = FAIL
+    input_ids_match = list(input_ids) == list(golden.input_ids)
+    failed = not input_ids_match or any(c.status == FAIL for c in checks)
     return CaseReport(
         case_id=golden.id,
         prompt=golden.prompt,
-        status=status,
+        status=FAIL if failed else PASS,
         steps=checks,
         input_ids_match=input_ids_match,
         tolerance=tolerance,
@@ -133,12 +150,12 @@ def _missing_step(i: int, gstep: Step) -> StepCheck:
     return StepCheck(
         step=i,
         status=FAIL,
-        metric="token",
-        detail="the run stopped (EOS) before this step",
+        metric="missing",
+        detail="the run has no logits for this step (it ended early)",
         expected_token=gstep.token_id,
         actual_token=None,
         golden_gap=gstep.top_gap,
-        max_abs_diff=math.inf,
+        max_logprob_diff=math.inf,
         kl=math.inf,
         topk_overlap=0.0,
         worst=[],
@@ -147,46 +164,47 @@ def _missing_step(i: int, gstep: Step) -> StepCheck:
 
 def _check_step(i: int, gstep: Step, token: int, row: np.ndarray, tol: Tolerance) -> StepCheck:
     ids = np.asarray(gstep.topk_ids)
-    expected = np.asarray(gstep.topk_logits, dtype=np.float64)
-    actual = row[ids].astype(np.float64)
-    diffs = np.abs(actual - expected)
-    allowed = tol.atol + tol.rtol * np.abs(expected)
+    golden_lp = np.asarray(gstep.topk_logits, dtype=np.float64) - gstep.logsumexp
+    run_lse = logsumexp(row)
+    run_lp_all = row.astype(np.float64) - run_lse
+    run_lp = run_lp_all[ids]
+    diffs = np.abs(run_lp - golden_lp)
     worst_order = np.argsort(-diffs, kind="stable")[:5]
-    worst = [LogitDiff(int(ids[j]), float(expected[j]), float(actual[j])) for j in worst_order]
+    worst = [LogprobDiff(int(ids[j]), float(golden_lp[j]), float(run_lp[j])) for j in worst_order]
     k = len(ids)
     run_topk = np.argsort(-row, kind="stable")[:k]
     overlap = len(set(run_topk.tolist()) & set(ids.tolist())) / k
-    kl = _softmax_bucket_kl(gstep, row, _logsumexp(row))
+    run_tail = float(np.exp(run_lp_all).sum() - np.exp(run_lp).sum())
+    kl = _bucket_kl(golden_lp, run_lp, max(run_tail, 0.0))
     max_diff = float(diffs.max())
 
-    metric, detail, status = "", "", PASS
-    if token != gstep.token_id:
-        metric = "token"
-        if gstep.top_gap < tol.near_tie_margin:
-            status = AMBIGUOUS
-            detail = (
-                f"golden top-1/top-2 gap {gstep.top_gap:.3g} < near-tie margin "
-                f"{tol.near_tie_margin:g}: either token is fair, case not followed further"
-            )
-        else:
-            status = FAIL
-            detail = (
-                f"token differs and the golden gap {gstep.top_gap:.3g} is above the near-tie "
-                f"margin {tol.near_tie_margin:g}"
-            )
-    elif np.any(diffs > allowed):
-        j = int(np.argmax(diffs - allowed))
-        metric, status = "logits", FAIL
+    metric, detail = "", ""
+    if max_diff > tol.logprob_atol:
+        j = int(np.argmax(diffs))
+        metric = "logprob"
         detail = (
-            f"max |Δlogit| {max_diff:.3g} over the golden top-{k}; id {int(ids[j])} moved "
-            f"{diffs[j]:.3g} > atol {tol.atol:g} + rtol {tol.rtol:g}·|{expected[j]:.4g}|"
+            f"max |Δ log-prob| {max_diff:.3g} > {tol.logprob_atol:g} over the golden top-{k} "
+            f"(id {int(ids[j])}: golden {golden_lp[j]:.5g}, run {run_lp[j]:.5g})"
         )
     elif overlap < tol.topk_overlap_min:
-        metric, status = "topk_overlap", FAIL
-        detail = f"top-{k} overlap {overlap:.2f} < {tol.topk_overlap_min:g}"
+        metric, detail = "topk_overlap", f"top-{k} overlap {overlap:.2f} < {tol.topk_overlap_min:g}"
     elif kl > tol.kl_max:
-        metric, status = "kl", FAIL
-        detail = f"KL(golden||run) {kl:.3g} > {tol.kl_max:g}"
+        metric, detail = "kl", f"KL(golden||run) {kl:.3g} > {tol.kl_max:g}"
+    status = FAIL if metric else PASS
+
+    if token != gstep.token_id:
+        tie = _tie_reason(gstep, golden_lp, ids, token, row, tol.near_tie_margin)
+        if status == PASS and tie is None:
+            status, metric = AMBIGUOUS, "token"
+            detail = (
+                f"greedy token differs at a near-tie (golden gap {gstep.top_gap:.3g}, run gap "
+                f"{float(row[token] - row[gstep.token_id]):.3g} < margin "
+                f"{tol.near_tie_margin:g}) and every other check passes"
+            )
+        elif status == PASS:
+            status, metric, detail = FAIL, "token", f"greedy token differs: {tie}"
+        else:
+            detail += f"; and the greedy token differs: {tie or 'at a near-tie'}"
     return StepCheck(
         step=i,
         status=status,
@@ -195,11 +213,33 @@ def _check_step(i: int, gstep: Step, token: int, row: np.ndarray, tol: Tolerance
         expected_token=gstep.token_id,
         actual_token=token,
         golden_gap=gstep.top_gap,
-        max_abs_diff=max_diff,
+        max_logprob_diff=max_diff,
         kl=kl,
         topk_overlap=overlap,
         worst=worst,
     )
+
+
+def _tie_reason(
+    gstep: Step, golden_lp: np.ndarray, ids: np.ndarray, token: int, row: np.ndarray, margin: float
+) -> str | None:
+    """Why a different greedy token is not a fair near-tie answer; None when it is."""
+    where = np.flatnonzero(ids == token)
+    if where.size == 0:
+        return f"the run's token {token} is not in the golden's top-{len(ids)}"
+    golden_gap = float(golden_lp[0] - golden_lp[where[0]])
+    if golden_gap >= margin:
+        return (
+            f"the golden ranks the run's token {golden_gap:.3g} below its top-1 "
+            f"(near-tie margin {margin:g})"
+        )
+    run_gap = float(row[token] - row[gstep.token_id])
+    if run_gap >= margin:
+        return (
+            f"the run ranks the golden's token {run_gap:.3g} below its own top-1 "
+            f"(near-tie margin {margin:g})"
+        )
+    return None
 
 
 def format_failure(
@@ -210,22 +250,27 @@ def format_failure(
     regenerate: str,
     actual_input_ids: Sequence[int] = (),
 ) -> str:
-    """A failure as a diagnosis: case, step, tokens, worst logits, metric, how to regenerate."""
+    """A failure as a diagnosis: case, step, tokens, worst log-probs, metric, how to regenerate."""
+    tol = report.tolerance
+    n = len(golden_case.steps)
+    failing = [s for s in report.steps if s.status == FAIL]
     lines = [
         f"golden mismatch in case {report.case_id!r} ({report.prompt!r}) against {golden_name}",
-        f"  tolerance {report.tolerance.key}: atol {report.tolerance.atol:g}, "
-        f"rtol {report.tolerance.rtol:g}, KL {report.tolerance.kl_max:g}, "
-        f"top-k overlap {report.tolerance.topk_overlap_min:g}, "
-        f"near-tie margin {report.tolerance.near_tie_margin:g}",
+        f"  tolerance {tol.key}: |Δ log-prob| {tol.logprob_atol:g}, KL {tol.kl_max:g}, "
+        f"top-k overlap {tol.topk_overlap_min:g}, near-tie margin {tol.near_tie_margin:g}",
+        f"  teacher-forced: {len(failing)} of {n} steps fail "
+        f"({', '.join(report.failing_metrics) or 'input ids'}), "
+        f"{len(report.ambiguous_steps)} ambiguous; max |Δ log-prob| "
+        f"{report.max_logprob_diff:.3g}, max KL {report.max_kl:.3g}",
+        f"  free-running greedy agreement: {report.greedy_agreement} of {n} steps",
     ]
     if not report.input_ids_match:
         lines.append(
-            f"  input ids differ (tokenizer changed?): expected {golden_case.input_ids}, "
+            f"  input ids differ (tokenizer or BOS changed?): expected {golden_case.input_ids}, "
             f"got {list(actual_input_ids)}"
         )
-    step = report.first_diverging
+    step = report.first_failing
     if step is not None:
-        n = len(golden_case.steps)
         gstep = golden_case.steps[step.step]
         got = (
             "nothing (run ended)"
@@ -233,14 +278,14 @@ def format_failure(
             else f"{step.actual_token} {decode([step.actual_token])!r}"
         )
         lines += [
-            f"  first diverging step: {step.step} of {n} ({step.status}, metric {step.metric})",
-            f"  expected token {step.expected_token} {gstep.token_text!r} "
-            f"(golden top-1/top-2 gap {step.golden_gap:.4g}), got {got}",
+            f"  first failing step: {step.step} of {n} (metric {step.metric})",
+            f"  golden token {step.expected_token} {gstep.token_text!r} "
+            f"(golden top-1/top-2 gap {step.golden_gap:.4g}), run's greedy choice {got}",
             f"  {step.detail}",
             f"  golden text so far: {decode(golden_case.token_ids[: step.step + 1])!r}",
         ]
         if step.worst:
-            lines.append("  worst logit differences at this step:")
+            lines.append("  worst log-probability differences at this step:")
             lines.append(f"    {'id':>8}  {'token':<16} {'golden':>12} {'run':>12} {'|Δ|':>10}")
             for d in step.worst:
                 lines.append(
@@ -249,7 +294,7 @@ def format_failure(
                 )
         lines.append(
             f"  at this step: KL {step.kl:.3g}, top-k overlap {step.topk_overlap:.2f}, "
-            f"max |Δlogit| {step.max_abs_diff:.3g}"
+            f"max |Δ log-prob| {step.max_logprob_diff:.3g}"
         )
     lines.append(f"  regenerate the golden (if the change is intended): {regenerate}")
     return "\n".join(lines)

@@ -21,7 +21,8 @@ import numpy as np
 
 from tools.cli_files import write_atomically
 
-SCHEMA_VERSION = 1
+# 2: logits_dtype in the provenance; bfloat16 goldens' logits computed in float32.
+SCHEMA_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Provenance:
     checkpoint: str  # file name, not a path: goldens are machine-independent
     checkpoint_sha256: str
     torch_version: str
+    logits_dtype: str  # the final norm and LM head's dtype: float32 for every producer
 
 
 @dataclasses.dataclass(frozen=True)

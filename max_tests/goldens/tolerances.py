@@ -13,14 +13,25 @@ REFERENCES = ("own", "torch")
 
 
 @dataclasses.dataclass(frozen=True)
+class Floor:
+    """A measurement behind a threshold: the largest step of two correct runs (noise), or the
+    smallest of the mutations' largest steps (what a real bug moves)."""
+
+    logprob: float  # max |Δ log-prob| over the golden top-k, worst step
+    kl: float  # KL(golden || run), worst step
+    measured: str  # what was compared, so the number can be measured again
+
+
+@dataclasses.dataclass(frozen=True)
 class Tolerance:
     key: str  # "own/float32/cpu": where in tolerances.yaml this came from
-    atol: float
-    rtol: float
+    logprob_atol: float
     kl_max: float
     topk_overlap_min: float
     near_tie_margin: float
     why: str
+    noise_floor: Floor | None = None
+    mutation_floor: Floor | None = None
 
 
 @functools.cache
@@ -39,4 +50,23 @@ def tolerance(reference: str, encoding: str, device: str, fallback: bool = False
         raise KeyError(
             f"no tolerance {key} in {TOLERANCES_FILE.name}; add an entry with a measured why"
         ) from None
-    return Tolerance(key=key, **entry)
+    entry = dict(entry)
+    floors = {f: Floor(**entry.pop(f)) for f in ("noise_floor", "mutation_floor") if f in entry}
+    return Tolerance(key=key, **entry, **floors)
+
+
+def entries() -> list[tuple[str, str, str]]:
+    """Every (reference, encoding, column) in tolerances.yaml, column e.g. `cuda_fallback`."""
+    return [
+        (reference, encoding, column)
+        for reference in REFERENCES
+        for encoding, columns in _table()[reference].items()
+        for column in columns
+    ]
+
+
+def lookup(key: str) -> Tolerance:
+    """The entry named `reference/encoding/column`, e.g. `torch/bfloat16/cuda_fallback`."""
+    reference, encoding, column = key.split("/")
+    device, _, fallback = column.partition("_")
+    return tolerance(reference, encoding, device, fallback=bool(fallback))

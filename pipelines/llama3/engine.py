@@ -143,6 +143,12 @@ class Llama3Engine:
         model.load_state_dict(weights, strict=not config.tie_word_embeddings, assign=True)
         if config.tie_word_embeddings:
             model.tie_weights()
+        if dtype != torch.float32:
+            # The LM head runs in float32 whatever the compute dtype: bfloat16 logits of ~40
+            # sit on a 0.25 grid, which makes exact top-1 ties and hides real differences.
+            model.output.weight = torch.nn.Parameter(
+                model.output.weight.detach().float(), requires_grad=False
+            )
         model.eval()
         return cls(config, model, tokenizer, device, dtype)
 
@@ -170,8 +176,20 @@ class Llama3Engine:
         max_new_tokens: int,
         use_kv_cache: bool = True,
         stop_on_eos: bool = True,
+        forced_tokens: list[int] | None = None,
     ) -> GenerationOutput:
-        """Prefill, then greedy decode; without the KV cache each step recomputes the sequence."""
+        """Prefill, then greedy decode; without the KV cache each step recomputes the sequence.
+
+        With `forced_tokens` (teacher forcing) step i feeds forced_tokens[i] to the next step
+        instead of the greedy choice, for len(forced_tokens) steps and no EOS stop: every
+        step's logits then follow the same prefix as the sequence being checked, and
+        `tokens` still holds the model's own greedy choice at each step.
+        """
+        if forced_tokens is not None:
+            max_new_tokens, stop_on_eos = len(forced_tokens), False
+            bad = [t for t in forced_tokens if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"forced tokens {bad[:5]} are outside the vocabulary")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
         prompt = self._tensor(input_ids)
@@ -198,6 +216,8 @@ class Llama3Engine:
             tokens.append(token)
             if token in eos_ids or step == max_new_tokens - 1:
                 break
+            if forced_tokens is not None:
+                token = forced_tokens[step]
             next_token = torch.tensor([[token]], dtype=torch.long, device=self.device)
             if use_kv_cache:
                 logits = self.model(next_token, len(input_ids) + step)[0, -1]

@@ -76,9 +76,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [bsz, n_heads, seq, head_dim]; cos, sin [seq, head_dim] float32."""
-    rotated = x.float() * cos + rotate_half(x.float()) * sin
-    return rotated.to(x.dtype)
+    """x [bsz, n_heads, seq, head_dim]; cos, sin [seq, head_dim] float32.
+
+    The rotation runs in x's dtype with the tables rounded to it, where transformers rounds:
+    in bfloat16 the engine and the torch reference then agree bit for bit on the CPU.
+    """
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
 
 
 def causal_mask(seqlen: int, start_pos: int, device: torch.device) -> torch.Tensor:
@@ -107,6 +111,7 @@ class Attention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
+        self.scale = 1.0 / math.sqrt(config.head_dim)  # softmax(q.k * scale), as Meta's
         self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
@@ -137,7 +142,9 @@ class Attention(nn.Module):
         values = self.cache_v[:bsz, :, :end_pos]
 
         # Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
-        output = F.scaled_dot_product_attention(xq, keys, values, attn_mask=mask, enable_gqa=True)
+        output = F.scaled_dot_product_attention(
+            xq, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
         output = output.transpose(1, 2).reshape(bsz, seqlen, -1)  # [bsz, seq, heads * head_dim]
         return self.wo(output)
 
@@ -162,6 +169,7 @@ class Attention(nn.Module):
                     xk[:, :, :end],
                     xv[:, :, :end],
                     attn_mask=mask,
+                    scale=self.scale,
                     enable_gqa=True,
                 )
             )
@@ -268,7 +276,12 @@ class Transformer(nn.Module):
             h = layer(h, start_pos, cos, sin, mask)
         if last_only:
             h = h[:, -1:]
-        return self.output(self.norm(h)).float()
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head in the head's dtype (float32 for bfloat16 engines: bfloat16
+        logits of ~40 sit on a 0.25 grid, which makes exact ties); float32 out."""
+        return self.output(self.norm(h.to(self.output.weight.dtype))).float()
 
     def recompute(self, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """Logits [bsz, 1, vocab] float32 of the last position, computed from scratch.
@@ -285,4 +298,4 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         for layer in self.layers:
             h = layer.recompute(h, cos, sin, steps)
-        return self.output(self.norm(h[:, -1:])).float()
+        return self._logits(h[:, -1:])

@@ -3,6 +3,7 @@ failure reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -17,13 +18,13 @@ from max_tests.goldens.tolerances import Tolerance, tolerance
 VOCAB = 64
 TOL = Tolerance(
     "own/float32/cpu",
-    atol=1e-4,
-    rtol=1e-5,
+    logprob_atol=1e-4,
     kl_max=1e-6,
     topk_overlap_min=0.95,
-    near_tie_margin=1e-3,
+    near_tie_margin=2e-4,
     why="test",
 )
+LOOSE_TIE = dataclasses.replace(TOL, logprob_atol=1e-2, kl_max=1e-3, near_tie_margin=2e-2)
 
 
 def _logits(steps: int = 6, seed: int = 0) -> np.ndarray:
@@ -41,63 +42,125 @@ def _case(logits: np.ndarray, top_k: int = 20):
     return record_case(spec, [1, 2, 3], tokens, logits, lambda ids: f"<{ids[0]}>", set()), tokens
 
 
+def _greedy(logits: np.ndarray) -> list[int]:
+    return [int(np.argmax(row)) for row in logits]
+
+
 def test_identical_run_passes_with_zero_difference():
     logits = _logits()
     case, tokens = _case(logits)
     report = compare.compare_case(case, [1, 2, 3], tokens, logits, TOL)
     assert report.status == compare.PASS
-    assert report.max_abs_diff == 0.0
+    assert report.max_logprob_diff == pytest.approx(0.0, abs=1e-6)
     assert report.max_kl == pytest.approx(0.0, abs=1e-9)
-    assert report.first_diverging is None
+    assert report.first_failing is None
+    assert report.greedy_agreement == 6
 
 
-def test_logit_drift_beyond_atol_fails_at_that_step():
+def test_a_shift_of_every_logit_is_not_a_change_of_log_probabilities():
+    logits = _logits()
+    case, tokens = _case(logits)
+    report = compare.compare_case(case, [1, 2, 3], tokens, logits + 3.0, TOL)
+    assert report.status == compare.PASS
+
+
+def test_logprob_drift_beyond_atol_fails_at_that_step_and_later_steps_are_still_compared():
     logits = _logits()
     case, tokens = _case(logits)
     moved = logits.copy()
     moved[3, case.steps[3].topk_ids[5]] += 1e-3  # not enough to change the token
+    moved[5, case.steps[5].topk_ids[2]] += 1e-3
     report = compare.compare_case(case, [1, 2, 3], tokens, moved, TOL)
     assert report.status == compare.FAIL
-    assert report.first_diverging.step == 3
-    assert report.first_diverging.metric == "logits"
-    assert report.first_diverging.max_abs_diff == pytest.approx(1e-3, rel=1e-3)
+    assert report.first_failing.step == 3
+    assert report.first_failing.metric == "logprob"
+    assert [s.step for s in report.steps if s.status == compare.FAIL] == [3, 5]
+    assert report.first_failing.max_logprob_diff == pytest.approx(1e-3, rel=1e-2)
 
 
 def test_drift_within_tolerance_passes():
     logits = _logits()
     case, tokens = _case(logits)
-    report = compare.compare_case(case, [1, 2, 3], tokens, logits + 5e-5, TOL)
+    moved = logits.copy()
+    moved[:, 10] += 5e-5
+    report = compare.compare_case(case, [1, 2, 3], tokens, moved, TOL)
     assert report.status == compare.PASS
 
 
 def test_changed_token_above_margin_fails_and_names_both_tokens():
     logits = _logits()
-    case, tokens = _case(logits)
+    case, _tokens = _case(logits)
     moved = logits.copy()
     moved[2, 40] = 9.0
-    tokens2 = [*tokens[:2], 40, *tokens[3:]]
-    report = compare.compare_case(case, [1, 2, 3], tokens2, moved, TOL)
+    report = compare.compare_case(case, [1, 2, 3], _greedy(moved), moved, TOL)
     assert report.status == compare.FAIL
-    step = report.first_diverging
-    assert (step.step, step.metric, step.expected_token, step.actual_token) == (2, "token", 7, 40)
+    step = report.first_failing
+    assert (step.step, step.expected_token, step.actual_token) == (2, 7, 40)
+    assert report.greedy_agreement == 2
     text = compare.format_failure(report, case, "g.json", lambda ids: f"<{ids[0]}>", "REGEN")
-    assert "first diverging step: 2 of 6" in text
-    assert "expected token 7 '<7>'" in text and "got 40 '<40>'" in text
-    assert "worst logit differences" in text and "REGEN" in text
+    assert "first failing step: 2 of 6" in text
+    assert "golden token 7 '<7>'" in text and "run's greedy choice 40 '<40>'" in text
+    assert "free-running greedy agreement: 2 of 6" in text
+    assert "worst log-probability differences" in text and "REGEN" in text
 
 
-def test_near_tie_is_ambiguous_and_stops_following_the_case():
+def _near_tie_golden():
     logits = _logits()
-    logits[1, 20] = logits[1, 4] - 5e-4  # runner-up within the near-tie margin
-    case, tokens = _case(logits)
-    assert case.steps[1].top_gap < TOL.near_tie_margin
+    logits[1, 20] = logits[1, 4] - 5e-3  # runner-up within LOOSE_TIE's near-tie margin
+    case, _tokens = _case(logits)
+    assert case.steps[1].top_gap < LOOSE_TIE.near_tie_margin
+    return logits, case
+
+
+def test_a_swap_at_a_near_tie_with_passing_numbers_is_ambiguous_and_every_step_is_checked():
+    logits, case = _near_tie_golden()
     run = logits.copy()
-    run[1, 20] = logits[1, 4] + 5e-4  # the run picks the runner-up
-    tokens2 = [*tokens[:1], 20, 0, 0, 0, 0]  # later steps would diverge: not compared
-    report = compare.compare_case(case, [1, 2, 3], tokens2, run, TOL)
-    assert report.status == compare.AMBIGUOUS
-    assert report.first_diverging.step == 1
-    assert len(report.steps) == 2
+    run[1, 20] = logits[1, 4] + 1e-3  # the run picks the runner-up; log-probs move ~3e-3
+    report = compare.compare_case(case, [1, 2, 3], _greedy(run), run, LOOSE_TIE)
+    assert report.status == compare.PASS
+    assert [s.step for s in report.ambiguous_steps] == [1]
+    assert len(report.steps) == 6 and report.greedy_agreement == 1
+
+
+def test_a_swap_at_a_near_tie_fails_when_the_logprobs_moved_too_far():
+    logits, case = _near_tie_golden()
+    run = logits.copy()
+    run[1, 20] = logits[1, 4] + 1e-3
+    run[1, case.steps[1].topk_ids[3]] += 0.5  # a bug elsewhere in the same step
+    report = compare.compare_case(case, [1, 2, 3], _greedy(run), run, LOOSE_TIE)
+    assert report.status == compare.FAIL
+    assert report.first_failing.step == 1 and report.first_failing.metric == "logprob"
+    assert not report.ambiguous_steps
+
+
+def test_a_swap_is_not_ambiguous_when_the_run_prefers_its_token_by_more_than_the_margin():
+    logits, case = _near_tie_golden()
+    run = logits.copy()
+    run[1, 20] = logits[1, 4] + 0.05  # beyond the margin in the run's distribution
+    loose_numbers = dataclasses.replace(LOOSE_TIE, logprob_atol=1.0, kl_max=1.0)
+    report = compare.compare_case(case, [1, 2, 3], _greedy(run), run, loose_numbers)
+    assert report.status == compare.FAIL
+    assert report.first_failing.metric == "token"
+    assert "ranks the golden's token" in report.first_failing.detail
+
+
+def test_a_run_that_picks_a_token_outside_the_goldens_near_ties_fails():
+    logits, case = _near_tie_golden()
+    run = logits.copy()
+    run[1, 50] = logits[1, 4] + 1e-3  # a near-tie in the run, but not one the golden had
+    loose_numbers = dataclasses.replace(LOOSE_TIE, logprob_atol=10.0, kl_max=10.0)
+    report = compare.compare_case(case, [1, 2, 3], _greedy(run), run, loose_numbers)
+    assert report.status == compare.FAIL
+    assert report.first_failing.metric == "token"
+
+
+def test_a_run_that_emits_one_token_at_every_step_fails_even_at_a_golden_near_tie():
+    logits, case = _near_tie_golden()
+    constant = np.zeros_like(logits)
+    constant[:, 20] = 58.0
+    report = compare.compare_case(case, [1, 2, 3], _greedy(constant), constant, LOOSE_TIE)
+    assert report.status == compare.FAIL
+    assert all(s.status == compare.FAIL for s in report.steps)
 
 
 def test_kl_from_topk_equals_full_kl_when_topk_covers_the_vocabulary():
@@ -108,7 +171,7 @@ def test_kl_from_topk_equals_full_kl_when_topk_covers_the_vocabulary():
     p = np.exp(logits[0] - np.logaddexp.reduce(logits[0].astype(np.float64)))
     q = np.exp(run[0] - np.logaddexp.reduce(run[0].astype(np.float64)))
     full_kl = float(np.sum(p * np.log(p / q)))
-    loose = Tolerance("t", 1.0, 0.0, 1.0, 0.0, 1e-3, "")
+    loose = Tolerance("t", 1.0, 1.0, 0.0, 1e-3, "")
     report = compare.compare_case(case, [1, 2, 3], tokens, run, loose)
     assert report.max_kl == pytest.approx(full_kl, rel=1e-4)
 
@@ -119,7 +182,7 @@ def test_topk_tail_bucket_makes_kl_a_lower_bound():
     run = logits.copy()
     tail = [i for i in range(VOCAB) if i not in case.steps[0].topk_ids]
     run[0, tail] += 1.0  # moves mass into the tail only
-    loose = Tolerance("t", 10.0, 0.0, 10.0, 0.0, 1e-3, "")
+    loose = Tolerance("t", 10.0, 10.0, 0.0, 1e-3, "")
     report = compare.compare_case(case, [1, 2, 3], tokens, run, loose)
     assert 0 < report.max_kl < math.inf
 
@@ -129,8 +192,8 @@ def test_run_that_ends_early_fails_at_the_missing_step():
     case, tokens = _case(logits)
     report = compare.compare_case(case, [1, 2, 3], tokens[:4], logits[:4], TOL)
     assert report.status == compare.FAIL
-    assert report.first_diverging.step == 4
-    assert "stopped" in report.first_diverging.detail
+    assert report.first_failing.step == 4
+    assert "ended early" in report.first_failing.detail
 
 
 def test_changed_input_ids_fail_even_when_logits_match():
@@ -148,7 +211,7 @@ def test_every_encoding_and_device_has_a_documented_tolerance():
             for device in ("cpu", "cuda"):
                 tol = tolerance(reference, encoding, device)
                 assert tol.why.strip()
-                assert tol.near_tie_margin > tol.atol, tol.key
+                assert tol.near_tie_margin == pytest.approx(2 * tol.logprob_atol), tol.key
         for reference_fallback in ("bfloat16",):
             assert tolerance(reference, reference_fallback, "cuda", fallback=True).why
 
@@ -160,7 +223,17 @@ def test_missing_tolerance_names_the_key():
 
 def _golden(cases) -> Golden:
     prov = Provenance(
-        "engine", "1", "m", "float32", "all", "cpu", "float32", "f.gguf", "0" * 64, "2.13.0"
+        "engine",
+        "1",
+        "m",
+        "float32",
+        "all",
+        "cpu",
+        "float32",
+        "f.gguf",
+        "0" * 64,
+        "2.13.0",
+        "float32",
     )
     return Golden(prov, cases)
 
@@ -179,3 +252,21 @@ def test_sanity_accepts_a_discriminating_golden():
     logits = _logits(steps=10)
     case, _ = _case(logits)
     assert degeneracy_problems(_golden([case]), near_tie_margin=1e-3) == []
+
+
+def test_sanity_refuses_an_exact_top1_tie():
+    logits = _logits(steps=10)
+    logits[4, 30] = logits[4].max()  # a second token with exactly the top-1 logit
+    case, _ = _case(logits)
+    problems = degeneracy_problems(_golden([case]), near_tie_margin=1e-3)
+    assert any("1 exact top-1 ties" in p and "('prose', 4)" in p for p in problems)
+
+
+def test_every_tolerance_sits_between_its_noise_floor_and_its_mutation_floor():
+    from max_tests.goldens.tolerances import entries, lookup
+
+    for entry in entries():
+        tol = lookup("/".join(entry))
+        assert tol.noise_floor and tol.mutation_floor, f"{tol.key}: floors not recorded"
+        assert tol.noise_floor.logprob < tol.logprob_atol < tol.mutation_floor.logprob, tol
+        assert tol.noise_floor.kl < tol.kl_max, tol

@@ -1,7 +1,8 @@
 """Run this repository's engine over the golden cases of one variant.
 
-Both evaluate_llama (which writes goldens) and test_llama (which checks against them) call
-this, so a golden and the run it is compared with are produced the same way.
+evaluate_llama writes goldens from free-running greedy runs (`run_cases`); the tests feed
+the engine each golden's own tokens (`forced_runs`, teacher forcing) and compare every step
+(`compare_runs`). Both load and tokenize the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from max_tests.goldens.tolerances import Tolerance
 from max_tests.integration.architectures.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 
-ENGINE_PRODUCER_VERSION = "llama3-engine/1"
+ENGINE_PRODUCER_VERSION = "llama3-engine/2"
 EVALUATE = "./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama"
 RUN_TORCH = "./bazelw run //max_tests/integration/architectures/llama3/testdata:run_torch_llama"
 
@@ -32,6 +33,39 @@ class Run:
     tokens: list[int]
     logits: np.ndarray  # [steps, vocab] float32
     seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A run of one variant compared with one golden under one tolerance."""
+
+    golden_name: str
+    reference: str  # own | torch
+    tolerance: Tolerance
+    reports: list[compare.CaseReport]
+    failures: list[str]  # diagnoses, one per failing case (or case-list mismatch)
+
+    @property
+    def ambiguous_steps(self) -> int:
+        return sum(len(r.ambiguous_steps) for r in self.reports)
+
+    @property
+    def steps(self) -> int:
+        return sum(len(r.steps) for r in self.reports)
+
+    def summary(self) -> str:
+        agreement = sum(r.greedy_agreement for r in self.reports)
+        ambiguous = ", ".join(
+            f"{r.case_id} step {s.step}" for r in self.reports for s in r.ambiguous_steps
+        )
+        return (
+            f"{self.reference} {self.golden_name} [{self.tolerance.key}]: "
+            f"{'FAIL' if self.failures else 'PASS'}, {self.steps} steps teacher-forced, "
+            f"max |Δ log-prob| {max((r.max_logprob_diff for r in self.reports), default=0):.3g}"
+            f", max KL {max((r.max_kl for r in self.reports), default=0):.3g}, "
+            f"greedy agreement {agreement}/{self.steps}, "
+            f"ambiguous steps {self.ambiguous_steps}" + (f" ({ambiguous})" if ambiguous else "")
+        )
 
 
 def hardware(device: str) -> str:
@@ -63,6 +97,21 @@ def run_cases(engine: Llama3Engine, model: str) -> list[Run]:
     return [run_case(engine, spec) for spec in case_specs(model)]
 
 
+def forced_run(engine: Llama3Engine, case: schema.Case) -> Run:
+    """The engine fed the golden's tokens: its own tokenization of the prompt, then the
+    golden's greedy tokens; row i of the logits follows the golden's first i tokens."""
+    spec = CaseSpec(case.id, case.prompt, len(case.steps), len(case.steps[0].topk_ids))
+    input_ids = engine.tokenizer.encode(case.prompt)
+    start = time.perf_counter()
+    out = engine.generate(input_ids, len(case.steps), forced_tokens=case.token_ids)
+    seconds = time.perf_counter() - start
+    return Run(spec, input_ids, list(out.tokens), out.logits.float().numpy(), seconds)
+
+
+def forced_runs(engine: Llama3Engine, golden: schema.Golden) -> list[Run]:
+    return [forced_run(engine, case) for case in golden.cases]
+
+
 def provenance(
     variant: Variant, producer: str, producer_version: str, device: str
 ) -> schema.Provenance:
@@ -78,6 +127,7 @@ def provenance(
         checkpoint=variant.path.name,
         checkpoint_sha256=file_sha256(variant.path),
         torch_version=torch.__version__.split("+")[0],
+        logits_dtype="float32",  # both producers run the final norm and LM head in float32
     )
 
 
@@ -115,24 +165,27 @@ def compare_runs(
     variant: Variant,
     decode,
     device: str = "cpu",
-) -> tuple[list[str], list[str]]:
-    """Diagnoses of the failing cases, and the cases that stopped at a near-tie."""
+) -> Verdict:
+    """Teacher-forced runs (`forced_runs` of this golden) against the golden, case by case."""
     by_id = {run.spec.id: run for run in runs}
-    failures, ambiguous = [], []
+    failures, reports = [], []
     regenerate = regenerate_command(variant, reference, device)
+    listed = [(spec.id, spec.prompt) for spec in case_specs(variant.model)]
+    recorded = [(case.id, case.prompt) for case in golden.cases]
+    if listed != recorded:
+        failures.append(
+            f"golden {golden_name} has cases {recorded}, cases.yaml lists {listed}: "
+            f"regenerate with {regenerate}"
+        )
     for case in golden.cases:
         run = by_id.get(case.id)
         if run is None:
-            failures.append(
-                f"golden {golden_name} has case {case.id!r}, which cases.yaml no longer lists: "
-                f"regenerate with {regenerate}"
-            )
+            failures.append(f"no run of case {case.id!r} of golden {golden_name}")
             continue
         report = compare.compare_case(case, run.input_ids, run.tokens, run.logits, tolerance)
+        reports.append(report)
         if report.status == compare.FAIL:
             failures.append(
                 compare.format_failure(report, case, golden_name, decode, regenerate, run.input_ids)
             )
-        elif report.status == compare.AMBIGUOUS:
-            ambiguous.append(f"{reference}/{case.id} step {report.first_diverging.step}")
-    return failures, ambiguous
+    return Verdict(golden_name, reference, tolerance, reports, failures)

@@ -1,20 +1,63 @@
-"""Every published golden discriminates (max_tests/goldens/sanity.py says what that means)."""
+"""Every published golden discriminates (max_tests/goldens/sanity.py says what that means),
+the claims testdata/README.md makes about the goldens hold, and a degenerate engine fails
+against every published golden under every tolerance entry."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from max_tests.goldens import compare
 from max_tests.goldens.sanity import degeneracy_problems
-from max_tests.goldens.tolerances import tolerance
+from max_tests.goldens.tolerances import entries, lookup, tolerance
 from max_tests.integration.architectures.llama3.variants import Variant, variants
 
 VARIANTS = [v for v in variants() if v.path is not None]
+REFERENCES = ["own", "torch"]
+# testdata/README.md, "Goldens": what every published golden of the golden prompts shows.
+README_MIN_GAP = 0.01  # smallest top-1/top-2 logit gap of any step
+README_MIN_DISTINCT = 5  # distinct greedy tokens per case (of 10 steps)
 
 
-@pytest.mark.parametrize("reference", ["own", "torch"])
+@pytest.mark.parametrize("reference", REFERENCES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.test_id for v in VARIANTS])
 def test_golden_is_not_degenerate(variant: Variant, reference: str, goldens) -> None:
     golden, name = goldens.load(reference, variant)
     margin = tolerance(reference, variant.encoding, "cpu").near_tie_margin
     problems = degeneracy_problems(golden, margin)
     assert not problems, f"degenerate golden {name}:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("reference", REFERENCES)
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.test_id for v in VARIANTS])
+def test_readme_claims_hold_for_the_published_golden(variant, reference, goldens) -> None:
+    golden, name = goldens.load(reference, variant)
+    gaps = {(c.id, i): s.top_gap for c in golden.cases for i, s in enumerate(c.steps)}
+    narrowest = min(gaps, key=gaps.get)
+    assert gaps[narrowest] >= README_MIN_GAP, f"{name}: gap {gaps[narrowest]} at {narrowest}"
+    for case in golden.cases:
+        assert len(case.steps) == 10, f"{name} {case.id}: {len(case.steps)} steps"
+        assert len(set(case.token_ids)) >= README_MIN_DISTINCT, f"{name} {case.id}"
+    assert golden.provenance.logits_dtype == "float32", name
+
+
+@pytest.mark.parametrize("reference", REFERENCES)
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.test_id for v in VARIANTS])
+def test_a_run_emitting_one_token_at_every_step_fails_under_every_entry(
+    variant, reference, goldens
+) -> None:
+    """The old harness's blind spot: a constant-token run against a golden whose first step
+    is a near-tie was AMBIGUOUS, hence green. The constant token here is the golden's own
+    runner-up at its narrowest step, the hardest case for the tie rule."""
+    golden, name = goldens.load(reference, variant)
+    vocab = 1 + max(i for c in golden.cases for s in c.steps for i in s.topk_ids)
+    for key in [f"{r}/{e}/{c}" for r, e, c in entries() if (r, e) == (reference, variant.encoding)]:
+        for case in golden.cases:
+            narrowest = min(case.steps, key=lambda s: s.top_gap)
+            constant = narrowest.topk_ids[1]
+            logits = np.zeros((len(case.steps), vocab), dtype=np.float32)
+            logits[:, constant] = 58.0
+            tokens = [constant] * len(case.steps)
+            report = compare.compare_case(case, case.input_ids, tokens, logits, lookup(key))
+            assert report.status == compare.FAIL, f"{name} {case.id} passes under {key}"
+            assert not report.ambiguous_steps, f"{name} {case.id} under {key}"

@@ -113,18 +113,38 @@ def load_reference(variant: Variant, device: str):
 
 @torch.inference_mode()
 def greedy(model, input_ids: list[int], steps: int, eos_ids: set[int], device: str):
-    """Greedy decoding with transformers' KV cache; returns tokens and per-step logits."""
+    """Greedy decoding with transformers' KV cache; returns tokens and per-step logits.
+
+    The final norm and the LM head run in float32 whatever the model's dtype, as the
+    engine's do: bfloat16 logits of ~40 sit on a 0.25 grid and make exact ties.
+    """
+    head = model.lm_head.weight.float()  # [vocab, dim]
+    norm = model.model.norm
+    weight, eps = norm.weight.float(), norm.variance_epsilon
+
+    def float32_norm(module, inputs, output):
+        x = inputs[0].float()
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    hook = norm.register_forward_hook(float32_norm)
+    try:
+        return _greedy(model, head, input_ids, steps, eos_ids, device)
+    finally:
+        hook.remove()
+
+
+def _greedy(model, head, input_ids, steps, eos_ids, device):
     ids = torch.tensor([input_ids], device=device)
-    out = model(ids, use_cache=True)
+    out = model.model(ids, use_cache=True)
     tokens, rows = [], []
     for _ in range(steps):
-        logits = out.logits[0, -1].float()
+        logits = out.last_hidden_state[0, -1].float() @ head.T
         token = int(torch.argmax(logits))
         tokens.append(token)
         rows.append(logits.cpu().numpy())
         if token in eos_ids:
             break
-        out = model(
+        out = model.model(
             torch.tensor([[token]], device=device),
             past_key_values=out.past_key_values,
             use_cache=True,

@@ -1,0 +1,141 @@
+"""calibrate_tolerances: measure the noise floor and the mutation floor behind every tolerance.
+
+For each checkpoint variant, teacher-forced against the pinned goldens (own and torch):
+  noise     two correct runs: the engine on 1 thread against its own golden (made on the
+            default thread count), and the engine against transformers' golden;
+  mutations each known bug of mutations.py against both goldens.
+It prints, per measurement, the worst step's max |Δ log-prob| over the golden top-k and KL.
+Every threshold in max_tests/goldens/tolerances.yaml must sit above the noise and below the
+smallest mutation; the numbers recorded there (noise_floor, mutation_floor) come from here.
+
+Example:
+  ./bazelw run //max_tests/integration/architectures/llama3:calibrate_tolerances
+  ./bazelw run //max_tests/integration/architectures/llama3:calibrate_tolerances -- \\
+      --encoding=bfloat16 --goldens-dir=/tmp/goldens
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from max_tests.goldens import locate, schema
+from max_tests.goldens.tolerances import Tolerance
+from max_tests.integration.architectures.llama3 import golden_run, mutations
+from max_tests.integration.architectures.llama3.variants import (
+    Variant,
+    checkout_testdata,
+    variants,
+)
+from tools.cli_files import user_path
+
+# A tolerance that fails nothing: the measurements read the metrics, not a verdict.
+MEASURE = Tolerance(
+    "measure", logprob_atol=1e9, kl_max=1e9, topk_overlap_min=0.0, near_tie_margin=0.0, why=""
+)
+
+
+def load_golden(reference: str, variant: Variant, goldens_dir: Path | None) -> schema.Golden:
+    producer = "torch" if reference == "torch" else "engine"
+    name = schema.golden_file_name(variant.model, variant.encoding, "all", producer)
+    if goldens_dir is not None:
+        return schema.read(goldens_dir / name)
+    path, searched = locate.find_golden(reference, name, checkout_testdata())
+    if path is None:
+        raise FileNotFoundError(f"{name}: not in {[s.description for s in searched]}")
+    return schema.read(path)
+
+
+def worst(engine, golden: schema.Golden, variant: Variant) -> tuple[float, float]:
+    """(max |Δ log-prob|, max KL) of the engine teacher-forced on `golden`."""
+    runs = golden_run.forced_runs(engine, golden)
+    verdict = golden_run.compare_runs(runs, golden, "", "", MEASURE, variant, str)
+    return (
+        max(r.max_logprob_diff for r in verdict.reports),
+        max(r.max_kl for r in verdict.reports),
+    )
+
+
+def measure(
+    variant: Variant, goldens_dir: Path | None = None
+) -> list[tuple[str, str, float, float]]:
+    """Rows (kind, what, max |Δ log-prob|, max KL) for one variant against both goldens."""
+    goldens = {ref: load_golden(ref, variant, goldens_dir) for ref in ("own", "torch")}
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = golden_run.load_engine(variant)
+        rows.append(
+            ("noise", f"own: 1 thread vs {threads}", *worst(engine, goldens["own"], variant))
+        )
+    finally:
+        torch.set_num_threads(threads)
+    engine = golden_run.load_engine(variant)
+    rows.append(
+        ("noise", "torch: engine vs transformers", *worst(engine, goldens["torch"], variant))
+    )
+    for mutation in mutations.MUTATIONS:
+        if mutation.name == "bos":
+            continue  # caught by the input ids, whatever the numbers
+        for reference, golden in goldens.items():
+            engine = mutations.apply(
+                golden_run.load_engine(variant, overrides=mutation.overrides), mutation
+            )
+            rows.append(
+                ("mutation", f"{reference}: {mutation.name}", *worst(engine, golden, variant))
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="calibrate_tolerances",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("Example:") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--encoding", default="all", help="float32, bfloat16, q4_k, q4_1 or all")
+    parser.add_argument("--goldens-dir", help="read goldens here instead of the pinned archives")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PIPELINES_TESTDATA", str(checkout_testdata()))
+    goldens_dir = user_path(args.goldens_dir).resolve() if args.goldens_dir else None
+    if goldens_dir is not None and not goldens_dir.is_dir():
+        parser.print_usage(sys.stderr)
+        print(
+            f"calibrate_tolerances: error: --goldens-dir={goldens_dir} is not a folder",
+            file=sys.stderr,
+        )
+        return 2
+    selected = [v for v in variants("all", args.encoding) if v.path is not None]
+    selected = [v for v in selected if v.model != "llama3_1"]
+    if not selected:
+        parser.print_usage(sys.stderr)
+        print(
+            f"calibrate_tolerances: error: no checkpoint for --encoding={args.encoding}",
+            file=sys.stderr,
+        )
+        return 2
+    for variant in selected:
+        print(f"calibrate_tolerances: {variant.test_id} ...", file=sys.stderr, flush=True)
+        print(f"\n{variant.encoding} ({variant.test_id})")
+        print(f"  {'kind':<9} {'what':<34} {'max |Δ log-prob|':>17} {'max KL':>10}")
+        rows = measure(variant, goldens_dir)
+        for kind, what, logprob, kl in rows:
+            print(f"  {kind:<9} {what:<34} {logprob:>17.3g} {kl:>10.3g}")
+        for reference in ("own", "torch"):
+            floor = [r for r in rows if r[0] == "mutation" and r[1].startswith(reference)]
+            low = min(floor, key=lambda r: r[2])
+            print(
+                f"  mutation floor ({reference}): {low[2]:.3g} log-prob ({low[1]}), "
+                f"KL {min(r[3] for r in floor):.3g}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
