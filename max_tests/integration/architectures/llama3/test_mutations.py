@@ -47,6 +47,7 @@ def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) 
     ]
     golden_of = {ref: goldens.load(ref, variant) for ref in ("own", "torch")}
     matrix: dict[str, dict[str, str]] = {key: {} for key in keys}
+    numbers: dict[tuple[str, str], str] = {}
     for mutation in [None, *mutations.MUTATIONS]:
         engine = golden_run.load_engine(variant, overrides=mutation.overrides if mutation else None)
         if mutation is not None:
@@ -58,7 +59,9 @@ def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) 
             verdict = golden_run.compare_runs(
                 runs[reference], golden, name, reference, lookup(key), variant, str
             )
-            matrix[key][mutation.name if mutation else "unmutated"] = _cell(verdict)
+            column = mutation.name if mutation else "unmutated"
+            matrix[key][column] = _cell(verdict)
+            numbers[key, column] = verdict.summary()
 
     columns = ["unmutated", *(m.name for m in mutations.MUTATIONS)]
     with capsys.disabled():
@@ -67,10 +70,13 @@ def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) 
         for key in keys:
             print(f"  {key:<28}" + "".join(f"{matrix[key][c]:>16}" for c in columns))
     let_through = [
-        f"{key} lets {m} through" for key in keys for m in columns[1:] if matrix[key][m] == "PASS"
+        f"{key} lets {m} through: {numbers[key, m]}"
+        for key in keys
+        for m in columns[1:]
+        if matrix[key][m] == "PASS"
     ]
     unmutated = [
-        f"{key}: the unmutated engine fails ({matrix[key]['unmutated']})"
+        f"{key}: the unmutated engine fails: {numbers[key, 'unmutated']}"
         for key in keys
         if matrix[key]["unmutated"] != "PASS"
     ]
