@@ -20,6 +20,9 @@ imports are already done), never run: their own targets run them.
   since whether the selection is valid is then unknown.
 
 Without a selection an empty target fails with 5, as pytest says.
+
+The check is scoped to the package: give a selection to the suite or target that holds the
+test (`//max_tests/integration:tests`), not to `//...`, where packages without a match fail.
 """
 
 import difflib
