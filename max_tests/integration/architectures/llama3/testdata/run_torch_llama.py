@@ -4,7 +4,7 @@ transformers' own Llama (AutoModelForCausalLM with gguf_file=) and its own GGUF 
 run the golden prompts greedily; the result is written in the engine goldens' schema as
 `torch_{model}_{encoding}_golden.json` (GPU bfloat16: `torch_{model}_{encoding}_{gpu}_golden.json`).
 
-transformers' GGUF loader ignores Llama 3.1 rope scaling (DESIGN.md 4), so the config is
+transformers' GGUF loader ignores Llama 3.1 rope scaling (docs/environment.md), so the config is
 rebuilt with llama3 rope parameters whenever the file carries `rope_freqs`, and the model's
 inverse frequencies are checked against the file's before anything runs.
 
