@@ -107,6 +107,13 @@ def _f32(value: float) -> float:
     return value
 
 
+def logsumexp(logits: np.ndarray) -> float:
+    """log(sum(exp(logits))) in float64, shifted by the peak so nothing overflows."""
+    logits = np.asarray(logits, dtype=np.float64)
+    peak = logits.max()
+    return float(peak + math.log(np.exp(logits - peak).sum()))
+
+
 def step_from_logits(
     logits: np.ndarray, token_id: int, token_text: str, top_k: int, full: bool = False
 ) -> Step:
@@ -116,8 +123,7 @@ def step_from_logits(
         raise ValueError(f"expected 1-D logits, got shape {logits.shape}")
     # Stable ordering: by logit descending, then by id, so ties never reorder between runs.
     order = np.lexsort((np.arange(logits.size), -logits))[:top_k]
-    peak = logits.max()
-    lse = peak + math.log(np.exp(logits - peak).sum())
+    lse = logsumexp(logits)
     return Step(
         token_id=int(token_id),
         token_text=token_text,
@@ -128,7 +134,7 @@ def step_from_logits(
             "mean": _f32(logits.mean()),
             "std": _f32(logits.std()),
             "min": _f32(logits.min()),
-            "max": _f32(peak),
+            "max": _f32(logits.max()),
         },
         logits=[_f32(v) for v in logits] if full else None,
     )

@@ -33,6 +33,15 @@ class Tolerance:
     noise_floor: Floor | None = None
     mutation_floor: Floor | None = None
 
+    @property
+    def reference(self) -> str:
+        """`own` or `torch`: which goldens this entry compares against."""
+        return self.key.split("/")[0]
+
+    @property
+    def encoding(self) -> str:
+        return self.key.split("/")[1]
+
 
 @functools.cache
 def _table(path: Path = TOLERANCES_FILE) -> dict:
@@ -55,18 +64,14 @@ def tolerance(reference: str, encoding: str, device: str, fallback: bool = False
     return Tolerance(key=key, **entry, **floors)
 
 
-def entries() -> list[tuple[str, str, str]]:
-    """Every (reference, encoding, column) in tolerances.yaml, column e.g. `cuda_fallback`."""
+def entries(reference: str | None = None, encoding: str | None = None) -> list[Tolerance]:
+    """Every entry in tolerances.yaml (`cuda_fallback` columns included), optionally only
+    those of one reference and/or encoding."""
     return [
-        (reference, encoding, column)
-        for reference in REFERENCES
-        for encoding, columns in _table()[reference].items()
-        for column in columns
+        tolerance(ref, enc, device, fallback=bool(fallback))
+        for ref in REFERENCES
+        if reference in (None, ref)
+        for enc, columns in _table()[ref].items()
+        if encoding in (None, enc)
+        for device, _, fallback in (column.partition("_") for column in columns)
     ]
-
-
-def lookup(key: str) -> Tolerance:
-    """The entry named `reference/encoding/column`, e.g. `torch/bfloat16/cuda_fallback`."""
-    reference, encoding, column = key.split("/")
-    device, _, fallback = column.partition("_")
-    return tolerance(reference, encoding, device, fallback=bool(fallback))

@@ -263,10 +263,9 @@ def test_sanity_refuses_an_exact_top1_tie():
 
 
 def test_every_tolerance_sits_between_its_noise_floor_and_its_mutation_floor():
-    from max_tests.goldens.tolerances import entries, lookup
+    from max_tests.goldens.tolerances import entries
 
-    for entry in entries():
-        tol = lookup("/".join(entry))
+    for tol in entries():
         assert tol.noise_floor and tol.mutation_floor, f"{tol.key}: floors not recorded"
         assert tol.noise_floor.logprob < tol.logprob_atol < tol.mutation_floor.logprob, tol
         assert tol.noise_floor.kl < tol.kl_max, tol

@@ -40,24 +40,20 @@ MEASURE = Tolerance(
 
 
 def load_golden(reference: str, variant: Variant, goldens_dir: Path | None) -> schema.Golden:
-    producer = "torch" if reference == "torch" else "engine"
-    name = schema.golden_file_name(variant.model, variant.encoding, "all", producer)
     if goldens_dir is not None:
-        return schema.read(goldens_dir / name)
-    path, searched = locate.find_golden(reference, name, checkout_testdata())
-    if path is None:
-        raise FileNotFoundError(f"{name}: not in {[s.description for s in searched]}")
-    return schema.read(path)
+        return schema.read(goldens_dir / golden_run.golden_file_name(reference, variant))
+    found = golden_run.find_golden(reference, variant, checkout_testdata())
+    if found is None:
+        name = golden_run.golden_file_name(reference, variant)
+        searched = [s.description for s in locate.golden_sources(reference, checkout_testdata())]
+        raise FileNotFoundError(f"{name}: not in {searched}")
+    return found[0]
 
 
 def worst(engine, golden: schema.Golden, variant: Variant) -> tuple[float, float]:
     """(max |Δ log-prob|, max KL) of the engine teacher-forced on `golden`."""
-    runs = golden_run.forced_runs(engine, golden)
-    verdict = golden_run.compare_runs(runs, golden, "", "", MEASURE, variant, str)
-    return (
-        max(r.max_logprob_diff for r in verdict.reports),
-        max(r.max_kl for r in verdict.reports),
-    )
+    verdict = golden_run.check(engine, golden, "", "", MEASURE, variant)
+    return verdict.max_logprob_diff, verdict.max_kl
 
 
 def measure(
@@ -66,26 +62,21 @@ def measure(
     """Rows (kind, what, max |Δ log-prob|, max KL) for one variant against both goldens."""
     goldens = {ref: load_golden(ref, variant, goldens_dir) for ref in ("own", "torch")}
     rows = []
+    engine = mutations.load(variant, None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = golden_run.load_engine(variant)
-        rows.append(
-            ("noise", f"own: 1 thread vs {threads}", *worst(engine, goldens["own"], variant))
-        )
+        own = worst(engine, goldens["own"], variant)
     finally:
         torch.set_num_threads(threads)
-    engine = golden_run.load_engine(variant)
-    rows.append(
-        ("noise", "torch: engine vs transformers", *worst(engine, goldens["torch"], variant))
-    )
+    rows.append(("noise", f"own: 1 thread vs {threads}", *own))
+    torch_noise = worst(engine, goldens["torch"], variant)
+    rows.append(("noise", "torch: engine vs transformers", *torch_noise))
     for mutation in mutations.MUTATIONS:
         if mutation.name == "bos":
             continue  # caught by the input ids, whatever the numbers
+        engine = mutations.load(variant, mutation)
         for reference, golden in goldens.items():
-            engine = mutations.apply(
-                golden_run.load_engine(variant, overrides=mutation.overrides), mutation
-            )
             rows.append(
                 ("mutation", f"{reference}: {mutation.name}", *worst(engine, golden, variant))
             )

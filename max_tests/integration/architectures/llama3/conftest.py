@@ -36,17 +36,10 @@ class GoldenStore:
     def __init__(self, testdata: Path) -> None:
         self.testdata = testdata
 
-    @staticmethod
-    def file_name(reference: str, variant: Variant, hardware: str = "all") -> str:
-        producer = "torch" if reference == "torch" else "engine"
-        return schema.golden_file_name(variant.model, variant.encoding, hardware, producer)
-
     def find(
         self, reference: str, variant: Variant, hardware: str = "all"
     ) -> tuple[schema.Golden, str] | None:
-        name = self.file_name(reference, variant, hardware)
-        path, _ = locate.find_golden(reference, name, self.testdata)
-        return None if path is None else (schema.read(path), f"{name} ({path.parent})")
+        return golden_run.find_golden(reference, variant, self.testdata, hardware)
 
     def load(
         self, reference: str, variant: Variant, hardware: str = "all", device: str = "cpu"
@@ -55,7 +48,7 @@ class GoldenStore:
         found = self.find(reference, variant, hardware)
         if found is not None:
             return found
-        name = self.file_name(reference, variant, hardware)
+        name = golden_run.golden_file_name(reference, variant, hardware)
         searched = "; ".join(s.description for s in locate.golden_sources(reference, self.testdata))
         command = golden_run.regenerate_command(variant, reference, device)
         message = (

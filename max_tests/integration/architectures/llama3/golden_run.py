@@ -2,18 +2,19 @@
 
 evaluate_llama writes goldens from free-running greedy runs (`run_cases`); the tests feed
 the engine each golden's own tokens (`forced_runs`, teacher forcing) and compare every step
-(`compare_runs`). Both load and tokenize the same way.
+(`compare_runs`; `check` does both). Both load and tokenize the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from max_tests.goldens import compare, schema
+from max_tests.goldens import compare, locate, schema
 from max_tests.goldens.record import CaseSpec, case_specs, file_sha256, record_case
 from max_tests.goldens.tolerances import Tolerance
 from max_tests.integration.architectures.llama3.variants import Variant
@@ -53,6 +54,14 @@ class Verdict:
     def steps(self) -> int:
         return sum(len(r.steps) for r in self.reports)
 
+    @property
+    def max_logprob_diff(self) -> float:
+        return max((r.max_logprob_diff for r in self.reports), default=0.0)
+
+    @property
+    def max_kl(self) -> float:
+        return max((r.max_kl for r in self.reports), default=0.0)
+
     def summary(self) -> str:
         agreement = sum(r.greedy_agreement for r in self.reports)
         ambiguous = ", ".join(
@@ -61,8 +70,7 @@ class Verdict:
         return (
             f"{self.reference} {self.golden_name} [{self.tolerance.key}]: "
             f"{'FAIL' if self.failures else 'PASS'}, {self.steps} steps teacher-forced, "
-            f"max |Δ log-prob| {max((r.max_logprob_diff for r in self.reports), default=0):.3g}"
-            f", max KL {max((r.max_kl for r in self.reports), default=0):.3g}, "
+            f"max |Δ log-prob| {self.max_logprob_diff:.3g}, max KL {self.max_kl:.3g}, "
             f"greedy agreement {agreement}/{self.steps}, "
             f"ambiguous steps {self.ambiguous_steps}" + (f" ({ambiguous})" if ambiguous else "")
         )
@@ -151,6 +159,21 @@ def engine_golden(
     return schema.Golden(provenance=prov, cases=cases)
 
 
+def golden_file_name(reference: str, variant: Variant, hardware: str = "all") -> str:
+    """The file name of the `reference` ("own" or "torch") golden of `variant`."""
+    producer = "torch" if reference == "torch" else "engine"
+    return schema.golden_file_name(variant.model, variant.encoding, hardware, producer)
+
+
+def find_golden(
+    reference: str, variant: Variant, testdata: Path, hardware: str = "all"
+) -> tuple[schema.Golden, str] | None:
+    """The golden and a description of where it was found (locate.py's sources), or None."""
+    name = golden_file_name(reference, variant, hardware)
+    path, _ = locate.find_golden(reference, name, testdata)
+    return None if path is None else (schema.read(path), f"{name} ({path.parent})")
+
+
 def regenerate_command(variant: Variant, producer: str, device: str = "cpu") -> str:
     tool = RUN_TORCH if producer == "torch" else EVALUATE
     return f"{tool} -- --model={variant.model} --encoding={variant.encoding} --device={device}"
@@ -189,3 +212,18 @@ def compare_runs(
                 compare.format_failure(report, case, golden_name, decode, regenerate, run.input_ids)
             )
     return Verdict(golden_name, reference, tolerance, reports, failures)
+
+
+def check(
+    engine: Llama3Engine,
+    golden: schema.Golden,
+    golden_name: str,
+    reference: str,
+    tolerance: Tolerance,
+    variant: Variant,
+    device: str = "cpu",
+) -> Verdict:
+    """The engine teacher-forced on `golden` and compared with it under `tolerance`."""
+    runs = forced_runs(engine, golden)
+    decode = engine.tokenizer.decode
+    return compare_runs(runs, golden, golden_name, reference, tolerance, variant, decode, device)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from max_tests.integration.architectures.llama3 import golden_run
+from max_tests.integration.architectures.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 
 
@@ -20,7 +22,7 @@ class Mutation:
     name: str
     what: str
     overrides: dict  # LlamaConfig fields replaced at load
-    patch: Callable[[Llama3Engine], None] | None = None  # applied to the loaded engine
+    patch: Callable[[Llama3Engine], None] | None = None  # applied to the loaded engine (`load`)
 
 
 def _nudge_q_weight(engine: Llama3Engine) -> None:
@@ -81,8 +83,12 @@ MUTATIONS = [
 BY_NAME = {m.name: m for m in MUTATIONS}
 
 
-def apply(engine: Llama3Engine, mutation: Mutation) -> Llama3Engine:
-    """`engine` (loaded with `mutation.overrides`) with the mutation's patch applied."""
+def load(variant: Variant, mutation: Mutation | None) -> Llama3Engine:
+    """The variant's engine with `mutation` applied: loaded with its config overrides, then
+    patched. None gives the unmutated engine."""
+    if mutation is None:
+        return golden_run.load_engine(variant)
+    engine = golden_run.load_engine(variant, overrides=mutation.overrides)
     if mutation.patch is not None:
         mutation.patch(engine)
     return engine

@@ -34,13 +34,8 @@ def test_llama(variant: Variant, goldens, record_property) -> None:
     loaded = time.perf_counter()
     verdicts = []
     for golden, name, reference in references:
-        runs = golden_run.forced_runs(engine, golden)
         tol = tolerance(reference, variant.encoding, "cpu")
-        verdicts.append(
-            golden_run.compare_runs(
-                runs, golden, name, reference, tol, variant, engine.tokenizer.decode
-            )
-        )
+        verdicts.append(golden_run.check(engine, golden, name, reference, tol, variant))
     model_seconds = time.perf_counter() - loaded
     record_property("load_seconds", round(loaded - start, 4))
     record_property("model_seconds", round(model_seconds, 4))

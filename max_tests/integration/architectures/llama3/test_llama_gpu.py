@@ -48,10 +48,7 @@ def test_llama_gpu(variant: Variant, goldens, record_property) -> None:
     for reference in ("own", "torch"):
         golden, name, tol, note = _golden_for_this_gpu(goldens, reference, variant, gpu)
         record_property(f"{reference}_golden", f"{name} ({note})")
-        runs = golden_run.forced_runs(engine, golden)
-        verdict = golden_run.compare_runs(
-            runs, golden, name, reference, tol, variant, engine.tokenizer.decode, device="cuda"
-        )
+        verdict = golden_run.check(engine, golden, name, reference, tol, variant, "cuda")
         print(f"{variant.test_id} on {gpu} ({note}): {verdict.summary()}")
         failures += verdict.failures
         ambiguous += verdict.ambiguous_steps

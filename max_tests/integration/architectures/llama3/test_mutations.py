@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 
 from max_tests.goldens import compare
-from max_tests.goldens.tolerances import entries, lookup
+from max_tests.goldens.tolerances import entries, tolerance
 from max_tests.integration.architectures.llama3 import golden_run, mutations
 from max_tests.integration.architectures.llama3.variants import variants
 
-ENCODINGS = sorted({encoding for _, encoding, _ in entries()})
+ENCODINGS = sorted({tol.encoding for tol in entries()})
 
 
 def _variant(encoding: str):
@@ -40,28 +40,22 @@ def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) 
     variant = _variant(encoding)
     if variant.path is None:
         pytest.fail(f"the mutation matrix needs {variant.unavailable_reason}")
-    keys = [
-        f"{reference}/{encoding}/{column}"
-        for reference, enc, column in entries()
-        if enc == encoding
-    ]
+    tolerances = entries(encoding=encoding)
+    keys = [tol.key for tol in tolerances]
     golden_of = {ref: goldens.load(ref, variant) for ref in ("own", "torch")}
     matrix: dict[str, dict[str, str]] = {key: {} for key in keys}
     numbers: dict[tuple[str, str], str] = {}
     for mutation in [None, *mutations.MUTATIONS]:
-        engine = golden_run.load_engine(variant, overrides=mutation.overrides if mutation else None)
-        if mutation is not None:
-            mutations.apply(engine, mutation)
+        engine = mutations.load(variant, mutation)
         runs = {ref: golden_run.forced_runs(engine, g) for ref, (g, _) in golden_of.items()}
-        for key in keys:
-            reference = key.split("/")[0]
-            golden, name = golden_of[reference]
+        column = mutation.name if mutation else "unmutated"
+        for tol in tolerances:
+            golden, name = golden_of[tol.reference]
             verdict = golden_run.compare_runs(
-                runs[reference], golden, name, reference, lookup(key), variant, str
+                runs[tol.reference], golden, name, tol.reference, tol, variant, str
             )
-            column = mutation.name if mutation else "unmutated"
-            matrix[key][column] = _cell(verdict)
-            numbers[key, column] = verdict.summary()
+            matrix[tol.key][column] = _cell(verdict)
+            numbers[tol.key, column] = verdict.summary()
 
     columns = ["unmutated", *(m.name for m in mutations.MUTATIONS)]
     with capsys.disabled():
@@ -88,10 +82,8 @@ def test_a_kv_cache_mutation_first_fails_at_the_first_decode_step(goldens) -> No
     variant = _variant("float32")
     golden, name = goldens.load("own", variant)
     mutation = mutations.BY_NAME["kv_position"]
-    engine = mutations.apply(golden_run.load_engine(variant), mutation)
-    runs = golden_run.forced_runs(engine, golden)
-    tol = lookup("own/float32/cpu")
-    verdict = golden_run.compare_runs(runs, golden, name, "own", tol, variant, str)
+    tol = tolerance("own", "float32", "cpu")
+    verdict = golden_run.check(mutations.load(variant, mutation), golden, name, "own", tol, variant)
     assert [r.first_failing.step for r in verdict.reports] == [1] * len(verdict.reports)
     # Step 0 differs only by the golden's float32 rounding of its logsumexp.
     assert all(r.steps[0].max_logprob_diff < 1e-8 for r in verdict.reports)
