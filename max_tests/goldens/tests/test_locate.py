@@ -115,26 +115,18 @@ def test_a_damaged_archive_is_an_error_naming_it_not_a_silent_fallback(
     assert not outside_bazel.exists() or list(outside_bazel.iterdir()) == []
 
 
-def test_the_pinned_urls_version_is_used_when_several_hold_the_sha(
-    repo: Path, testdata: Path
+# The pinned URL's version when the store has it; else the newest version holding the sha,
+# compared as numbers (10 > 2, not "2" > "10").
+@pytest.mark.parametrize(("pinned", "used"), [(2, 2), (7, 10)])
+def test_the_version_used_when_several_hold_the_sha(
+    repo: Path, testdata: Path, pinned: int, used: int
 ) -> None:
     for version in (2, 10):
         _store_path(repo, version).parent.mkdir(parents=True)
         _store_path(repo, version).write_bytes(DATA)
-    _pin(repo, _url(2))
+    _pin(repo, _url(pinned))
     source = locate.golden_sources("own", testdata, repo_root=repo)[0]
-    assert f"artifacts/{NAME}/2/{SHA}/" in source.description
-
-
-def test_the_newest_version_is_used_when_the_pinned_one_is_not_in_the_store(
-    repo: Path, testdata: Path
-) -> None:
-    for version in (2, 10):
-        _store_path(repo, version).parent.mkdir(parents=True)
-        _store_path(repo, version).write_bytes(DATA)
-    _pin(repo, _url(7))
-    source = locate.golden_sources("own", testdata, repo_root=repo)[0]
-    assert f"artifacts/{NAME}/10/{SHA}/" in source.description  # numeric, not "2" > "10"
+    assert f"artifacts/{NAME}/{used}/{SHA}/" in source.description
 
 
 def test_without_a_pin_or_a_stored_archive_only_testdata_is_searched(
