@@ -1,5 +1,8 @@
-"""How the repository's command-line tools treat files.
+"""How the repository's command-line tools and tests find and write files.
 
+- `repo_root`: the repository a command acts on. Under `bazel run` that is the workspace Bazel
+  was called in (BUILD_WORKSPACE_DIRECTORY); elsewhere (plain Python, pytest, `bazel test`)
+  it is the checkout holding this file, found by resolving the runfiles symlinks.
 - `user_path`: a path the user typed means their working directory. Under `bazel run` the
   process starts in the runfiles tree, and Bazel says where the user was in
   BUILD_WORKING_DIRECTORY.
@@ -15,6 +18,13 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+
+def repo_root() -> Path:
+    workspace = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
+    if workspace:
+        return Path(workspace)
+    return Path(__file__).resolve().parents[1]
 
 
 def user_path(path: str | os.PathLike) -> Path:

@@ -19,8 +19,8 @@ from pathlib import Path
 from tools.artifacts import stanza
 from tools.artifacts.extract import extract_pinned
 from tools.artifacts.store import SHA256_PATTERN, ref_from_url
+from tools.cli_files import repo_root as checkout_root
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 ARCHIVES = {
     "own": ("test_llama_golden", "TEST_LLAMA_GOLDENS"),
     "torch": ("torch_llama_golden", "TORCH_LLAMA_GOLDENS"),
@@ -86,13 +86,14 @@ def _pinned_archive(store: Path, name: str, sha: str, url: str) -> Path | None:
     return max(versions, key=lambda path: int(path.parent.parent.name), default=None)
 
 
-def golden_sources(reference: str, testdata: Path, repo_root: Path = REPO_ROOT) -> list[Source]:
+def golden_sources(reference: str, testdata: Path, repo_root: Path | None = None) -> list[Source]:
     """Folders to look in for `reference` ("own" or "torch") goldens, in order."""
     name, env = ARCHIVES[reference]
     runfiles = _runfiles_source(env)
     if runfiles is not None:
         return [runfiles]  # under Bazel only what the test depends on counts
-    sources = [s for s in (_store_source(name, repo_root),) if s is not None]
+    store = _store_source(name, repo_root or checkout_root())
+    sources = [store] if store is not None else []
     sources.append(Source(testdata, f"testdata folder {testdata}"))
     return sources
 

@@ -7,14 +7,13 @@ Example:
 """
 
 import argparse
-import os
-import pathlib
 import sys
 
 import torch
 
 from pipelines.llama3.engine import Llama3Engine
 from pipelines.llama3.gguf_loader import CheckpointError
+from tools.cli_files import user_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -24,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--gguf", required=True, type=pathlib.Path, help="GGUF checkpoint (llama architecture)"
+        "--gguf", required=True, type=user_path, help="GGUF checkpoint (llama architecture)"
     )
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -39,13 +38,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve(path: pathlib.Path) -> pathlib.Path:
-    # `bazel run` starts in the runfiles tree; relative paths mean the user's directory.
-    base = os.environ.get("BUILD_WORKING_DIRECTORY")
-    path = path.expanduser()
-    return path if path.is_absolute() or not base else pathlib.Path(base) / path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -55,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device={args.device}: this torch has no CUDA device; use --device=cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
-    gguf_path = _resolve(args.gguf)
+    gguf_path = args.gguf
     print(f"loading {gguf_path} on {args.device} ({args.dtype})", file=sys.stderr)
     try:
         engine = Llama3Engine.from_gguf(gguf_path, device=args.device, dtype=DTYPES[args.dtype])

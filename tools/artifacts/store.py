@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from tools.cli_files import write_atomically
+from tools.cli_files import repo_root, write_atomically
 
 NAME_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
@@ -93,14 +93,6 @@ class Store(Protocol):
     def write(self, ref: ArchiveRef, data: bytes) -> None: ...
     def delete(self, ref: ArchiveRef) -> None: ...
     def url(self, ref: ArchiveRef) -> str: ...
-
-
-def repo_root() -> Path:
-    """The workspace: BUILD_WORKSPACE_DIRECTORY under `bazel run`, else this file's checkout."""
-    workspace = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
-    if workspace:
-        return Path(workspace)
-    return Path(__file__).resolve().parents[2]
 
 
 def _format_url(template: str, ref: ArchiveRef, key: str, **extra: str) -> str:

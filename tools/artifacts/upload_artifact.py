@@ -34,9 +34,8 @@ from tools.artifacts.store import (
     check_name,
     check_version,
     ref_from_url,
-    repo_root,
 )
-from tools.cli_files import user_path, write_atomically
+from tools.cli_files import repo_root, user_path, write_atomically
 
 COMMANDS = ("upload", "fetch", "add", "distdir", "verify")
 

@@ -1,8 +1,7 @@
 """Fixtures of the llama3 golden tests.
 
-`modular_path` (env MODULAR_PATH) is the repository root the tests run against and
-`testdata_directory` (env PIPELINES_TESTDATA) the folder with the tiny checkpoints; Bazel's
-BUILD sets both, plain pytest falls back to this checkout.
+`testdata_directory` (env PIPELINES_TESTDATA) is the folder with the tiny checkpoints; Bazel's
+BUILD sets it, plain pytest falls back to the testdata folder of this checkout.
 """
 
 from __future__ import annotations
@@ -18,11 +17,6 @@ from max_tests.integration.architectures.llama3.variants import Variant
 from max_tests.integration.architectures.llama3.variants import testdata_directory as _testdata
 
 GOLDENS_REQUIRED_ENV = "GOLDENS_REQUIRED"  # set by --config=ci: a missing golden fails
-
-
-@pytest.fixture(scope="session")
-def modular_path() -> Path:
-    return Path(os.environ.get("MODULAR_PATH", Path(__file__).resolve().parents[4])).resolve()
 
 
 @pytest.fixture(scope="session")

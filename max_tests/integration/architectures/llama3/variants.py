@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from tools.cli_files import repo_root
+
 MODELS = ("tinyllama", "smollm2", "llama3_1")
 TINY_ENCODINGS = ("float32", "bfloat16", "q4_k")
 LLAMA3_1_ENV = "LLAMA3_1_GGUF"
@@ -57,10 +59,7 @@ class Variant:
 def checkout_testdata(repository: Path | None = None) -> Path:
     """The testdata folder a tool writes goldens into: of `repository` when given, else of the
     workspace `bazel run` was called in, else of this file's checkout."""
-    if repository is None:
-        workspace = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
-        repository = Path(workspace) if workspace else Path(__file__).resolve().parents[4]
-    return repository / TESTDATA_REL
+    return (repository or repo_root()) / TESTDATA_REL
 
 
 def testdata_directory() -> Path:
