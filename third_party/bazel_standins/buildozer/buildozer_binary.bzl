@@ -6,7 +6,7 @@ def _empty_repo_impl(rctx):
 
 _empty_repo = repository_rule(implementation = _empty_repo_impl)
 
-def _buildozer_binary_impl(module_ctx):
+def _buildozer_binary_impl(_module_ctx):
     _empty_repo(name = "buildozer_binary")
 
 buildozer_binary = module_extension(implementation = _buildozer_binary_impl)
