@@ -30,12 +30,12 @@ _GOLDEN_ARCHIVES_ENV = {
     "TORCH_LLAMA_GOLDENS": "$(rootpaths @torch_llama_golden)",
 }
 
-def llama3_test(name, size, goldens = True, gpu = False):
+def llama3_test(name, size, goldens = True, gpu = False, srcs = []):
     """The pytest file `<name>.py` with the package's conftest, over the tiny checkpoints.
 
     `goldens` adds SmolLM2 and the pinned golden archives; `gpu` makes it a GPU test
-    (SKIPPED as incompatible unless --config=gpu). The suites in //max_tests/integration
-    are its only users.
+    (SKIPPED as incompatible unless --config=gpu); `srcs` are modules under test that no
+    library holds (a tool's main file). The suites in //max_tests/integration are its only users.
     """
     rule = gpu_pytest_test if gpu else pytest_test
     rule(
@@ -44,7 +44,7 @@ def llama3_test(name, size, goldens = True, gpu = False):
         srcs = [
             "conftest.py",
             name + ".py",
-        ],
+        ] + srcs,
         data = _CHECKPOINTS + (_SMOLLM2 + _GOLDEN_ARCHIVES if goldens else []),
         env = _CHECKPOINTS_ENV | (_SMOLLM2_ENV | _GOLDEN_ARCHIVES_ENV if goldens else {}),
         visibility = ["//max_tests/integration:__pkg__"],

@@ -6,6 +6,8 @@
 - `user_path`: a path the user typed means their working directory. Under `bazel run` the
   process starts in the runfiles tree, and Bazel says where the user was in
   BUILD_WORKING_DIRECTORY.
+- `output_directory`: a folder the user named for outputs is created (parents included) when
+  missing; a path that exists as a file is an error naming the flag, never overwritten.
 - `atomic_path` / `write_atomically`: an output appears whole or not at all. Data goes to a
   temporary file beside the target, then one rename replaces it; on any failure the temporary
   file is removed and an existing target is left untouched.
@@ -30,6 +32,24 @@ def repo_root() -> Path:
 def user_path(path: str | os.PathLike) -> Path:
     base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
     return Path(base, os.path.expanduser(path))
+
+
+class PathError(ValueError):
+    """A path the user gave cannot be used; the message names the flag, the path and the fix."""
+
+
+def output_directory(path: Path, flag: str) -> Path:
+    """`path`, created with its parents when missing, as the folder a command writes into."""
+    if path.exists() and not path.is_dir():
+        raise PathError(f"{flag}={path} exists and is not a directory; name a folder to write into")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a parent is a file, no permission, read-only file system
+        reason = f"{error.strerror}: {error.filename}" if error.filename else str(error)
+        raise PathError(
+            f"{flag}={path} cannot be created ({reason}); name a folder you can write"
+        ) from error
+    return path
 
 
 @contextlib.contextmanager

@@ -4,7 +4,14 @@ import os
 
 import pytest
 
-from tools.cli_files import atomic_path, user_path, write_atomically
+from tools.cli_files import (
+    PathError,
+    atomic_path,
+    output_directory,
+    repo_root,
+    user_path,
+    write_atomically,
+)
 
 
 def test_user_path_means_the_directory_bazel_run_was_called_from(monkeypatch, tmp_path):
@@ -40,3 +47,28 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
         raise RuntimeError("writer crashed")
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+
+
+def test_output_directory_is_created_with_its_parents(tmp_path):
+    target = tmp_path / "a" / "b" / "goldens"
+    assert output_directory(target, "--output-dir") == target
+    assert target.is_dir()
+    assert output_directory(target, "--output-dir") == target  # an existing folder is fine
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_output_directory_that_is_a_file_is_refused_and_left_alone(tmp_path, inside):
+    existing = tmp_path / "goldens.json"
+    existing.write_text("keep me")
+    target = existing / "sub" if inside else existing
+    with pytest.raises(PathError, match=r"^--output-dir=.*goldens\.json.* name a folder"):
+        output_directory(target, "--output-dir")
+    assert existing.read_text() == "keep me"
+
+
+def test_repo_root_is_the_bazel_run_workspace_else_this_checkout(monkeypatch, tmp_path):
+    monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
+    assert (repo_root() / "MODULE.bazel").is_file()
+    assert (repo_root() / "tools" / "cli_files.py").is_file()
+    monkeypatch.setenv("BUILD_WORKSPACE_DIRECTORY", str(tmp_path))
+    assert repo_root() == tmp_path

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from tools.cli_files import atomic_path, user_path
+from tools.cli_files import PathError, atomic_path, output_directory, user_path
 from tools.gen_tiny_model import llama3_tokenizer, q4_k
 from tools.gen_tiny_model.tiny_llama import ENCODINGS, TinyLlamaConfig, write_gguf
 
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output=$PWD/tiny_llama.gguf --quantization-encoding=float32 \\\n"
         "      --n-layers=1 --n-heads=1 --n-kv-heads=1 --hidden-dim=16",
     )
-    parser.add_argument("--output", required=True, help="GGUF file to write (folder must exist)")
+    parser.add_argument("--output", required=True, help="GGUF file to write (folder created)")
     parser.add_argument(
         "--quantization-encoding",
         required=True,
@@ -106,10 +106,6 @@ def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Path | No
                     f"--quantization-encoding=q4_k (Q4_K blocks hold {q4_k.QK_K} values)"
                 )
     output = user_path(args.output)
-    if not output.parent.is_dir():
-        raise UsageError(
-            f"--output={args.output}: directory {output.parent} does not exist; create it first"
-        )
     if output.is_dir():
         raise UsageError(f"--output={args.output} is a directory; name the .gguf file to write")
     tokenizer_dir = None
@@ -127,6 +123,10 @@ def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Path | No
         hidden_dim=hidden,
         intermediate_dim=intermediate,
     )
+    try:  # last: nothing is created for an invalid command
+        output_directory(output.parent, "--output's folder")
+    except PathError as error:
+        raise UsageError(str(error)) from error
     return config, output, tokenizer_dir
 
 

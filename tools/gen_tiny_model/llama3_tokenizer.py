@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, processors
 
-from tools.cli_files import user_path, write_atomically
+from tools.cli_files import PathError, output_directory, user_path, write_atomically
 
 # The pre-tokenizer split of Llama 3 (llama_models.llama3.tokenizer.Tokenizer.pat_str).
 LLAMA3_PATTERN = (
@@ -190,15 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         epilog="example: write_tokenizer "
         "--output-dir=$PWD/max_tests/integration/architectures/llama3/testdata",
     )
-    parser.add_argument("--output-dir", required=True, help="existing folder to write into")
+    parser.add_argument("--output-dir", required=True, help="folder to write into (created)")
     args = parser.parse_args(argv)
-    out_dir = user_path(args.output_dir)
-    if not out_dir.is_dir():
-        print(
-            f"write_tokenizer: error: --output-dir={args.output_dir} is not an existing "
-            "directory; create it first",
-            file=sys.stderr,
-        )
+    try:
+        out_dir = output_directory(user_path(args.output_dir), "--output-dir")
+    except PathError as error:
+        print(f"write_tokenizer: error: {error}", file=sys.stderr)
         return 2
     print(f"building the Llama 3.1 tokenizer from {tiktoken_model_path()}", file=sys.stderr)
     for name, content in tokenizer_files(build_tokenizer()).items():

@@ -54,11 +54,18 @@ def test_invalid_argument_exits_2_with_one_line_and_writes_nothing(tmp_path, cap
     assert list(tmp_path.iterdir()) == []
 
 
-def test_missing_output_directory_exits_2(tmp_path, capsys):
-    output = tmp_path / "absent" / "model.gguf"
-    assert main([f"--output={output}", *VALID]) == 2
+def test_output_under_a_file_exits_2_and_leaves_the_file(tmp_path, capsys):
+    blocker = tmp_path / "checkpoints"
+    blocker.write_text("not a folder")
+    assert main([f"--output={blocker / 'sub' / 'model.gguf'}", *VALID]) == 2
     err = capsys.readouterr().err
-    assert "does not exist; create it first" in err and err.count("\n") == 1
+    assert "cannot be created" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == [blocker] and blocker.read_text() == "not a folder"
+
+
+def test_invalid_command_creates_no_output_folder(tmp_path, capsys):
+    output = tmp_path / "absent" / "model.gguf"
+    assert main([f"--output={output}", *_with("--hidden-dim=12")]) == 2
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,7 +1,9 @@
 """evaluate_llama: compute this engine's goldens for every model x encoding.
 
 Writes `{model}_{encoding}_{hardware}_golden.json` per combination into --output-dir
-(default: the testdata folder), prints a summary table on stdout and progress on stderr.
+(default: the testdata folder; created if missing), prints a summary table on stdout and
+progress on stderr. A selection with no checkpoint at all (--model=llama3_1 without
+--llama3-1-gguf) exits 2 and names what is missing; --model=all runs what is available.
 Publish the files with tools/upload-public-bazel-artifact.sh (see testdata/README.md).
 
 Examples:
@@ -27,9 +29,10 @@ from max_tests.integration.architectures.llama3.variants import (
     MODELS,
     TESTDATA_REL,
     checkout_testdata,
+    unavailable_selection,
     variants,
 )
-from tools.cli_files import user_path
+from tools.cli_files import PathError, output_directory, user_path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="all", choices=["all", *MODELS])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--output-dir", help="where to write goldens (default: the testdata folder)")
-    p.add_argument("--llama3-1-gguf", help=f"a Llama-3.1-8B-Instruct GGUF (or ${LLAMA3_1_ENV})")
+    p.add_argument(
+        "--llama3-1-gguf", type=user_path, help=f"a Llama-3.1-8B-Instruct GGUF (or ${LLAMA3_1_ENV})"
+    )
     p.add_argument(
         "--full-logits",
         action="store_true",
@@ -69,15 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     if not testdata.is_dir():
         _usage_error(parser, f"--modular-path={repository} has no {TESTDATA_REL}; pass a checkout")
     os.environ["PIPELINES_TESTDATA"] = str(testdata)
-    output_dir = user_path(args.output_dir).resolve() if args.output_dir else testdata
-    if not output_dir.is_dir():
-        _usage_error(parser, f"--output-dir={output_dir} does not exist; create it first")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         _usage_error(parser, f"--device={args.device} but torch sees no CUDA device")
 
     selected = variants(args.model, args.encoding, args.llama3_1_gguf)
     if not selected:
         _usage_error(parser, f"--model={args.model} has no --encoding={args.encoding} checkpoint")
+    nothing = unavailable_selection(selected)
+    if nothing is not None:
+        _usage_error(parser, nothing)
+    try:
+        output_dir = (
+            output_directory(user_path(args.output_dir).resolve(), "--output-dir")
+            if args.output_dir
+            else testdata
+        )
+    except PathError as error:
+        _usage_error(parser, str(error))
     rows, unavailable = [], []
     for variant in selected:
         if variant.path is None:
@@ -154,7 +167,7 @@ def _print_summary(rows, unavailable, output_dir: Path) -> None:
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    print(f"goldens written to {output_dir}")
+    print(f"{len(rows)} goldens written to {output_dir}")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def _smollm2() -> Variant:
     return Variant("smollm2", "q4_1", "real", "smollm2", path, reason)
 
 
-def _llama3_1(explicit: str | None) -> Variant:
+def _llama3_1(explicit: str | os.PathLike | None) -> Variant:
     source = explicit or os.environ.get(LLAMA3_1_ENV)
     if not source:
         return Variant(
@@ -109,7 +109,7 @@ def _llama3_1(explicit: str | None) -> Variant:
 
 
 def variants(
-    model: str = "all", encoding: str = "all", llama3_1_gguf: str | None = None
+    model: str = "all", encoding: str = "all", llama3_1_gguf: str | os.PathLike | None = None
 ) -> list[Variant]:
     """Every variant matching the filters, available or not (check `.path`)."""
     found: list[Variant] = []
@@ -122,3 +122,16 @@ def variants(
     if encoding != "all":
         found = [v for v in found if v.encoding == encoding or v.encoding == "unknown"]
     return found
+
+
+def unavailable_selection(selected: list[Variant]) -> str | None:
+    """Why a tool asked for `selected` can produce nothing: None when at least one is available.
+
+    A selection that includes unavailable variants next to available ones (`--model=all`
+    without a Llama-3.1 checkpoint) runs what it can; one where nothing is available is an error.
+    """
+    if any(v.path is not None for v in selected):
+        return None
+    return "nothing to run: " + "; ".join(
+        f"{v.model} {v.encoding}: {v.unavailable_reason}" for v in selected
+    )

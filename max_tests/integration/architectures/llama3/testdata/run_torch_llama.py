@@ -38,9 +38,10 @@ from max_tests.integration.architectures.llama3.variants import (
     MODELS,
     Variant,
     checkout_testdata,
+    unavailable_selection,
     variants,
 )
-from tools.cli_files import user_path
+from tools.cli_files import PathError, output_directory, user_path
 
 PRODUCER_VERSION = "transformers/{}"
 # Llama 3.1's published rope scaling; checked against the file's rope_freqs before use.
@@ -65,7 +66,9 @@ def _parser(default_device: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default=default_device, help=f"default: {default_device}")
     p.add_argument("--output-dir", help="where to write goldens (default: the testdata folder)")
-    p.add_argument("--llama3-1-gguf", help=f"a Llama-3.1-8B-Instruct GGUF (or ${LLAMA3_1_ENV})")
+    p.add_argument(
+        "--llama3-1-gguf", type=user_path, help=f"a Llama-3.1-8B-Instruct GGUF (or ${LLAMA3_1_ENV})"
+    )
     p.add_argument("--verbose", action="store_true", help="print each case's continuation")
     return p
 
@@ -180,11 +183,6 @@ def main(argv: list[str] | None = None, default_device: str = "cpu") -> int:
     args = parser.parse_args(argv)
     testdata = checkout_testdata()  # under bazel run: the checkout's, not the runfiles'
     os.environ["PIPELINES_TESTDATA"] = str(testdata)
-    output_dir = user_path(args.output_dir).resolve() if args.output_dir else testdata
-    if not output_dir.is_dir():
-        parser.print_usage(sys.stderr)
-        print(f"run_torch_llama: error: --output-dir={output_dir} does not exist", file=sys.stderr)
-        return 2
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(
             f"run_torch_llama: error: --device={args.device} but torch sees no CUDA device "
@@ -203,6 +201,19 @@ def main(argv: list[str] | None = None, default_device: str = "cpu") -> int:
             "checkpoint",
             file=sys.stderr,
         )
+        return 2
+    nothing = unavailable_selection(selected)
+    if nothing is not None:
+        print(f"run_torch_llama: error: {nothing}", file=sys.stderr)
+        return 2
+    try:
+        output_dir = (
+            output_directory(user_path(args.output_dir).resolve(), "--output-dir")
+            if args.output_dir
+            else testdata
+        )
+    except PathError as error:
+        print(f"run_torch_llama: error: {error}", file=sys.stderr)
         return 2
     for variant in selected:
         if variant.path is None:

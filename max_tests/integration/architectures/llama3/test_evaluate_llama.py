@@ -1,0 +1,63 @@
+"""evaluate_llama's command line: a run that can produce nothing exits 2 saying why, and the
+output folder is created unless the path is a file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from max_tests.integration.architectures.llama3 import evaluate_llama
+from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV
+
+
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return evaluate_llama.main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+def test_llama3_1_without_a_checkpoint_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(LLAMA3_1_ENV, raising=False)
+    output = tmp_path / "goldens"
+    assert _exit_code(["--model=llama3_1", f"--output-dir={output}"]) == 2
+    captured = capsys.readouterr()
+    assert "nothing to run: llama3_1 unknown: no Llama-3.1-8B-Instruct GGUF given" in captured.err
+    assert f"--llama3-1-gguf or ${LLAMA3_1_ENV}" in captured.err
+    assert "written" not in captured.out
+    assert not output.exists()
+
+
+def test_missing_llama3_1_file_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(LLAMA3_1_ENV, raising=False)
+    absent = tmp_path / "absent.gguf"
+    assert _exit_code(["--model=llama3_1", f"--llama3-1-gguf={absent}"]) == 2
+    assert f"{absent} does not exist" in capsys.readouterr().err
+
+
+def test_output_dir_is_created_with_its_parents(tmp_path, capsys):
+    output = tmp_path / "a" / "b"
+    argv = ["--model=tinyllama", "--encoding=float32", f"--output-dir={output}"]
+    assert _exit_code(argv) == 0
+    written = sorted(p.name for p in output.iterdir())
+    assert written == ["tinyllama_float32_all_golden.json"]
+    golden = json.loads((output / written[0]).read_text())
+    assert golden["provenance"]["model"] == "tinyllama" and len(golden["cases"]) > 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"1 goldens written to {output}"
+
+
+def test_output_dir_that_is_a_file_exits_2_and_keeps_the_file(tmp_path, capsys):
+    existing = tmp_path / "goldens.json"
+    existing.write_text("keep")
+    argv = ["--model=tinyllama", "--encoding=float32", f"--output-dir={existing}"]
+    assert _exit_code(argv) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert existing.read_text() == "keep"
+
+
+def test_help_names_the_examples(capsys):
+    with pytest.raises(SystemExit) as exit:
+        evaluate_llama.main(["--help"])
+    assert exit.value.code == 0
+    assert "--encoding=all --model=all" in capsys.readouterr().out
