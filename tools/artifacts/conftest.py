@@ -1,6 +1,7 @@
 """Fixtures shared by the artifact tests: a loopback S3 endpoint and a scratch repository."""
 
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,14 +27,30 @@ _AWS_VARIABLES = (
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
-    """A real S3 protocol endpoint on loopback (moto's threaded server)."""
+    """A real S3 protocol endpoint on loopback (moto's threaded server).
+
+    S3 checks a conditional PUT (If-None-Match: *) and stores the object in one step; moto
+    checks, then stores, so two racing PUTs of one key can both pass its check. One lock
+    around moto's PUT handler gives the loopback server S3's atomicity, which the tests of
+    racing publishers rely on.
+    """
+    from moto.s3.responses import S3Response
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    put_object = S3Response.put_object
+    lock = threading.Lock()
+
+    def atomic_put_object(self: S3Response) -> object:
+        with lock:
+            return put_object(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(S3Response, "put_object", atomic_put_object)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+        server.stop()
 
 
 @pytest.fixture

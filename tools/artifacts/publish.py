@@ -4,7 +4,7 @@ import sys
 from dataclasses import dataclass
 
 from tools.artifacts import archive
-from tools.artifacts.store import ArchiveRef, PublishRefused, Store, StoreError
+from tools.artifacts.store import ArchiveRef, PublishRefused, Store, StoreError, version_taken
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,10 @@ def publish(store: Store, name: str, version: int, data: bytes) -> PublishResult
     """Puts `data` at NAME/VERSION/SHA256/NAME.tar.gz unless that would rewrite history.
 
     Identical bytes already at NAME/VERSION are a no-op. Different content under an existing
-    NAME/VERSION, or a VERSION below the newest one published, is refused. What was written
-    is read back and checked; on a mismatch it is deleted, so nothing half-published stays.
+    NAME/VERSION, or a VERSION below the newest one published, is refused; the store's write
+    refuses it too, atomically, so of two publishers racing for one version only one wins.
+    What was written is read back and checked; on a mismatch it is deleted, so nothing
+    half-published stays.
     """
     ref = ArchiveRef(name, version, archive.sha256_hex(data))
     existing = store.digests(name, version)
@@ -32,11 +34,7 @@ def publish(store: Store, name: str, version: int, data: bytes) -> PublishResult
             # Another zlib compressed the same members differently; keep the published bytes.
             _progress(f"{same.relative_path} holds the same files; nothing to do")
             return PublishResult(same, store.url(same), published=False)
-        raise PublishRefused(
-            f"{name} version {version} is already published with sha256 {existing[0]} in the "
-            f"{store.description}; published versions are immutable: publish version "
-            f"{max(store.versions(name)) + 1} instead"
-        )
+        raise version_taken(store, name, version, existing[0])
     newest = max(store.versions(name), default=0)
     if version < newest:
         raise PublishRefused(

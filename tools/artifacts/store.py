@@ -3,17 +3,36 @@
 Both keep one layout under their root, `NAME/VERSION/SHA256/NAME.tar.gz`, where the root is
 the repository's `artifacts/` folder or `s3://BUCKET/PREFIX/` (PREFIX defaults to
 `artifacts`). A published object is immutable; `publish` enforces that and the version rule.
+
+Checking that a version is free and then writing it would let two concurrent publishers of one
+NAME/VERSION with different bytes both succeed, so each store's write claims the version
+atomically and refuses other bytes once it is taken:
+- the local store builds the VERSION folder beside its place and renames it there; rename(2)
+  fails on a folder that already holds something, so one writer's folder wins, whole;
+- S3 creates `NAME/VERSION/claim`, holding the sha256, with a conditional PUT (If-None-Match:
+  *), which S3 applies atomically, before the archive; a version published before claims
+  existed has none, and `publish` still refuses other bytes there by listing the version.
+The same bytes written twice, concurrently or not, succeed both times.
 """
 
+import base64
 import contextlib
+import errno
+import hashlib
 import os
 import re
+import secrets
+import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tools.cli_files import repo_root, write_atomically
+
+if TYPE_CHECKING:
+    from botocore.exceptions import ClientError
 
 NAME_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
@@ -21,6 +40,8 @@ DEFAULT_PREFIX = "artifacts"
 # A reserved top-level domain never resolves, so a pinned URL can never fetch something else;
 # Bazel gets these archives from the local store through --distdir (third_party/*.bazelrc).
 LOCAL_PUBLIC_URL_TEMPLATE = "https://llama-goldens.invalid/{key}"
+# S3 answers 409 to a conditional PUT racing another on its key; each retry waits a bit longer.
+_CONFLICT_ATTEMPTS = 5
 
 
 class StoreError(RuntimeError):
@@ -29,6 +50,15 @@ class StoreError(RuntimeError):
 
 class PublishRefused(RuntimeError):
     """Publishing would break immutability or the version order."""
+
+
+def version_taken(store: "Store", name: str, version: int, sha256: str) -> PublishRefused:
+    """The refusal for other bytes under NAME/VERSION, which the archive `sha256` holds."""
+    return PublishRefused(
+        f"{name} version {version} is already published with sha256 {sha256} in the "
+        f"{store.description}; published versions are immutable: publish version "
+        f"{max([*store.versions(name), version]) + 1} instead"
+    )
 
 
 def check_name(name: str) -> str:
@@ -83,7 +113,11 @@ def ref_from_url(url: str) -> ArchiveRef | None:
 
 
 class Store(Protocol):
-    """What `publish` and `fetch` need from a store; keys are ArchiveRef.relative_path."""
+    """What `publish` and `fetch` need from a store; keys are ArchiveRef.relative_path.
+
+    `write` is atomic against concurrent writers: it raises PublishRefused when other bytes
+    hold NAME/VERSION already, and succeeds when these bytes do.
+    """
 
     description: str
 
@@ -154,14 +188,27 @@ class LocalStore:
             return None
 
     def write(self, ref: ArchiveRef, data: bytes) -> None:
-        target = self.path(ref)
-        created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
-        target.parent.mkdir(parents=True, exist_ok=True)
+        version_dir = self.root / ref.name / str(ref.version)
+        created = [p for p in (version_dir.parent, *version_dir.parent.parents) if not p.exists()]
         try:
-            write_atomically(target, data, fsync=True)
+            placed = _place_version(version_dir, ref, data)
         except OSError as error:
             _remove_empty(created)
-            raise StoreError(f"cannot write {target}: {error}") from error
+            raise StoreError(f"cannot write {self.path(ref)}: {error}") from error
+        if not placed:
+            self._check_taken_by(ref)
+
+    def _check_taken_by(self, ref: ArchiveRef) -> None:
+        """NAME/VERSION exists: fine when it holds these bytes, refused when it holds others."""
+        published = self.digests(ref.name, ref.version)
+        if ref.sha256 in published:
+            return
+        if published:
+            raise version_taken(self, ref.name, ref.version, published[0])
+        raise StoreError(
+            f"{self.root / ref.name / str(ref.version)} holds no archive but is not empty; "
+            "remove it or publish another version"
+        )
 
     def delete(self, ref: ArchiveRef) -> None:
         target = self.path(ref)
@@ -172,6 +219,26 @@ class LocalStore:
     def url(self, ref: ArchiveRef) -> str:
         key = f"{DEFAULT_PREFIX}/{ref.relative_path}"
         return _format_url(self.public_url_template, ref, key)
+
+
+def _place_version(version_dir: Path, ref: ArchiveRef, data: bytes) -> bool:
+    """Builds VERSION/SHA256/NAME.tar.gz beside `version_dir` and renames it into place.
+
+    False, leaving `version_dir` as it was, when `version_dir` already holds something.
+    """
+    staging = version_dir.parent / f".{ref.version}.{secrets.token_hex(8)}.tmp"
+    try:
+        (staging / ref.sha256).mkdir(parents=True)
+        write_atomically(staging / ref.sha256 / ref.filename, data, fsync=True)
+        try:
+            os.rename(staging, version_dir)  # replaces an empty folder, fails on a full one
+        except OSError as error:
+            if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                return False
+            raise
+        return True
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _remove_empty(folders: list[Path]) -> None:
@@ -260,45 +327,108 @@ class S3Store:
         return sorted(d for d in folders if SHA256_PATTERN.fullmatch(d))
 
     def read(self, ref: ArchiveRef) -> bytes | None:
+        return self._get(ref.relative_path)
+
+    def write(self, ref: ArchiveRef, data: bytes) -> None:
+        self._claim(ref)
+        try:
+            self._create(ref.relative_path, data, "application/gzip")
+        except StoreError:
+            with contextlib.suppress(StoreError):
+                self._release(ref)
+            raise
+
+    def delete(self, ref: ArchiveRef) -> None:
+        self._delete(ref.relative_path)
+        self._release(ref)
+
+    def _claim(self, ref: ArchiveRef) -> None:
+        """Takes NAME/VERSION for `ref`'s bytes, or finds it taken by them; else refuses."""
+        if self._create(_claim_path(ref), f"{ref.sha256}\n".encode(), "text/plain"):
+            return
+        holder = self._claimant(ref)
+        if holder is None:
+            raise StoreError(
+                f"the claim on {ref.name} version {ref.version} in the {self.description} was "
+                "released while publishing (another publisher failed); publish again"
+            )
+        if holder != ref.sha256:
+            raise version_taken(self, ref.name, ref.version, holder)
+
+    def _claimant(self, ref: ArchiveRef) -> str | None:
+        claim = self._get(_claim_path(ref))
+        return None if claim is None else claim.decode("ascii", "replace").strip()
+
+    def _release(self, ref: ArchiveRef) -> None:
+        """Deletes NAME/VERSION's claim when `ref`'s bytes hold it, so the version is free."""
+        if self._claimant(ref) == ref.sha256:
+            self._delete(_claim_path(ref))
+
+    def _get(self, relative: str) -> bytes | None:
         from botocore.exceptions import ClientError
 
         def get() -> bytes | None:
             try:
-                response = self._client.get_object(
-                    Bucket=self.bucket, Key=self.key(ref.relative_path)
-                )
+                response = self._client.get_object(Bucket=self.bucket, Key=self.key(relative))
             except ClientError as error:
-                if error.response.get("Error", {}).get("Code") in {"NoSuchKey", "404"}:
+                if _error_code(error) in {"NoSuchKey", "404"}:
                     return None
                 raise
             return response["Body"].read()
 
         return self._call("download", get)  # type: ignore[return-value]
 
-    def write(self, ref: ArchiveRef, data: bytes) -> None:
-        import base64
-        import hashlib
+    def _create(self, relative: str, body: bytes, content_type: str) -> bool:
+        """PUTs a new object; False, writing nothing, when the key exists.
 
-        # Content-MD5 makes the server reject bytes damaged on the way; a PUT is all or nothing.
-        digest = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
-        self._call(
-            "upload",
-            lambda: self._client.put_object(
-                Bucket=self.bucket,
-                Key=self.key(ref.relative_path),
-                Body=data,
-                ContentMD5=digest,
-                ContentType="application/gzip",
-            ),
-        )
+        If-None-Match: * makes S3 check and write in one step. S3 answers 409 to a conditional
+        PUT that races another on the same key and asks for a retry, which gets 412 or 200.
+        Content-MD5 makes the server reject bytes damaged on the way; a PUT is all or nothing.
+        """
+        from botocore.exceptions import ClientError
 
-    def delete(self, ref: ArchiveRef) -> None:
+        digest = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
+
+        def put() -> bool:
+            attempt = 1
+            while True:
+                try:
+                    self._client.put_object(
+                        Bucket=self.bucket,
+                        Key=self.key(relative),
+                        Body=body,
+                        ContentMD5=digest,
+                        ContentType=content_type,
+                        IfNoneMatch="*",
+                    )
+                    return True
+                except ClientError as error:
+                    code = _error_code(error)
+                    if code == "PreconditionFailed":
+                        return False
+                    if code != "ConditionalRequestConflict" or attempt == _CONFLICT_ATTEMPTS:
+                        raise
+                time.sleep(0.1 * attempt)
+                attempt += 1
+
+        return self._call("upload", put)  # type: ignore[return-value]
+
+    def _delete(self, relative: str) -> None:
         self._call(
             "delete",
-            lambda: self._client.delete_object(Bucket=self.bucket, Key=self.key(ref.relative_path)),
+            lambda: self._client.delete_object(Bucket=self.bucket, Key=self.key(relative)),
         )
 
     def url(self, ref: ArchiveRef) -> str:
         return _format_url(
             self.public_url_template, ref, self.key(ref.relative_path), bucket=self.bucket
         )
+
+
+def _claim_path(ref: ArchiveRef) -> str:
+    """The S3 object whose content, a sha256, says which archive holds NAME/VERSION."""
+    return f"{ref.name}/{ref.version}/claim"
+
+
+def _error_code(error: "ClientError") -> str | None:
+    return error.response.get("Error", {}).get("Code")

@@ -116,6 +116,19 @@ def test_bad_usage_is_one_line_exit_2_and_publishes_nothing(
     assert (scratch_repo / "MODULE.bazel").read_text() == SAMPLE_MODULE
 
 
+def test_a_module_file_that_does_not_parse_is_exit_2_before_publishing(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = scratch_repo / "MODULE.bazel"
+    module.write_text(SAMPLE_MODULE + "http_archive(\n")
+    flags = _repo_flags(scratch_repo)
+    code, out, err = _run(capsys, "g", "1", str(goldens[0]), *flags, "--update-module")
+    line = SAMPLE_MODULE.count("\n") + 1
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith(f"error: MODULE.bazel line {line}: "), err
+    assert _store_files(scratch_repo) == []
+
+
 def test_help_shows_an_example(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "--help")
     assert code == 0

@@ -95,6 +95,21 @@ def test_writes_leave_no_temp_files(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.rglob(".*")]
 
 
+def test_a_refused_write_leaves_the_published_version_as_it_was(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    published = publish(store, "g", 1, V1).ref
+    with pytest.raises(PublishRefused, match=f"already published with sha256 {published.sha256}"):
+        store.write(ArchiveRef("g", 1, archive.sha256_hex(V1_OTHER)), V1_OTHER)
+    assert _files(tmp_path) == [published.relative_path]
+    assert not [p for p in tmp_path.rglob(".*")]
+
+
+def test_a_version_folder_without_an_archive_blocks_that_version(tmp_path: Path) -> None:
+    (tmp_path / "g" / "7" / ("0" * 64)).mkdir(parents=True)
+    with pytest.raises(StoreError, match="g/7 holds no archive but is not empty; remove it"):
+        publish(LocalStore(tmp_path), "g", 7, V1)
+
+
 def test_versions_ignore_folders_without_an_archive(tmp_path: Path) -> None:
     (tmp_path / "g" / "7" / ("0" * 64)).mkdir(parents=True)
     store = LocalStore(tmp_path)

@@ -1,9 +1,14 @@
-"""S3 through a real boto3 client against moto's server on loopback: real HTTP, no patches."""
+"""S3 through a real boto3 client against moto's server on loopback: real HTTP.
+
+Errors S3 gives and moto does not (a 409 for racing conditional writes, a failed upload) are
+answered by a botocore hook on the store's client, in place of the server.
+"""
 
 import time
 
 import boto3
 import pytest
+from botocore.awsrequest import AWSResponse
 
 from tools.artifacts import archive
 from tools.artifacts.publish import publish
@@ -18,15 +23,44 @@ def _keys(endpoint: str, bucket: str) -> list[str]:
     return sorted(item["Key"] for item in listing.get("Contents", []))
 
 
+def _body(endpoint: str, bucket: str, key: str) -> bytes:
+    response = boto3.client("s3", endpoint_url=endpoint).get_object(Bucket=bucket, Key=key)
+    return response["Body"].read()
+
+
+class _ErrorBody:
+    def __init__(self, code: str) -> None:
+        self.xml = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+
+    def stream(self) -> list[bytes]:
+        return [self.xml]
+
+
+def _fail_puts(store: S3Store, status: int, code: str, count: int, key_end: str) -> list[str]:
+    """The next `count` PUTs of keys ending in `key_end` get this error instead of the server."""
+    failed: list[str] = []
+
+    def answer(request: object, **_: object) -> AWSResponse | None:
+        url = getattr(request, "url", "")
+        if len(failed) == count or not url.endswith(key_end):
+            return None
+        failed.append(url)
+        return AWSResponse(url, status, {}, _ErrorBody(code))
+
+    store._client.meta.events.register("before-send.s3.PutObject", answer)
+    return failed
+
+
 def test_publish_uploads_under_the_prefix_and_reads_back(s3_endpoint: str, s3_bucket: str) -> None:
     store = S3Store(s3_bucket, endpoint_url=s3_endpoint)
     result = publish(store, "test_llama_golden", 3, V1)
     sha = archive.sha256_hex(V1)
     key = f"artifacts/test_llama_golden/3/{sha}/test_llama_golden.tar.gz"
+    claim = "artifacts/test_llama_golden/3/claim"
     assert result.published
-    assert _keys(s3_endpoint, s3_bucket) == [key]
-    body = boto3.client("s3", endpoint_url=s3_endpoint).get_object(Bucket=s3_bucket, Key=key)
-    assert body["Body"].read() == V1
+    assert _keys(s3_endpoint, s3_bucket) == sorted([key, claim])
+    assert _body(s3_endpoint, s3_bucket, key) == V1
+    assert _body(s3_endpoint, s3_bucket, claim) == f"{sha}\n".encode()
     assert result.url == f"{s3_endpoint}/{s3_bucket}/{key}"
 
 
@@ -38,8 +72,46 @@ def test_republishing_is_a_no_op_and_overwriting_is_refused(
     assert not publish(store, "g", 1, V1).published
     with pytest.raises(PublishRefused, match="immutable"):
         publish(store, "g", 1, V1_OTHER)
-    assert len(_keys(s3_endpoint, s3_bucket)) == 1
+    assert len(_keys(s3_endpoint, s3_bucket)) == 2  # the archive and its version's claim
     assert store.read(ArchiveRef("g", 1, archive.sha256_hex(V1))) == V1
+
+
+def test_a_version_published_before_claims_still_refuses_other_bytes(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    key = f"artifacts/g/1/{archive.sha256_hex(V1)}/g.tar.gz"
+    boto3.client("s3", endpoint_url=s3_endpoint).put_object(Bucket=s3_bucket, Key=key, Body=V1)
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint)
+    assert not publish(store, "g", 1, V1).published
+    with pytest.raises(PublishRefused, match="immutable: publish version 2 instead"):
+        publish(store, "g", 1, V1_OTHER)
+    assert _keys(s3_endpoint, s3_bucket) == [key]
+
+
+def test_a_conflict_between_conditional_writes_is_retried(s3_endpoint: str, s3_bucket: str) -> None:
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint)
+    conflicts = _fail_puts(store, 409, "ConditionalRequestConflict", 2, "/claim")
+    assert publish(store, "g", 1, V1).published
+    assert len(conflicts) == 2
+
+
+def test_a_failed_upload_releases_the_versions_claim(s3_endpoint: str, s3_bucket: str) -> None:
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint)
+    _fail_puts(store, 500, "InternalError", 10, ".tar.gz")  # botocore's retries fail too
+    with pytest.raises(StoreError, match=r"upload .* failed: InternalError"):
+        publish(store, "g", 1, V1)
+    assert _keys(s3_endpoint, s3_bucket) == []
+    assert publish(S3Store(s3_bucket, endpoint_url=s3_endpoint), "g", 1, V1_OTHER).published
+
+
+def test_a_claim_released_while_claiming_asks_to_publish_again(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint)
+    _fail_puts(store, 412, "PreconditionFailed", 1, "/claim")  # taken, then gone when read
+    with pytest.raises(StoreError, match=r"released while publishing .* publish again"):
+        publish(store, "g", 1, V1)
+    assert _keys(s3_endpoint, s3_bucket) == []
 
 
 def test_a_version_below_the_newest_is_refused(s3_endpoint: str, s3_bucket: str) -> None:

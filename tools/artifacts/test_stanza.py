@@ -110,6 +110,43 @@ def test_parens_and_names_inside_strings_and_comments_are_not_calls() -> None:
     assert updated == SAMPLE_MODULE + "\n" + SEED_STANZA + "\n" + tail
 
 
+def test_parens_in_comments_and_strings_inside_a_stanza_leave_it_whole() -> None:
+    hand_written = (
+        "http_archive(  # not http_archive( again\n"
+        '    name = "test_llama_golden",\n'
+        '    build_file_content = "filegroup(name = \\")(\\")",  # )\n'
+        f'    sha256 = "{SHA_A}",\n'
+        f'    url = "{PIN_A.url}",\n'
+        ")\n"
+    )
+    text = SAMPLE_MODULE + "\n" + hand_written
+    assert stanza.parse(text) == {PIN_A.name: PIN_A}
+    updated = stanza.set_pin(text, PIN_B)
+    assert updated == text.replace(PIN_A.url, PIN_B.url).replace(SHA_A, SHA_B)
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_non_ascii_text_before_the_literals_keeps_every_other_byte(newline: str) -> None:
+    # `ast` counts columns in UTF-8 bytes: text with multi-byte characters earlier on the same
+    # line must not shift the rewritten literals.
+    line = (
+        f'http_archive(name = "test_llama_golden", build_file_content = "# Größe ✓", '
+        f'sha256 = "{SHA_A}", url = "{PIN_A.url}")'
+    )
+    text = f"# Goldens für Llama — ✓{newline}{line}{newline}# après{newline}"
+    updated = stanza.set_pin(text, PIN_B)
+    assert updated == text.replace(PIN_A.url, PIN_B.url).replace(SHA_A, SHA_B)
+    assert stanza.parse(updated) == {PIN_B.name: PIN_B}
+
+
+def test_a_file_that_does_not_parse_names_the_line() -> None:
+    broken = SAMPLE_MODULE + 'http_archive(\n    name = "test_llama_golden",\n'
+    line = SAMPLE_MODULE.count("\n") + 1
+    for rewrite in (stanza.parse, lambda text: stanza.set_pin(text, PIN_A)):
+        with pytest.raises(stanza.StanzaError, match=f"MODULE.bazel line {line}: .*never closed"):
+            rewrite(broken)
+
+
 def test_two_stanzas_with_one_name_are_an_error() -> None:
     text = stanza.set_pin(SAMPLE_MODULE, PIN_A)
     with pytest.raises(stanza.StanzaError, match="two http_archive stanzas"):
