@@ -32,15 +32,3 @@ class LlamaConfig:
     def n_rep(self) -> int:
         """How many query heads share one key/value head (grouped-query attention)."""
         return self.n_heads // self.n_kv_heads
-
-    def replace(self, overrides: dict | None) -> "LlamaConfig":
-        """A copy with some fields replaced; unknown names are an error, not a silent no-op."""
-        if not overrides:
-            return self
-        known = {field.name for field in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown LlamaConfig fields in overrides: {unknown}; known: {sorted(known)}"
-            )
-        return dataclasses.replace(self, **overrides)

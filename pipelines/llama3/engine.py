@@ -1,4 +1,4 @@
-"""Load a GGUF checkpoint, then prefill and greedy-decode with or without the KV cache."""
+"""Load a GGUF checkpoint, then prefill and greedy-decode with the KV cache."""
 
 import collections
 import dataclasses
@@ -122,8 +122,9 @@ class Llama3Engine:
     ) -> "Llama3Engine":
         """Read config, tokenizer and weights from one GGUF file.
 
-        `overrides` replaces LlamaConfig fields after reading (e.g. {"rope_theta": 1e4}), so a
-        test can check that a wrong setting is caught by the goldens.
+        `overrides` replaces LlamaConfig fields after reading (e.g. {"rope_theta": 1e4}; an
+        unknown name is a TypeError), so the mutation tests can check that a wrong setting is
+        caught by the goldens.
         Metadata and tokenizer of a file are parsed once per process; each call reads the
         weights again, into tensors of its own.
         """
@@ -132,7 +133,7 @@ class Llama3Engine:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype {dtype} is not supported (float32 or bfloat16)")
         parsed = _parsed_checkpoint(path)
-        config = parsed.config.replace(overrides)
+        config = dataclasses.replace(parsed.config, **(overrides or {}))
         tokenizer = parsed.tokenizer.copy() if parsed.tokenizer else None
         weights = load_weights(
             parsed.gguf, config, path, device=device, dtype=dtype, verified=parsed.verified
@@ -174,11 +175,10 @@ class Llama3Engine:
         self,
         input_ids: list[int],
         max_new_tokens: int,
-        use_kv_cache: bool = True,
         stop_on_eos: bool = True,
         forced_tokens: list[int] | None = None,
     ) -> GenerationOutput:
-        """Prefill, then greedy decode; without the KV cache each step recomputes the sequence.
+        """Prefill, then greedy decode, each step reading the keys and values of the KV cache.
 
         With `forced_tokens` (teacher forcing) step i feeds forced_tokens[i] to the next step
         instead of the greedy choice, for len(forced_tokens) steps and no EOS stop: every
@@ -209,7 +209,6 @@ class Llama3Engine:
         prefill_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        sequence = prompt
         for step in range(max_new_tokens):
             token = int(torch.argmax(logits))
             step_logits[step] = logits
@@ -219,11 +218,7 @@ class Llama3Engine:
             if forced_tokens is not None:
                 token = forced_tokens[step]
             next_token = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            if use_kv_cache:
-                logits = self.model(next_token, len(input_ids) + step)[0, -1]
-            else:
-                sequence = torch.cat([sequence, next_token], dim=1)
-                logits = self.model.recompute(sequence, len(input_ids))[0, -1]
+            logits = self.model(next_token, len(input_ids) + step)[0, -1]
         _synchronize(self.device)
         decode_seconds = time.perf_counter() - start
         return GenerationOutput(

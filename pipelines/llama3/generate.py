@@ -30,9 +30,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument(
-        "--no-kv-cache", action="store_true", help="recompute the whole sequence every step"
-    )
-    parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
     )
     return parser
@@ -61,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     input_ids = engine.tokenizer.encode(args.prompt)
-    out = engine.generate(input_ids, args.max_new_tokens, use_kv_cache=not args.no_kv_cache)
+    out = engine.generate(input_ids, args.max_new_tokens)
     print(args.prompt + engine.tokenizer.decode(out.tokens))
     prefill_rate = len(input_ids) / out.prefill_seconds
     print(

@@ -2,13 +2,11 @@
 
 Differences from Meta's file: the Q/K weights are in the "rotate half" layout (the loader
 undoes llama.cpp's permutation), so RoPE rotates the two halves of each head instead of
-complex pairs; the KV cache is allocated on demand by `setup_caches`; the model is built on
-the meta device and given its weights by `load_state_dict(assign=True)`; and `recompute`
-runs a sequence without the cache, to check the cached decode against it.
+complex pairs; the KV cache is allocated on demand by `setup_caches`; and the model is built
+on the meta device and given its weights by `load_state_dict(assign=True)`.
 """
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,19 +90,6 @@ def causal_mask(seqlen: int, start_pos: int, device: torch.device) -> torch.Tens
     )
 
 
-def by_step(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, steps: list[tuple[int, int]]
-) -> torch.Tensor:
-    """fn applied to each row group [start, end) of x [bsz, seq, ...] on its own, concatenated.
-
-    CPU matmul and attention kernels round a row differently depending on how many rows share
-    the call (1 decode row vs n rows; ~1e-7 per op, 6.4e-5 on SmolLM2's logits after 30 layers).
-    Recomputing in the row groups of the cached run (the prompt, then one row per decoded token)
-    gives every kernel the shapes it had there, so cached and recomputed logits are bitwise equal.
-    """
-    return torch.cat([fn(x[:, start:end]) for start, end in steps], dim=1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -148,34 +133,6 @@ class Attention(nn.Module):
         output = output.transpose(1, 2).reshape(bsz, seqlen, -1)  # [bsz, seq, heads * head_dim]
         return self.wo(output)
 
-    def recompute(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, steps: list[tuple[int, int]]
-    ) -> torch.Tensor:
-        """Attention over the whole sequence from position 0, from fresh keys and values only."""
-        bsz, seqlen, _ = x.shape
-        xq = by_step(self.wq, x, steps).view(bsz, seqlen, self.n_heads, self.head_dim)
-        xk = by_step(self.wk, x, steps).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        xv = by_step(self.wv, x, steps).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        xq = apply_rotary_emb(xq.transpose(1, 2), cos, sin)  # [bsz, heads, seq, head_dim]
-        xk = apply_rotary_emb(xk.transpose(1, 2), cos, sin)
-        xv = xv.transpose(1, 2)
-        outputs = []
-        for start, end in steps:
-            # The queries of one step see every key up to their own position, as in forward.
-            mask = causal_mask(end - start, start, x.device) if end - start > 1 else None
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    xq[:, :, start:end],
-                    xk[:, :, :end],
-                    xv[:, :, :end],
-                    attn_mask=mask,
-                    scale=self.scale,
-                    enable_gqa=True,
-                )
-            )
-        output = torch.cat(outputs, dim=2).transpose(1, 2).reshape(bsz, seqlen, -1)
-        return by_step(self.wo, output, steps)
-
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int) -> None:
@@ -206,13 +163,6 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), start_pos, cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
-
-    def recompute(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, steps: list[tuple[int, int]]
-    ) -> torch.Tensor:
-        normed = by_step(self.attention_norm, x, steps)
-        h = x + self.attention.recompute(normed, cos, sin, steps)
-        return h + by_step(lambda rows: self.feed_forward(self.ffn_norm(rows)), h, steps)
 
 
 class Transformer(nn.Module):
@@ -282,20 +232,3 @@ class Transformer(nn.Module):
         """Final norm and LM head in the head's dtype (float32 for bfloat16 engines: bfloat16
         logits of ~40 sit on a 0.25 grid, which makes exact ties); float32 out."""
         return self.output(self.norm(h.to(self.output.weight.dtype))).float()
-
-    def recompute(self, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        """Logits [bsz, 1, vocab] float32 of the last position, computed from scratch.
-
-        Reads and writes no cache, so it checks the cached decode: tokens [bsz, seq] are a
-        prompt of prompt_len tokens followed by decoded tokens, and each row group is computed
-        the way generate's cached run computed it (see by_step).
-        """
-        seqlen = tokens.shape[1]
-        if seqlen > self.max_seq_len:
-            raise ValueError(f"{seqlen} positions exceed {self.max_seq_len}; call setup_caches")
-        steps = [(0, prompt_len)] + [(pos, pos + 1) for pos in range(prompt_len, seqlen)]
-        h = self.tok_embeddings(tokens)  # [bsz, seq, dim]
-        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
-        for layer in self.layers:
-            h = layer.recompute(h, cos, sin, steps)
-        return self._logits(h[:, -1:])

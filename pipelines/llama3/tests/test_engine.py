@@ -9,6 +9,7 @@ import torch
 
 from pipelines.llama3 import Llama3Engine, load_config
 from pipelines.llama3.model import rope_inverse_frequencies
+from pipelines.llama3.tests.recompute import greedy_decode_without_cache
 from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
 
 PROMPT = [261, 83, 257, 259, 260, 5, 17, 99]
@@ -29,29 +30,28 @@ def test_forward_logits_shape_and_dtype(engine: Llama3Engine) -> None:
 
 def test_kv_cache_decode_equals_recomputation(engine: Llama3Engine) -> None:
     cached = engine.generate(PROMPT, 32, stop_on_eos=False)
-    recomputed = engine.generate(PROMPT, 32, use_kv_cache=False, stop_on_eos=False)
+    recomputed = greedy_decode_without_cache(engine, PROMPT, 32)
     assert cached.tokens == recomputed.tokens
     assert len(set(cached.tokens)) > 4  # the case discriminates: not one token repeated
-    # Bitwise equal in practice (recompute uses the cached run's row groups, see model.by_step).
+    # Bitwise equal in practice (recompute uses the cached run's row groups, see recompute.py).
     assert (cached.logits - recomputed.logits).abs().max() <= 1e-5
 
 
 def test_recomputation_reads_no_cache(engine: Llama3Engine) -> None:
-    out = engine.generate(PROMPT, 4, use_kv_cache=False, stop_on_eos=False)
-    tokens = torch.tensor([PROMPT + out.tokens[:-1]])
+    clean = greedy_decode_without_cache(engine, PROMPT, 4)  # sizes the caches the NaNs go in
     with torch.inference_mode():
         for layer in engine.model.layers:
             layer.attention.cache_k.fill_(float("nan"))
             layer.attention.cache_v.fill_(float("nan"))
-        logits = engine.model.recompute(tokens, len(PROMPT))[0, -1]
+        poisoned = greedy_decode_without_cache(engine, PROMPT, 4)
         for layer in engine.model.layers:
             layer.attention.cache_k.zero_()
             layer.attention.cache_v.zero_()
-    assert torch.equal(logits, out.logits[-1])
+    assert torch.equal(poisoned.logits, clean.logits)
 
 
 def test_recomputation_agrees_with_one_full_forward(engine: Llama3Engine) -> None:
-    out = engine.generate(PROMPT, 8, use_kv_cache=False, stop_on_eos=False)
+    out = greedy_decode_without_cache(engine, PROMPT, 8)
     full = engine.forward_logits(PROMPT + out.tokens[:-1])
     torch.testing.assert_close(out.logits, full[len(PROMPT) - 1 :], atol=5e-5, rtol=0)
 
@@ -75,7 +75,7 @@ def test_perturbed_cache_position_is_detected(engine: Llama3Engine) -> None:
     model.forward = off_by_one
     try:
         broken = engine.generate(PROMPT, 8, stop_on_eos=False)
-        recomputed = engine.generate(PROMPT, 8, use_kv_cache=False, stop_on_eos=False)
+        recomputed = greedy_decode_without_cache(engine, PROMPT, 8)
     finally:
         del model.forward
     assert (broken.logits[1:] - reference.logits[1:]).abs().max() > 1e-2

@@ -73,7 +73,7 @@ def test_overrides_replace_config_fields(tiny_gguf: pathlib.Path) -> None:
     )
     assert engine.config.rope_theta == 500.0
     assert engine.model.norm.eps == 1e-3
-    with pytest.raises(ValueError, match="rope_thetta"):
+    with pytest.raises(TypeError, match="rope_thetta"):
         Llama3Engine.from_gguf(tiny_gguf, overrides={"rope_thetta": 1.0})
 
 
