@@ -98,7 +98,7 @@ class CaseReport:
         return max((s.kl for s in self.steps), default=0.0)
 
 
-def _bucket_kl(golden_lp: np.ndarray, run_lp_topk: np.ndarray, run_tail: float) -> float:
+def bucket_kl(golden_lp: np.ndarray, run_lp_topk: np.ndarray, run_tail: float) -> float:
     """KL over the golden's top-k plus a tail bucket; golden_lp are its log-probabilities."""
     p = np.exp(golden_lp)
     p_tail = max(1.0 - p.sum(), 0.0)
@@ -169,7 +169,7 @@ def _check_step(i: int, gstep: Step, token: int, row: np.ndarray, tol: Tolerance
     # The run's tail is summed directly: 1 - sum(top-k) would cancel to noise when it is small.
     outside = np.ones(row.size, dtype=bool)
     outside[ids] = False
-    kl = _bucket_kl(golden_lp, run_lp, float(np.exp(run_lp_all[outside]).sum()))
+    kl = bucket_kl(golden_lp, run_lp, float(np.exp(run_lp_all[outside]).sum()))
     max_diff = float(diffs.max())
 
     metric, detail = "", ""

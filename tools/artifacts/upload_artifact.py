@@ -171,7 +171,7 @@ def _upload(args: argparse.Namespace) -> int:
     version = check_version(args.version)
     files = [_existing_file(f) for f in args.files]
     module_file = _module_file(args, must_exist=args.update_module)
-    store = _store(args)
+    store = store_from_args(args)
     data = _pack(archive.read_members(files), name)
     return _publish_and_pin(args, store, name, version, data, module_file)
 
@@ -179,7 +179,7 @@ def _upload(args: argparse.Namespace) -> int:
 def _fetch(args: argparse.Namespace) -> int:
     name = check_name(args.name)
     pin = _pinned(args, name)
-    members = archive.unpack_members(_download(_store(args), pin))
+    members = archive.unpack_members(download_pinned(store_from_args(args), pin))
     output_dir = user_path(args.output_dir or name)
     output_dir.mkdir(parents=True, exist_ok=True)
     for member, content in sorted(members.items()):
@@ -194,8 +194,8 @@ def _add(args: argparse.Namespace) -> int:
     files = [_existing_file(f) for f in args.files]
     module_file = _module_file(args, must_exist=True)
     pin = _pinned(args, name)
-    store = _store(args)
-    members = archive.unpack_members(_download(store, pin))
+    store = store_from_args(args)
+    members = archive.unpack_members(download_pinned(store, pin))
     added = archive.read_members(files)
     for member in sorted(added):
         _progress(f"{member}: {'replaces the pinned one' if member in members else 'new'}")
@@ -290,7 +290,7 @@ def _publish_and_pin(
     return 0
 
 
-def _download(store: Store, pin: GoldenPin) -> bytes:
+def download_pinned(store: Store, pin: GoldenPin) -> bytes:
     """The pinned archive's bytes from the store, else from its URL; sha256 checked."""
     ref = ref_from_url(pin.url)
     data = store.read(ref) if ref is not None else None
@@ -333,7 +333,7 @@ def _pinned(args: argparse.Namespace, name: str) -> GoldenPin:
     return pins[name]
 
 
-def _store(args: argparse.Namespace) -> Store:
+def store_from_args(args: argparse.Namespace) -> Store:
     kind = args.store or ("s3" if args.bucket else "local")
     if kind == "local":
         if args.bucket or args.endpoint_url:

@@ -1,0 +1,396 @@
+"""golden_diff as a reviewer runs it: synthetic golden sets in tmp_path, and the repository's
+own store (test_llama_golden versions 1 and 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from max_tests.goldens import schema
+from tools.artifacts import archive, stanza
+from tools.artifacts.store import ArchiveRef, LocalStore
+from tools.golden_diff import golden_diff
+from tools.golden_diff.golden_diff import main, step_delta
+
+VOCAB, STEPS, TOP_K = 64, 4, 20
+OWN = "test_llama_golden"
+FLOAT32 = "tinyllama_float32_all_golden.json"
+Q4_K = "tinyllama_q4_k_all_golden.json"
+PROVENANCE = {
+    "producer": "engine",
+    "producer_version": "llama3-engine/2",
+    "model": "tinyllama",
+    "encoding": "float32",
+    "hardware": "all",
+    "device": "cpu",
+    "dtype": "float32",
+    "checkpoint": "tiny_llama.gguf",
+    "checkpoint_sha256": "a" * 64,
+    "torch_version": "2.13.0",
+    "logits_dtype": "float32",
+}
+
+
+def _logits(seed: int) -> np.ndarray:
+    """STEPS rows; step i prefers token 3 * i + 1 by a wide margin, the rest a fixed pattern."""
+    rows = np.cos(np.arange(VOCAB)[None, :] * (np.arange(STEPS)[:, None] + 1) * 0.7 + seed)
+    logits = rows.astype(np.float32) * 2.0
+    for i in range(STEPS):
+        logits[i, 3 * i + 1] = 8.0
+    return logits
+
+
+def _case(case_id: str, logits: np.ndarray, prompt: str = "The capital of France is"):
+    steps = []
+    for row in logits:
+        token = int(np.argmax(row))
+        steps.append(schema.step_from_logits(row, token, f" t{token}", TOP_K))
+    return schema.Case(case_id, prompt, [128000, 791], steps)
+
+
+def _golden(logits: dict[str, np.ndarray], **provenance: str) -> schema.Golden:
+    cases = [_case(case_id, rows) for case_id, rows in logits.items()]
+    return schema.Golden(schema.Provenance(**(PROVENANCE | provenance)), cases)
+
+
+BASE = {"prose": _logits(0), "code": _logits(1)}
+
+
+def _write(folder: Path, goldens: dict[str, schema.Golden]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, golden in goldens.items():
+        schema.write(golden, folder / name)
+    return folder
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Relative paths mean tmp_path; pinned archives are extracted under tmp_path."""
+    monkeypatch.delenv("BUILD_WORKING_DIRECTORY", raising=False)
+    monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    return _write(tmp_path / "base", {FLOAT32: _golden(BASE), Q4_K: _golden(BASE)})
+
+
+def test_identical_folders_exit_0_and_say_so(capsys, base: Path, tmp_path: Path) -> None:
+    same = _write(tmp_path / "same", {FLOAT32: _golden(BASE), Q4_K: _golden(BASE)})
+    code, out, err = _run(capsys, OWN, f"--from={base}", "--to=same")
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        f"golden diff {OWN}",
+        f"from: folder {base}",
+        f"to:   folder {same}",
+        f"{FLOAT32}: identical",
+        "  case prose: identical",
+        "  case code: identical",
+        f"{Q4_K}: identical",
+        "  case prose: identical",
+        "  case code: identical",
+        "identical: 2 files",
+    ]
+
+
+def test_one_changed_step_is_reported_with_its_values(capsys, base: Path, tmp_path: Path) -> None:
+    moved = {"prose": BASE["prose"].copy(), "code": BASE["code"]}
+    moved["prose"][2, 12] += 0.5  # id 12 is 6th in step 2's top-20; the greedy token stays
+    _write(tmp_path / "new", {FLOAT32: _golden(moved), Q4_K: _golden(BASE)})
+    code, out, _ = _run(capsys, OWN, f"--from={base}", "--to=new")
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[3:6] == [
+        f"{FLOAT32}: changed",
+        "  case prose: first changed step 2: ' t7' (same token); max |Δ log-prob| 0.5 (step 2), "
+        "max KL 3.5e-4; greedy tokens unchanged",
+        "  case code: identical",
+    ]
+    assert lines[-1] == "different: 1 of 2 files changed, 0 added, 0 removed"
+
+
+def test_step_delta_matches_the_full_distribution_when_nothing_leaves_the_top_k() -> None:
+    before, after = BASE["prose"][2], BASE["prose"][2].copy()
+    after[12] += 0.5
+    token = int(np.argmax(before))
+    delta = step_delta(
+        schema.step_from_logits(before, token, "", TOP_K),
+        schema.step_from_logits(after, token, "", TOP_K),
+    )
+    p = np.exp(before - np.logaddexp.reduce(before.astype(np.float64)))
+    q = np.exp(after - np.logaddexp.reduce(after.astype(np.float64)))
+    top = np.argsort(-before, kind="stable")[:TOP_K]
+    tail_p, tail_q = 1 - p[top].sum(), 1 - q[top].sum()
+    kl = float(np.sum(p[top] * np.log(p[top] / q[top])) + tail_p * np.log(tail_p / tail_q))
+    assert delta.max_logprob_diff == pytest.approx(np.abs(np.log(q[top] / p[top])).max(), rel=1e-5)
+    assert delta.kl == pytest.approx(kl, rel=1e-4)
+    assert delta.bounded_ids == 0
+
+
+def test_an_id_the_to_side_lacks_is_bounded_by_its_kth_log_prob() -> None:
+    before = schema.Step(5, "", [5, 6, 7], [0.0, -1.0, -2.0], 1.0, {})
+    after = schema.Step(5, "", [5, 6, 8], [0.0, -1.5, -1.8], 1.0, {})
+    delta = step_delta(before, after)
+    # id 7: from -3.0, to at most the to side's 3rd log-prob, -2.8 -> |Δ| 0.2; id 6: 0.5.
+    assert delta.max_logprob_diff == pytest.approx(0.5)
+    assert delta.bounded_ids == 1
+    assert step_delta(before, before) == golden_diff.StepDelta(0.0, 0.0, 0)
+
+
+def test_a_changed_token_shows_both_tokens_and_context(capsys, base: Path, tmp_path: Path) -> None:
+    moved = {"prose": BASE["prose"].copy(), "code": BASE["code"]}
+    moved["prose"][3, 30] = 9.0  # step 3 now picks id 30 instead of id 10
+    _write(tmp_path / "new", {FLOAT32: _golden(moved), Q4_K: _golden(BASE)})
+    code, out, _ = _run(capsys, OWN, f"--from={base}", "--to=new")
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[4].startswith("  case prose: first changed step 3: ' t10' -> ' t30'; ")
+    assert lines[4].endswith("; tokens differ from step 3")
+    assert lines[5:7] == [
+        "    from: steps 1-3: ' t4' ' t7' | ' t10'",
+        "    to:   steps 1-3: ' t4' ' t7' | ' t30'",
+    ]
+
+
+def test_added_and_removed_files_and_provenance(capsys, base: Path, tmp_path: Path) -> None:
+    smollm2 = "smollm2_q4_1_all_golden.json"
+    newer = _golden(BASE, torch_version="2.14.0", producer_version="llama3-engine/3")
+    _write(tmp_path / "new", {FLOAT32: newer, smollm2: _golden(BASE)})
+    code, out, _ = _run(capsys, OWN, f"--from={base}", "--to=new")
+    assert code == 1
+    assert out.splitlines()[3:] == [
+        f"{smollm2}: added (2 cases)",
+        f"{FLOAT32}: changed: producer_version 'llama3-engine/2' -> 'llama3-engine/3'; "
+        "torch_version '2.13.0' -> '2.14.0'",
+        "  case prose: identical",
+        "  case code: identical",
+        f"{Q4_K}: removed (2 cases)",
+        "different: 1 of 1 files changed, 1 added, 1 removed",
+    ]
+
+
+def test_cases_whose_inputs_differ_are_reported_as_such(capsys, base, tmp_path) -> None:
+    golden = _golden(BASE)
+    prose, code_case = golden.cases
+    cases = [
+        dataclasses.replace(prose, prompt="Paris is"),
+        dataclasses.replace(code_case, input_ids=[128000, 792, 5]),
+    ]
+    changed = dataclasses.replace(golden, cases=cases)
+    _write(tmp_path / "new", {FLOAT32: changed, Q4_K: _golden(BASE)})
+    _, out, _ = _run(capsys, OWN, f"--from={base}", "--to=new")
+    assert out.splitlines()[4:6] == [
+        "  case prose: prompt differs: 'The capital of France is' -> 'Paris is'",
+        "  case code: input ids differ at position 1: 791 -> 792 (2 -> 3 ids; tokenizer or BOS "
+        "changed?)",
+    ]
+
+
+def test_only_the_names_files_are_compared(capsys, tmp_path: Path) -> None:
+    torch_file = "torch_tinyllama_float32_golden.json"
+    _write(tmp_path / "a", {FLOAT32: _golden(BASE), torch_file: _golden(BASE)})
+    _write(tmp_path / "b", {FLOAT32: _golden(BASE, torch_version="2.14.0")})
+    assert _run(capsys, "torch_llama_golden", "--from=a", "--to=a")[1].splitlines()[3] == (
+        f"{torch_file}: identical"
+    )
+    assert _run(capsys, OWN, "--from=a", "--to=b")[1].splitlines()[-1] == (
+        "different: 1 of 1 files changed, 0 added, 0 removed"
+    )
+
+
+def test_html_report_has_one_section_per_case(capsys, base: Path, tmp_path: Path) -> None:
+    moved = {"prose": BASE["prose"].copy(), "code": BASE["code"]}
+    moved["prose"][1, 12] += 0.5
+    _write(tmp_path / "new", {FLOAT32: _golden(moved), Q4_K: _golden(BASE)})
+    code, _, err = _run(capsys, OWN, f"--from={base}", "--to=new", "--html=out/diff.html")
+    page = (tmp_path / "out" / "diff.html").read_text(encoding="utf-8")
+    assert code == 1
+    assert err == f"wrote {tmp_path / 'out' / 'diff.html'}\n"
+    statuses = re.findall(
+        r'<section class="case" id="case-\d+" data-status="(\w+)" '
+        r'data-first-failing-step="(\d*)"',
+        page,
+    )
+    assert statuses == [("CHANGED", "1"), ("IDENTICAL", ""), ("IDENTICAL", ""), ("IDENTICAL", "")]
+    assert "different: 1 of 2 files changed, 0 added, 0 removed" in page
+
+
+def test_an_archive_file_is_an_input(capsys, base: Path, tmp_path: Path) -> None:
+    (tmp_path / "goldens.tar.gz").write_bytes(archive.pack_files(sorted(base.iterdir())))
+    code, out, _ = _run(capsys, OWN, "--from=goldens.tar.gz", f"--to={base}")
+    assert out.splitlines()[1] == f"from: archive {tmp_path / 'goldens.tar.gz'}"
+    assert (code, out.splitlines()[-1]) == (0, "identical: 2 files")
+
+
+# --- the store: versions, sha256s, the pin ------------------------------------------------
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A scratch repository: versions 1 and 2 of test_llama_golden in its store, 2 pinned."""
+    root = tmp_path / "repo"
+    store = LocalStore(root / "artifacts")
+    for version, torch_version in ((1, "2.13.0"), (2, "2.14.0")):
+        folder = _write(
+            tmp_path / f"v{version}", {FLOAT32: _golden(BASE, torch_version=torch_version)}
+        )
+        data = archive.pack_files(sorted(folder.iterdir()))
+        ref = ArchiveRef(OWN, version, archive.sha256_hex(data))
+        store.write(ref, data)
+    pin = stanza.GoldenPin(OWN, ref.sha256, store.url(ref))
+    (root / "MODULE.bazel").write_text(stanza.set_pin("", pin), encoding="utf-8")
+    return root
+
+
+def _store_flags(repo: Path) -> list[str]:
+    return [f"--artifacts-dir={repo / 'artifacts'}", f"--module-file={repo / 'MODULE.bazel'}"]
+
+
+def _sha(repo: Path, version: int) -> str:
+    return LocalStore(repo / "artifacts").digests(OWN, version)[0]
+
+
+def test_versions_shas_and_the_pin_name_stored_archives(capsys, repo: Path) -> None:
+    sha1, sha2 = _sha(repo, 1), _sha(repo, 2)
+    code, out, _ = _run(capsys, OWN, "--from=1", f"--to={sha2}", *_store_flags(repo))
+    assert code == 1
+    assert out.splitlines()[1:4] == [
+        f"from: {OWN} version 1 (sha256 {sha1})",
+        f"to:   {OWN} version 2 (sha256 {sha2})",
+        f"{FLOAT32}: changed: torch_version '2.13.0' -> '2.14.0'",
+    ]
+    code, out, _ = _run(capsys, OWN, "--to=2", *_store_flags(repo))  # --from: the pin
+    assert (code, out.splitlines()[-1]) == (0, "identical: 1 files")
+
+
+def test_bazel_run_defaults_pin_against_testdata(capsys, monkeypatch, repo: Path) -> None:
+    """Under `bazel run` the repository is the workspace: its pin, store and testdata."""
+    monkeypatch.setenv("BUILD_WORKSPACE_DIRECTORY", str(repo))
+    testdata = _write(repo / golden_diff.TESTDATA, {FLOAT32: _golden(BASE, torch_version="x")})
+    code, out, _ = _run(capsys, OWN)
+    assert code == 1
+    assert out.splitlines()[1:4] == [
+        f"from: {OWN} version 2 (sha256 {_sha(repo, 2)})",
+        f"to:   folder {testdata}",
+        f"{FLOAT32}: changed: torch_version '2.14.0' -> 'x'",
+    ]
+
+
+def test_repository_store_version_1_against_version_2(capsys) -> None:
+    code, out, err = _run(capsys, OWN, "--from=1", "--to=2")
+    lines = out.splitlines()
+    assert (code, err) == (1, "")
+    assert lines[-1] == "different: 4 of 4 files changed, 0 added, 0 removed"
+    headers = [line for line in lines if line.endswith("_golden.json") or ": changed" in line]
+    assert headers == [
+        f"{name}: changed: schema_version 1 -> 2; logits_dtype (absent) -> 'float32'; "
+        "producer_version 'llama3-engine/1' -> 'llama3-engine/2'"
+        for name in (
+            "smollm2_q4_1_all_golden.json",
+            "tinyllama_bfloat16_all_golden.json",
+            FLOAT32,
+            Q4_K,
+        )
+    ]
+    bf16 = lines[lines.index(headers[1]) + 1]
+    assert bf16.startswith("  case prose: first changed step 0: ' wasm' (same token); ")
+    assert _run(capsys, OWN, "--from=1", "--to=2")[1] == out  # deterministic
+    code, out, _ = _run(capsys, OWN, "--from=2", "--to=2")
+    assert (code, out.splitlines()[-1]) == (0, "identical: 4 files")
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+def _error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    code, out, err = _run(capsys, *args)
+    assert (code, out) == (2, "")
+    assert err.startswith("golden_diff: error: ") and err.count("\n") == 1
+    return err
+
+
+def test_an_unknown_name_is_refused(capsys, base: Path) -> None:
+    err = _error(capsys, "llama_golden", f"--from={base}", f"--to={base}")
+    assert (
+        "unknown NAME 'llama_golden'; golden archives: test_llama_golden, torch_llama_golden" in err
+    )
+
+
+def test_a_version_not_in_the_store_is_refused(capsys, repo: Path, base: Path) -> None:
+    err = _error(capsys, OWN, "--from=9", f"--to={base}", *_store_flags(repo))
+    assert f"--from=9: version 9 of {OWN} is not in the local store" in err
+    assert "(versions there: 1, 2)" in err
+
+
+def test_a_folder_without_goldens_is_refused(capsys, base: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    err = _error(capsys, OWN, f"--from={base}", "--to=empty")
+    assert f"--to: folder {tmp_path / 'empty'} holds no {OWN} golden files" in err
+    assert "evaluate_llama" in err
+
+
+def test_a_sha_neither_pinned_nor_stored_is_refused(capsys, repo: Path, base: Path) -> None:
+    err = _error(capsys, OWN, f"--from={'0' * 64}", f"--to={base}", *_store_flags(repo))
+    assert f"--from={'0' * 64}: this sha256 of {OWN} is neither pinned" in err
+
+
+def test_unreadable_json_names_the_file(capsys, base: Path, tmp_path: Path) -> None:
+    bad = _write(tmp_path / "bad", {})
+    (bad / FLOAT32).write_text("{not json", encoding="utf-8")
+    err = _error(capsys, OWN, f"--from={base}", "--to=bad")
+    assert f"--to: folder {bad}: {FLOAT32} is not readable JSON" in err
+
+
+def test_a_file_that_is_no_archive_is_refused(capsys, base: Path, tmp_path: Path) -> None:
+    (tmp_path / "broken.tar.gz").write_bytes(b"not gzip")
+    err = _error(capsys, OWN, "--from=broken.tar.gz", f"--to={base}")
+    assert f"--from: archive {tmp_path / 'broken.tar.gz'}: not a readable tar.gz archive" in err
+
+
+def test_an_archive_failing_its_checksum_is_refused(capsys, repo: Path, base: Path) -> None:
+    path = LocalStore(repo / "artifacts").path(ArchiveRef(OWN, 1, _sha(repo, 1)))
+    path.write_bytes(b"damaged")
+    err = _error(capsys, OWN, "--from=1", f"--to={base}", *_store_flags(repo))
+    assert f"--from: {OWN} version 1 (sha256 {_sha(repo, 1)}): checksum mismatch" in err
+    assert "git checkout --" in err
+
+
+def test_a_pinned_archive_missing_from_the_store_is_fetched_by_its_url(capsys, repo, base) -> None:
+    """The pinned URL is on a reserved domain, so the fetch reports what is missing."""
+    missing = LocalStore(repo / "artifacts").path(ArchiveRef(OWN, 2, _sha(repo, 2)))
+    missing.unlink()
+    err = _error(capsys, OWN, f"--to={base}", *_store_flags(repo))
+    assert f"--from: pinned {OWN} (sha256 {_sha_from_module(repo)}): {OWN}: " in err
+    assert "is not in the local store" in err
+
+
+def _sha_from_module(repo: Path) -> str:
+    return stanza.parse((repo / "MODULE.bazel").read_text(encoding="utf-8"))[OWN].sha256
+
+
+def test_help_has_examples(capsys) -> None:
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0
+    assert "examples:\n  # the pinned archive against the goldens" in out
+
+
+def test_a_schema_1_golden_is_read_leniently() -> None:
+    body = json.loads(schema.to_json(_golden(BASE)))
+    body["schema_version"] = 1
+    del body["provenance"]["logits_dtype"]
+    golden = golden_diff.parse_golden(json.dumps(body).encode(), "v1.json")
+    assert (golden.schema_version, "logits_dtype" in golden.provenance) == (1, False)
+    assert [c.id for c in golden.cases] == ["prose", "code"]
