@@ -2,19 +2,23 @@
 
 evaluate_llama writes goldens from free-running greedy runs (`run_cases`); the tests feed
 the engine each golden's own tokens (`forced_runs`, teacher forcing) and compare every step
-(`compare_runs`; `check` does both). Both load and tokenize the same way.
+(`compare_runs`; `check` does both). Both load and tokenize the same way. A failing verdict
+comes with an HTML report of all its cases (`failures_with_report`, max_tests/goldens/report.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from max_tests.goldens import compare, locate, schema
+from max_tests.goldens import compare, locate, report, schema
 from max_tests.goldens.record import CaseSpec, case_specs, file_sha256, record_case
 from max_tests.goldens.tolerances import Tolerance
 from max_tests.integration.architectures.llama3.variants import Variant
@@ -23,6 +27,8 @@ from pipelines.llama3 import Llama3Engine
 ENGINE_PRODUCER_VERSION = "llama3-engine/2"
 EVALUATE = "./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama"
 RUN_TORCH = "./bazelw run //max_tests/integration/architectures/llama3/testdata:run_torch_llama"
+# Bazel's folder for a test's extra outputs; it zips them into bazel-testlogs after the test.
+UNDECLARED_OUTPUTS_ENV = "TEST_UNDECLARED_OUTPUTS_DIR"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,3 +233,77 @@ def check(
     runs = forced_runs(engine, golden)
     decode = engine.tokenizer.decode
     return compare_runs(runs, golden, golden_name, reference, tolerance, variant, decode, device)
+
+
+def report_directory(fallback: Path) -> Path:
+    """Where a failing golden test writes its HTML reports: Bazel's undeclared outputs folder,
+    else `fallback` (the tests pass pytest's `tmp_path`, of which pytest keeps the last runs)."""
+    outputs = os.environ.get(UNDECLARED_OUTPUTS_ENV)
+    return Path(outputs) if outputs else fallback
+
+
+def failures_with_report(
+    verdict: Verdict,
+    golden: schema.Golden,
+    decode: Callable[[Sequence[int]], str],
+    directory: Path,
+    test_id: str,
+) -> list[str]:
+    """`verdict.failures`; when there are any, the HTML report of this golden is written into
+    `directory` and a last line names it ("report: PATH")."""
+    if not verdict.failures:
+        return []
+    path = write_failure_report(verdict, golden, decode, directory, test_id)
+    return [*verdict.failures, f"report: {path}{_bazel_outputs_hint(directory)}"]
+
+
+def write_failure_report(
+    verdict: Verdict,
+    golden: schema.Golden,
+    decode: Callable[[Sequence[int]], str],
+    directory: Path,
+    test_id: str,
+) -> Path:
+    """The HTML report of every case of `verdict`, failing and passing, written into
+    `directory` as `golden_report_{test_id}_{golden file stem}.html`; returns its path.
+    Golden tokens are the golden's stored texts, run tokens `decode([id])` of the run's."""
+    golden_file = verdict.golden_name.split(" ")[0]  # find_golden names it "FILE (FOLDER)"
+    views = [_case_view(case_report, golden, decode) for case_report in verdict.reports]
+    failing = sum(v.status == compare.FAIL for v in views)
+    summary = [verdict.summary(), f"cases: {failing} of {len(views)} fail"]
+    title = f"golden report: {test_id} against {golden_file} ({verdict.reference})"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / report_file_name(test_id, golden_file)
+    return report.write_report(path, title, summary, views)
+
+
+def report_file_name(test_id: str, golden_file: str) -> str:
+    """`golden_report_{test_id}_{golden file stem}.html`, in characters safe in any file name."""
+    stem = Path(golden_file).name.removesuffix(".json")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"golden_report_{test_id}_{stem}") + ".html"
+
+
+def _case_view(
+    case_report: compare.CaseReport,
+    golden: schema.Golden,
+    decode: Callable[[Sequence[int]], str],
+) -> report.CaseView:
+    case = golden.case(case_report.case_id)
+    steps = case_report.steps
+    run_tokens = [decode([s.actual_token]) for s in steps if s.actual_token is not None]
+    return report.case_view(
+        case_report,
+        f"{golden.provenance.model} {golden.provenance.encoding} · {case.id}",
+        [s.token_text for s in case.steps],
+        run_tokens,
+        notes=[f"free-running greedy agreement: {case_report.greedy_agreement} of {len(steps)}"],
+    )
+
+
+def _bazel_outputs_hint(directory: Path) -> str:
+    """Where `bazel test` leaves a report in its undeclared outputs folder: zipped."""
+    outputs, target = os.environ.get(UNDECLARED_OUTPUTS_ENV), os.environ.get("TEST_TARGET")
+    if not outputs or not target or directory != Path(outputs):
+        return ""
+    package, _, name = target.split("//", 1)[-1].partition(":")
+    return f" (after the test: bazel-testlogs/{package}/{name}/test.outputs/outputs.zip)"

@@ -2,7 +2,8 @@
 
 Teacher-forced: for each golden the engine is fed the golden's own tokens, so every step of
 every case is compared (max_tests/goldens/compare.py). One test per checkpoint variant, id
-`{size}-{encoding}-{arch}`; one case alone:
+`{size}-{encoding}-{arch}`. A failing golden writes an HTML report of all its cases, named on the
+failure's last line (golden_run.failures_with_report). One case alone:
   ./bazelw test //max_tests/integration:tests \\
       --test_arg=-k --test_arg='test_llama[tiny-float32-llama3_1]'
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +26,7 @@ EXPECTED_LLAMA3_1_ENV = "EXPECTED_LLAMA3_1_GGUF"
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.test_id for v in VARIANTS])
-def test_llama(variant: Variant, goldens, record_property) -> None:
+def test_llama(variant: Variant, goldens, record_property, tmp_path: Path) -> None:
     if variant.path is None:
         pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
     references = [(*goldens.load(reference, variant), reference) for reference in ("own", "torch")]
@@ -44,7 +46,14 @@ def test_llama(variant: Variant, goldens, record_property) -> None:
     print(f"{variant.test_id}: load {(loaded - start) * 1000:.1f} ms, model {model_seconds:.3f} s")
     for verdict in verdicts:
         print("  " + verdict.summary())
-    failures = [f for v in verdicts for f in v.failures]
+    reports = golden_run.report_directory(tmp_path)
+    failures = [
+        failure
+        for (golden, _, _), verdict in zip(references, verdicts, strict=True)
+        for failure in golden_run.failures_with_report(
+            verdict, golden, engine.tokenizer.decode, reports, variant.test_id
+        )
+    ]
     assert not failures, "\n\n".join(failures)
 
 

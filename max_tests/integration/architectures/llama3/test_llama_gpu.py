@@ -7,10 +7,13 @@ Which golden a GPU run is compared with:
      tolerance; for float32 and the quantized encodings the CPU golden is the reference
      anyway (TF32 off), with the `cuda` tolerance.
 The engine is teacher-forced with each golden's tokens (as test_llama on the CPU); the test
-prints which golden and tolerance it used and the comparison's summary.
+prints which golden and tolerance it used and the comparison's summary. A failing golden writes
+an HTML report of all its cases, named on the failure's last line.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,19 +41,22 @@ def _golden_for_this_gpu(goldens, reference: str, variant: Variant, gpu: str):
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.test_id for v in VARIANTS])
-def test_llama_gpu(variant: Variant, goldens, record_property) -> None:
+def test_llama_gpu(variant: Variant, goldens, record_property, tmp_path: Path) -> None:
     if variant.path is None:
         pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
     torch.backends.cuda.matmul.allow_tf32 = False
     gpu = golden_run.hardware("cuda")
     engine = golden_run.load_engine(variant, "cuda")
     failures, ambiguous = [], 0
+    reports = golden_run.report_directory(tmp_path)
     for reference in ("own", "torch"):
         golden, name, tol, note = _golden_for_this_gpu(goldens, reference, variant, gpu)
         record_property(f"{reference}_golden", f"{name} ({note})")
         verdict = golden_run.check(engine, golden, name, reference, tol, variant, "cuda")
         print(f"{variant.test_id} on {gpu} ({note}): {verdict.summary()}")
-        failures += verdict.failures
+        failures += golden_run.failures_with_report(
+            verdict, golden, engine.tokenizer.decode, reports, f"{variant.test_id}-cuda"
+        )
         ambiguous += verdict.ambiguous_steps
     record_property("ambiguous_steps", ambiguous)
     assert not failures, "\n\n".join(failures)

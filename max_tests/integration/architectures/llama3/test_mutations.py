@@ -9,6 +9,10 @@ of the matrix (tolerance entry x mutation: the failing metric and first failing 
 
 from __future__ import annotations
 
+import html
+import re
+from pathlib import Path
+
 import pytest
 
 from max_tests.goldens import compare
@@ -87,3 +91,49 @@ def test_a_kv_cache_mutation_first_fails_at_the_first_decode_step(goldens) -> No
     assert [r.first_failing.step for r in verdict.reports] == [1] * len(verdict.reports)
     # Step 0 differs only by the golden's float32 rounding of its logsumexp.
     assert all(r.steps[0].max_logprob_diff < 1e-8 for r in verdict.reports)
+
+
+def test_a_norm_eps_mutation_fails_naming_its_html_report(goldens, tmp_path: Path) -> None:
+    """The failing golden writes its report (max_tests/goldens/report.py), every case in it with
+    its token strip and its curves, and the failure text names the file."""
+    variant = _variant("float32")
+    golden, name = goldens.load("own", variant)
+    tol = tolerance("own", "float32", "cpu")
+    engine = mutations.load(variant, mutations.BY_NAME["norm_eps"])
+    verdict = golden_run.check(engine, golden, name, "own", tol, variant)
+    directory = golden_run.report_directory(tmp_path)  # kept by Bazel: test.outputs
+    failures = golden_run.failures_with_report(
+        verdict, golden, engine.tokenizer.decode, directory, variant.test_id
+    )
+
+    path = directory / "golden_report_tiny-float32-llama3_1_tinyllama_float32_all_golden.html"
+    assert failures[:-1] == verdict.failures
+    assert failures[-1].startswith(f"report: {path}")
+    page = path.read_text(encoding="utf-8")
+    sections = re.findall(r'<section class="case".*?</section>', page, re.S)
+    assert len(sections) == len(verdict.reports) == len(golden.cases)
+    for section, case_report, case in zip(sections, verdict.reports, golden.cases, strict=True):
+        assert 'data-status="FAIL"' in section
+        assert f'data-first-failing-step="{case_report.first_failing.step}"' in section
+        for token in (s.token_text for s in case.steps):
+            assert f'title="{html.escape(repr(token))}"' in section
+        changed = [s.step for s in case_report.steps if s.actual_token != s.expected_token]
+        assert _changed_steps(section) == changed
+        for metric, values, limit in (
+            ("kl", [s.kl for s in case_report.steps], tol.kl_max),
+            ("logprob_delta", [s.max_logprob_diff for s in case_report.steps], tol.logprob_atol),
+        ):
+            chart = re.search(rf'<svg class="curve" data-metric="{metric}".*?</svg>', section)
+            points = re.search(r'<polyline [^>]*points="([^"]*)"', chart[0])[1].split()
+            assert len(points) == len(case.steps)
+            assert f'<line class="tolerance" data-value="{limit:g}"' in chart[0]
+            above = [i for i, v in enumerate(values) if v > limit]
+            assert re.findall(r'<circle data-step="(\d+)" class="point above"', chart[0]) == [
+                str(i) for i in above
+            ]
+    # The translation case's greedy tokens diverge: its strip marks the changed steps.
+    assert any(_changed_steps(section) for section in sections)
+
+
+def _changed_steps(section: str) -> list[int]:
+    return [int(step) for step in re.findall(r'<td data-step="(\d+)" class="changed', section)]
