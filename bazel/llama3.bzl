@@ -30,12 +30,13 @@ _GOLDEN_ARCHIVES_ENV = {
     "TORCH_LLAMA_GOLDENS": "$(rootpaths @torch_llama_golden)",
 }
 
-def llama3_test(name, size, goldens = True, gpu = False, srcs = []):
+def llama3_test(name, size, goldens = True, gpu = False, srcs = [], deps = []):
     """The pytest file `<name>.py` with the package's conftest, over the tiny checkpoints.
 
     `goldens` adds SmolLM2 and the pinned golden archives; `gpu` makes it a GPU test
     (SKIPPED as incompatible unless --config=gpu); `srcs` are modules under test that no
-    library holds (a tool's main file). The suites in //max_tests/integration are its only users.
+    library holds (a tool's main file), `deps` what else it imports. The suites in
+    //max_tests/integration are its only users.
     """
     rule = gpu_pytest_test if gpu else pytest_test
     rule(
@@ -52,7 +53,7 @@ def llama3_test(name, size, goldens = True, gpu = False, srcs = []):
             ":golden_run",
             "//max_tests:conftest",
             requirement("gguf"),
-        ],
+        ] + deps,
     )
 
 def llama3_tool(name, srcs, deps, goldens = False, env = {}, visibility = None):

@@ -3,7 +3,9 @@
 evaluate_llama writes goldens from free-running greedy runs (`run_cases`); the tests feed
 the engine each golden's own tokens (`forced_runs`, teacher forcing) and compare every step
 (`compare_runs`; `check` does both). Both load and tokenize the same way. A failing verdict
-comes with an HTML report of all its cases (`failures_with_report`, max_tests/goldens/report.py).
+comes with an HTML report of all its cases (`failures_with_report`, max_tests/goldens/report.py)
+and, against the torch goldens, the first layer and sub-block where the engine and transformers
+part ways (`diverging_layer`, localize.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from max_tests.goldens import compare, locate, report, schema
 from max_tests.goldens.record import CaseSpec, case_specs, file_sha256, record_case
 from max_tests.goldens.tolerances import Tolerance
+from max_tests.integration.architectures.llama3 import localize, torch_reference
 from max_tests.integration.architectures.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 
@@ -242,19 +245,44 @@ def report_directory(fallback: Path) -> Path:
     return Path(outputs) if outputs else fallback
 
 
+def diverging_layer(
+    engine: Llama3Engine, variant: Variant, golden: schema.Golden, verdict: Verdict
+) -> tuple[str, str] | None:
+    """(case id, where) for a failing verdict against the torch goldens: the first layer and
+    sub-block at which the engine and transformers part ways on its first failing case, both fed
+    that case's prompt and golden tokens. None for other verdicts. Loads transformers' model."""
+    failing = next((r for r in verdict.reports if r.status == compare.FAIL), None)
+    if verdict.reference != "torch" or failing is None:
+        return None
+    case = golden.case(failing.case_id)
+    model = torch_reference.load_model(variant.path, variant.dtype, engine.device)
+    divergence = localize.first_divergence(engine, model, case.input_ids, case.token_ids)
+    if divergence is None:
+        where = (
+            "first diverging layer: none, every sub-block agrees with transformers on the "
+            "golden's input ids (look at tokenization and BOS)"
+        )
+    else:
+        where = divergence.describe()
+    return case.id, where
+
+
 def failures_with_report(
     verdict: Verdict,
     golden: schema.Golden,
     decode: Callable[[Sequence[int]], str],
     directory: Path,
     test_id: str,
+    diagnosis: tuple[str, str] | None = None,
 ) -> list[str]:
     """`verdict.failures`; when there are any, the HTML report of this golden is written into
-    `directory` and a last line names it ("report: PATH")."""
+    `directory` and a last line names it ("report: PATH"). `diagnosis` (`diverging_layer`) is
+    added to the failure text and to its case in the report."""
     if not verdict.failures:
         return []
-    path = write_failure_report(verdict, golden, decode, directory, test_id)
-    return [*verdict.failures, f"report: {path}{_bazel_outputs_hint(directory)}"]
+    path = write_failure_report(verdict, golden, decode, directory, test_id, diagnosis)
+    located = [] if diagnosis is None else [f"case {diagnosis[0]!r}: {diagnosis[1]}"]
+    return [*verdict.failures, *located, f"report: {path}{_bazel_outputs_hint(directory)}"]
 
 
 def write_failure_report(
@@ -263,12 +291,17 @@ def write_failure_report(
     decode: Callable[[Sequence[int]], str],
     directory: Path,
     test_id: str,
+    diagnosis: tuple[str, str] | None = None,
 ) -> Path:
     """The HTML report of every case of `verdict`, failing and passing, written into
     `directory` as `golden_report_{test_id}_{golden file stem}.html`; returns its path.
     Golden tokens are the golden's stored texts, run tokens `decode([id])` of the run's."""
     golden_file = verdict.golden_name.split(" ")[0]  # find_golden names it "FILE (FOLDER)"
-    views = [_case_view(case_report, golden, decode) for case_report in verdict.reports]
+    notes = {} if diagnosis is None else {diagnosis[0]: [diagnosis[1]]}
+    views = [
+        _case_view(case_report, golden, decode, notes.get(case_report.case_id, []))
+        for case_report in verdict.reports
+    ]
     failing = sum(v.status == compare.FAIL for v in views)
     summary = [verdict.summary(), f"cases: {failing} of {len(views)} fail"]
     title = f"golden report: {test_id} against {golden_file} ({verdict.reference})"
@@ -287,6 +320,7 @@ def _case_view(
     case_report: compare.CaseReport,
     golden: schema.Golden,
     decode: Callable[[Sequence[int]], str],
+    notes: list[str],
 ) -> report.CaseView:
     case = golden.case(case_report.case_id)
     steps = case_report.steps
@@ -296,7 +330,10 @@ def _case_view(
         f"{golden.provenance.model} {golden.provenance.encoding} · {case.id}",
         [s.token_text for s in case.steps],
         run_tokens,
-        notes=[f"free-running greedy agreement: {case_report.greedy_agreement} of {len(steps)}"],
+        notes=[
+            f"free-running greedy agreement: {case_report.greedy_agreement} of {len(steps)}",
+            *notes,
+        ],
     )
 
 

@@ -82,6 +82,25 @@ MUTATIONS = [
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}
 
+# Sub-blocks of a layer, each with a mutation confined to it (`in_layer`).
+_LAYER_PATCHES: dict[str, Callable[[torch.nn.Module], None]] = {
+    "attention norm": lambda layer: layer.attention_norm.weight.mul_(1.01),
+    "attention": lambda layer: layer.attention.wo.weight.mul_(1.01),
+    "MLP norm": lambda layer: layer.ffn_norm.weight.mul_(1.01),
+    "MLP": lambda layer: layer.feed_forward.w2.weight.mul_(1.01),
+}
+
+
+def in_layer(subblock: str, layer: int) -> Mutation:
+    """A 1% scale of one sub-block's weight in one layer: a bug whose place is known, so that
+    the first diverging layer (localize.py) can be checked against it."""
+
+    def patch(engine: Llama3Engine) -> None:
+        with torch.no_grad():
+            _LAYER_PATCHES[subblock](engine.model.layers[layer])
+
+    return Mutation(f"{subblock}@{layer}", f"{subblock} weight x1.01 in layer {layer}", {}, patch)
+
 
 def load(variant: Variant, mutation: Mutation | None) -> Llama3Engine:
     """The variant's engine with `mutation` applied: loaded with its config overrides, then

@@ -51,7 +51,12 @@ def test_llama(variant: Variant, goldens, record_property, tmp_path: Path) -> No
         failure
         for (golden, _, _), verdict in zip(references, verdicts, strict=True)
         for failure in golden_run.failures_with_report(
-            verdict, golden, engine.tokenizer.decode, reports, variant.test_id
+            verdict,
+            golden,
+            engine.tokenizer.decode,
+            reports,
+            variant.test_id,
+            golden_run.diverging_layer(engine, variant, golden, verdict),
         )
     ]
     assert not failures, "\n\n".join(failures)

@@ -55,7 +55,12 @@ def test_llama_gpu(variant: Variant, goldens, record_property, tmp_path: Path) -
         verdict = golden_run.check(engine, golden, name, reference, tol, variant, "cuda")
         print(f"{variant.test_id} on {gpu} ({note}): {verdict.summary()}")
         failures += golden_run.failures_with_report(
-            verdict, golden, engine.tokenizer.decode, reports, f"{variant.test_id}-cuda"
+            verdict,
+            golden,
+            engine.tokenizer.decode,
+            reports,
+            f"{variant.test_id}-cuda",
+            golden_run.diverging_layer(engine, variant, golden, verdict),
         )
         ambiguous += verdict.ambiguous_steps
     record_property("ambiguous_steps", ambiguous)

@@ -1,5 +1,6 @@
 """Every tolerance is proven: each known bug (mutations.py) fails under every tolerance entry,
-and the unmutated engine passes under every entry.
+and the unmutated engine passes under every entry. And every diagnosis is proven: a bug placed in
+one sub-block of one layer of a 3-layer checkpoint is located there (localize.py).
 
 The comparison is device-agnostic, so the CUDA entries (`cuda`, `cuda_fallback`) are applied
 to CPU runs of the engine against the pinned CPU goldens too: a tolerance loose enough to let
@@ -17,8 +18,14 @@ import pytest
 
 from max_tests.goldens import compare
 from max_tests.goldens.tolerances import entries, tolerance
-from max_tests.integration.architectures.llama3 import golden_run, mutations
-from max_tests.integration.architectures.llama3.variants import variants
+from max_tests.integration.architectures.llama3 import (
+    golden_run,
+    localize,
+    mutations,
+    torch_reference,
+)
+from max_tests.integration.architectures.llama3.variants import Variant, variants
+from tools.gen_tiny_model import gen_tiny_model
 
 ENCODINGS = sorted({tol.encoding for tol in entries()})
 
@@ -137,3 +144,72 @@ def test_a_norm_eps_mutation_fails_naming_its_html_report(goldens, tmp_path: Pat
 
 def _changed_steps(section: str) -> list[int]:
     return [int(step) for step in re.findall(r'<td data-step="(\d+)" class="changed', section)]
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory, testdata_directory: Path) -> Variant:
+    """A 3-layer tiny float32 checkpoint (the committed ones have 1 layer), made by the
+    repository's generator with the committed tokenizer."""
+    path = tmp_path_factory.mktemp("three_layers") / "tiny_llama_3_layers.gguf"
+    shape = ["--n-layers=3", "--n-heads=2", "--n-kv-heads=1", "--hidden-dim=32"]
+    argv = [f"--output={path}", "--quantization-encoding=float32", *shape]
+    assert gen_tiny_model.main([*argv, f"--tokenizer-dir={testdata_directory}"]) == 0
+    return Variant("tinyllama", "float32", "tiny", "llama3_1", path)
+
+
+@pytest.fixture(scope="module")
+def three_layers_reference(three_layers: Variant):
+    return torch_reference.load_model(three_layers.path, three_layers.dtype)
+
+
+PROMPT_IDS = [128000, 791, 6864, 315, 9822, 374]  # BOS "The capital of France is"
+FORCED = [12366, 13, 578, 6864, 315, 9822]
+
+
+def test_the_unmutated_engine_agrees_with_transformers_in_every_sub_block(
+    three_layers, three_layers_reference
+) -> None:
+    engine = mutations.load(three_layers, None)
+    assert localize.first_divergence(engine, three_layers_reference, PROMPT_IDS, FORCED) is None
+
+
+@pytest.mark.parametrize(
+    ("subblock", "layer"),
+    [("attention", 1), ("MLP", 2), ("MLP norm", 0), ("attention norm", 2)],
+    ids=lambda value: str(value).replace(" ", "_"),
+)
+def test_a_mutation_in_layer_k_is_located_at_layer_k(
+    three_layers, three_layers_reference, subblock: str, layer: int
+) -> None:
+    engine = mutations.load(three_layers, mutations.in_layer(subblock, layer))
+    found = localize.first_divergence(engine, three_layers_reference, PROMPT_IDS, FORCED)
+    assert found is not None, f"{subblock} in layer {layer} was not found"
+    assert (found.layer, found.subblock) == (layer, subblock), found.describe()
+    assert found.position == 0  # every position passes through every layer
+    assert found.relative_error > 10 * found.tolerance  # far from the threshold, not near it
+
+
+def test_a_kv_cache_mutation_is_located_at_the_first_decode_position(
+    three_layers, three_layers_reference
+) -> None:
+    engine = mutations.load(three_layers, mutations.BY_NAME["kv_position"])
+    found = localize.first_divergence(engine, three_layers_reference, PROMPT_IDS, FORCED)
+    assert (found.layer, found.subblock, found.position) == (0, "attention", len(PROMPT_IDS))
+
+
+def test_a_failure_against_torch_names_the_first_diverging_layer(goldens, tmp_path: Path) -> None:
+    """norm_eps against transformers' golden: the failure text and the report say where."""
+    variant = _variant("float32")
+    golden, name = goldens.load("torch", variant)
+    tol = tolerance("torch", "float32", "cpu")
+    engine = mutations.load(variant, mutations.BY_NAME["norm_eps"])
+    verdict = golden_run.check(engine, golden, name, "torch", tol, variant)
+    diagnosis = golden_run.diverging_layer(engine, variant, golden, verdict)
+    assert diagnosis is not None and diagnosis[0] == verdict.reports[0].case_id
+    assert diagnosis[1].startswith("first diverging layer: layer 0, attention norm (")
+    failures = golden_run.failures_with_report(
+        verdict, golden, engine.tokenizer.decode, tmp_path, variant.test_id, diagnosis
+    )
+    assert failures[-2] == f"case {diagnosis[0]!r}: {diagnosis[1]}"
+    page = Path(failures[-1].removeprefix("report: ").split(" (after")[0]).read_text()
+    assert html.escape(diagnosis[1], quote=False) in page

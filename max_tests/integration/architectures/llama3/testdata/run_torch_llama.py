@@ -4,9 +4,8 @@ transformers' own Llama (AutoModelForCausalLM with gguf_file=) and its own GGUF 
 run the golden prompts greedily; the result is written in the engine goldens' schema as
 `torch_{model}_{encoding}_golden.json` (GPU bfloat16: `torch_{model}_{encoding}_{gpu}_golden.json`).
 
-transformers' GGUF loader ignores Llama 3.1 rope scaling (docs/environment.md), so the config is
-rebuilt with llama3 rope parameters whenever the file carries `rope_freqs`, and the model's
-inverse frequencies are checked against the file's before anything runs.
+The model comes from torch_reference.load_reference, which restores the Llama 3.1 rope scaling
+that transformers' GGUF loader drops and checks it against the file.
 
 Examples:
   ./bazelw run //max_tests/integration/architectures/llama3/testdata:run_torch_llama -- \\
@@ -21,18 +20,17 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: everything is local files
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-import gguf
 import numpy as np
 import torch
 
 from max_tests.goldens import schema
 from max_tests.goldens.record import case_specs, record_case
 from max_tests.integration.architectures.llama3 import golden_run
+from max_tests.integration.architectures.llama3.torch_reference import load_reference
 from max_tests.integration.architectures.llama3.variants import (
     LLAMA3_1_ENV,
     MODELS,
@@ -44,13 +42,6 @@ from max_tests.integration.architectures.llama3.variants import (
 from tools.cli_files import PathError, output_directory, user_path
 
 PRODUCER_VERSION = "transformers/{}"
-# Llama 3.1's published rope scaling; checked against the file's rope_freqs before use.
-LLAMA3_ROPE = {
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 
 
 def _parser(default_device: str) -> argparse.ArgumentParser:
@@ -71,47 +62,6 @@ def _parser(default_device: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--verbose", action="store_true", help="print each case's continuation")
     return p
-
-
-def _read_metadata(path: Path) -> tuple[float, np.ndarray | None]:
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields.get("llama.rope.freq_base")
-    theta = float(field.parts[field.data[0]][0]) if field else 10000.0
-    freqs = next(
-        (
-            np.array(t.data, dtype=np.float32)
-            for t in reader.tensors
-            if t.name == "rope_freqs.weight"
-        ),
-        None,
-    )
-    return theta, freqs
-
-
-def load_reference(variant: Variant, device: str):
-    """transformers' model and tokenizer for one GGUF, rope scaling restored."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = str(variant.path.parent), variant.path.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    theta, rope_freqs = _read_metadata(variant.path)
-    if rope_freqs is not None:
-        config.rope_parameters = {"rope_type": "llama3", "rope_theta": theta, **LLAMA3_ROPE}
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, config=config, dtype=variant.dtype
-    ).to(device)
-    model.eval()
-    if rope_freqs is not None:
-        head_dim = config.head_dim
-        base = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-        used = model.model.rotary_emb.inv_freq.double().cpu().numpy()
-        if not np.allclose(base / rope_freqs, used, rtol=1e-5):
-            raise SystemExit(
-                f"run_torch_llama: {variant.path}: rope_freqs are not Llama 3.1's llama3 scaling "
-                f"{LLAMA3_ROPE}; transformers cannot reproduce this file"
-            )
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return model, tokenizer
 
 
 @torch.inference_mode()
