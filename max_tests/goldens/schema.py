@@ -172,20 +172,22 @@ def from_json(text: str, source: str = "<golden>") -> Golden:
     try:
         return Golden(
             provenance=Provenance(**body["provenance"]),
-            cases=[
-                Case(
-                    id=c["id"],
-                    prompt=c["prompt"],
-                    input_ids=c["input_ids"],
-                    stopped_on_eos=c.get("stopped_on_eos", False),
-                    steps=[Step(**s) for s in c["steps"]],
-                )
-                for c in body["cases"]
-            ],
+            cases=[case_from_json(c) for c in body["cases"]],
             schema_version=version,
         )
     except (KeyError, TypeError) as e:
         raise ValueError(f"{source}: malformed golden ({e})") from None
+
+
+def case_from_json(body: dict) -> Case:
+    """One case of a golden file's JSON (the same in schema versions 1 and 2)."""
+    return Case(
+        id=body["id"],
+        prompt=body["prompt"],
+        input_ids=body["input_ids"],
+        stopped_on_eos=body.get("stopped_on_eos", False),
+        steps=[Step(**s) for s in body["steps"]],
+    )
 
 
 def read(path: str | os.PathLike) -> Golden:

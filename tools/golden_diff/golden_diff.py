@@ -39,7 +39,7 @@ import numpy as np
 from max_tests.goldens import locate
 from max_tests.goldens.compare import bucket_kl
 from max_tests.goldens.report import CaseView, write_report
-from max_tests.goldens.schema import Case, Step
+from max_tests.goldens.schema import Case, Step, case_from_json
 from tools.artifacts import archive, stanza
 from tools.artifacts.extract import extract_pinned
 from tools.artifacts.stanza import GoldenPin
@@ -126,16 +126,7 @@ def parse_golden(data: bytes, source: str) -> GoldenFile:
         return GoldenFile(
             schema_version=body.get("schema_version"),
             provenance=dict(body["provenance"]),
-            cases=[
-                Case(
-                    id=c["id"],
-                    prompt=c["prompt"],
-                    input_ids=c["input_ids"],
-                    stopped_on_eos=c.get("stopped_on_eos", False),
-                    steps=[Step(**s) for s in c["steps"]],
-                )
-                for c in body["cases"]
-            ],
+            cases=[case_from_json(c) for c in body["cases"]],
         )
     except (KeyError, TypeError, AttributeError, ValueError) as error:
         raise InputError(

@@ -32,7 +32,7 @@ from max_tests.integration.architectures.llama3.variants import (
     unavailable_selection,
     variants,
 )
-from tools.cli_files import PathError, output_directory, user_path
+from tools.cli_files import PathError, user_path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if nothing is not None:
         _usage_error(parser, nothing)
     try:
-        output_dir = (
-            output_directory(user_path(args.output_dir).resolve(), "--output-dir")
-            if args.output_dir
-            else testdata
-        )
+        output_dir = golden_run.output_folder(args.output_dir, testdata)
     except PathError as error:
         _usage_error(parser, str(error))
     rows, unavailable = [], []

@@ -26,6 +26,7 @@ from max_tests.goldens.tolerances import Tolerance
 from max_tests.integration.architectures.llama3 import localize, torch_reference
 from max_tests.integration.architectures.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
+from tools.cli_files import output_directory, user_path
 
 ENGINE_PRODUCER_VERSION = "llama3-engine/2"
 EVALUATE = "./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama"
@@ -181,6 +182,14 @@ def find_golden(
     name = golden_file_name(reference, variant, hardware)
     path, _ = locate.find_golden(reference, name, testdata)
     return None if path is None else (schema.read(path), f"{name} ({path.parent})")
+
+
+def output_folder(output_dir: str | None, testdata: Path) -> Path:
+    """Where a golden-writing tool writes: --output-dir (created, relative to the user's folder)
+    or the checkout's testdata folder. Raises cli_files.PathError for a path that is a file."""
+    if not output_dir:
+        return testdata
+    return output_directory(user_path(output_dir).resolve(), "--output-dir")
 
 
 def regenerate_command(variant: Variant, producer: str, device: str = "cpu") -> str:

@@ -39,7 +39,7 @@ from max_tests.integration.architectures.llama3.variants import (
     unavailable_selection,
     variants,
 )
-from tools.cli_files import PathError, output_directory, user_path
+from tools.cli_files import PathError, user_path
 
 PRODUCER_VERSION = "transformers/{}"
 
@@ -157,11 +157,7 @@ def main(argv: list[str] | None = None, default_device: str = "cpu") -> int:
         print(f"run_torch_llama: error: {nothing}", file=sys.stderr)
         return 2
     try:
-        output_dir = (
-            output_directory(user_path(args.output_dir).resolve(), "--output-dir")
-            if args.output_dir
-            else testdata
-        )
+        output_dir = golden_run.output_folder(args.output_dir, testdata)
     except PathError as error:
         print(f"run_torch_llama: error: {error}", file=sys.stderr)
         return 2
