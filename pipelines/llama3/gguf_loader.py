@@ -54,6 +54,16 @@ def _required(reader: GGUFFile, path: pathlib.Path, key: str) -> object:
     return value
 
 
+def _positive(reader: GGUFFile, path: pathlib.Path, key: str, default: object = None) -> int:
+    """A size from the metadata: an integer of at least 1 (a 0 would divide by zero later)."""
+    value = (
+        _required(reader, path, key) if default is None else metadata_value(reader, key, default)
+    )
+    if not isinstance(value, int | float) or int(value) != value or value < 1:
+        raise CheckpointError(path, f"metadata {key} = {value!r} is not a positive integer")
+    return int(value)
+
+
 def read_config(reader: GGUFFile, path: str | os.PathLike) -> LlamaConfig:
     path = pathlib.Path(path)
     architecture = metadata_value(reader, "general.architecture")
@@ -66,9 +76,16 @@ def read_config(reader: GGUFFile, path: str | os.PathLike) -> LlamaConfig:
     if "token_embd.weight" not in tensors:
         raise CheckpointError(path, "missing tensor token_embd.weight")
 
-    dim = int(_required(reader, path, f"{arch}.embedding_length"))
-    n_heads = int(_required(reader, path, f"{arch}.attention.head_count"))
-    n_kv_heads = int(metadata_value(reader, f"{arch}.attention.head_count_kv", n_heads))
+    dim = _positive(reader, path, f"{arch}.embedding_length")
+    n_heads = _positive(reader, path, f"{arch}.attention.head_count")
+    n_kv_heads = _positive(reader, path, f"{arch}.attention.head_count_kv", n_heads)
+    n_layers = _positive(reader, path, f"{arch}.block_count")
+    if n_layers * len(BLOCK_TENSORS) > len(tensors):  # before building names for every layer
+        raise CheckpointError(
+            path,
+            f"block_count {n_layers} needs {len(BLOCK_TENSORS)} tensors per layer; "
+            f"the file holds {len(tensors)} tensors in all",
+        )
     vocab_size = metadata_value(reader, f"{arch}.vocab_size")
     if vocab_size is None:  # older files: the embedding's row count
         vocab_size = int(tensors["token_embd.weight"].shape[0])
@@ -87,11 +104,11 @@ def read_config(reader: GGUFFile, path: str | os.PathLike) -> LlamaConfig:
     config = LlamaConfig(
         vocab_size=int(vocab_size),
         dim=dim,
-        n_layers=int(_required(reader, path, f"{arch}.block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
-        ffn_dim=int(_required(reader, path, f"{arch}.feed_forward_length")),
-        head_dim=int(metadata_value(reader, f"{arch}.rope.dimension_count", dim // n_heads)),
+        ffn_dim=_positive(reader, path, f"{arch}.feed_forward_length"),
+        head_dim=_positive(reader, path, f"{arch}.rope.dimension_count", dim // n_heads or 1),
         rope_theta=float(metadata_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_required(reader, path, f"{arch}.attention.layer_norm_rms_epsilon")),
         context_length=int(metadata_value(reader, f"{arch}.context_length", 2048)),

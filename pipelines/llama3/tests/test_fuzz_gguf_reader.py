@@ -1,0 +1,279 @@
+"""Damaged GGUF files: the reader and loader either succeed or raise CheckpointError.
+
+A checkpoint on disk can be truncated (an interrupted copy) or corrupted. The engine promises
+one kind of failure for both: `CheckpointError`, one line naming the file. Any other exception
+(struct.error, ValueError from numpy, RuntimeError from a reshape, ZeroDivisionError) means the
+reader trusted a byte it should have checked, and reading past the end of a memory map is
+exactly that kind of exception. A hang is a failure too: every example runs under a 5 s timer.
+
+The file is the committed tiny_llama.gguf (16 MB: 128k-token vocabulary, then 8 MB of F32
+weights). Mutations overwrite 1-8 bytes at 1-3 offsets before the tensor data, biased towards
+the header, the first bytes of each metadata entry (key length, key, value type, array count,
+small values) and the tensor index; truncations cut anywhere, biased towards the metadata.
+
+Deterministic (`derandomize=True`, no example database). Examples per test: truncation 30,
+mutation of the parser 40, mutation of parser + loader 40. A failure prints
+`@reproduce_failure(...)` (`print_blob=True`): pasting that decorator onto the test replays it.
+The `test_planted_*` tests prove each property can fail: each plants a bug with monkeypatch
+and calls the hypothesis test directly, expecting it to raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import pathlib
+import signal
+import struct
+import sys
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from pipelines.llama3 import gguf_file
+from pipelines.llama3.gguf_file import CheckpointError, GGUFFile
+from pipelines.llama3.gguf_loader import load_weights, read_config
+
+CHECKPOINT = pathlib.Path("max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf")
+TIME_LIMIT_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    data: bytes
+    data_offset: int  # where the tensor data starts
+    tensor_index: int  # where the tensor index (after the metadata) starts
+    entries: tuple[int, ...]  # where each metadata entry (its key's length) starts
+
+
+@functools.cache
+def layout() -> Layout:
+    data = CHECKPOINT.read_bytes()
+    reader = GGUFFile(CHECKPOINT)
+
+    def length_prefixed(name: str) -> bytes:
+        return struct.pack("<Q", len(name.encode())) + name.encode()
+
+    first_tensor = next(iter(reader.tensors))
+    return Layout(
+        data=data,
+        data_offset=reader.data_offset,
+        tensor_index=data.rindex(length_prefixed(first_tensor), 0, reader.data_offset),
+        entries=tuple(data.index(length_prefixed(key)) for key in reader.fields),
+    )
+
+
+@st.composite
+def metadata_offsets(draw: st.DrawFn) -> int:
+    """An offset before the tensor data, biased towards the bytes that steer the parser."""
+    lay = layout()
+    region = draw(st.sampled_from(["header", "entry", "tensor_index", "anywhere"]))
+    if region == "header":
+        return draw(st.integers(0, 23))
+    if region == "entry":
+        return draw(st.sampled_from(lay.entries)) + draw(st.integers(0, 48))
+    if region == "tensor_index":
+        return draw(st.integers(lay.tensor_index, lay.data_offset - 1))
+    return draw(st.integers(0, lay.data_offset - 1))
+
+
+mutations = st.lists(
+    st.tuples(metadata_offsets(), st.binary(min_size=1, max_size=8)), min_size=1, max_size=3
+)
+truncations = st.one_of(
+    st.integers(0, 4096),  # header and the first metadata entries
+    st.integers(0, layout().data_offset),
+    st.integers(0, len(layout().data) - 1),
+)
+
+
+def fuzz_settings(max_examples: int) -> settings:
+    return settings(
+        derandomize=True,
+        database=None,
+        deadline=None,
+        max_examples=max_examples,
+        print_blob=True,
+    )
+
+
+@dataclasses.dataclass
+class Tally:
+    """Examples a test ran, and which one failed first (for the planted-bug tests)."""
+
+    calls: int = 0
+    first_failure: int | None = None
+
+
+TALLIES: dict[str, Tally] = {}
+
+
+class TimeLimitExceeded(Exception):
+    """An example ran past TIME_LIMIT_S: the reader loops on damaged input."""
+
+
+def _on_alarm(signum: int, frame: object) -> None:
+    raise TimeLimitExceeded(f"over {TIME_LIMIT_S} s")
+
+
+@contextlib.contextmanager
+def counted(name: str):
+    """Counts the example, fails it after TIME_LIMIT_S, and records the first failure."""
+    tally = TALLIES.setdefault(name, Tally())
+    tally.calls += 1
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, TIME_LIMIT_S)
+    try:
+        yield
+    except BaseException:
+        if tally.first_failure is None:
+            tally.first_failure = tally.calls
+        raise
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+_file_numbers = itertools.count()
+
+
+@contextlib.contextmanager
+def damaged_copy(tmp_dir: pathlib.Path, data: bytes):
+    """A fresh file per example: an earlier reader may still map the previous one."""
+    path = tmp_dir / f"damaged_{next(_file_numbers)}.gguf"
+    path.write_bytes(data)
+    try:
+        yield path
+    finally:
+        path.unlink()
+
+
+def assert_loads_or_refuses(path: pathlib.Path, load: bool = True) -> None:
+    """Parse (and with `load`, read the config and every weight, as from_gguf does): success,
+    or a CheckpointError whose message is one line starting with the file's path."""
+    try:
+        reader = GGUFFile(path)
+        if load:
+            load_weights(reader, read_config(reader, path), path)
+    except CheckpointError as error:
+        message = str(error)
+        assert message.startswith(f"{path}: "), message
+        assert "\n" not in message, message
+
+
+@pytest.fixture(scope="module")
+def tmp_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("damaged")
+
+
+def _mutated(changes: list[tuple[int, bytes]]) -> bytes:
+    data = bytearray(layout().data)
+    for offset, replacement in changes:
+        data[offset : offset + len(replacement)] = replacement
+    return bytes(data)
+
+
+@fuzz_settings(30)
+@given(length=truncations)
+def test_truncated_file_loads_or_raises_checkpoint_error(tmp_dir: pathlib.Path, length: int):
+    with counted("truncated"), damaged_copy(tmp_dir, layout().data[:length]) as path:
+        assert_loads_or_refuses(path)
+
+
+@fuzz_settings(40)
+@given(changes=mutations)
+def test_mutated_metadata_parses_or_raises_checkpoint_error(
+    tmp_dir: pathlib.Path, changes: list[tuple[int, bytes]]
+):
+    """The parser alone (header, metadata, tensor index)."""
+    with counted("mutated_parse"), damaged_copy(tmp_dir, _mutated(changes)) as path:
+        assert_loads_or_refuses(path, load=False)
+
+
+def _value_offset(key: str) -> int:
+    """Where a scalar metadata value starts: after the key's length, the key and its type."""
+    return layout().data.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key) + 4
+
+
+@fuzz_settings(40)
+@given(changes=mutations)
+@example(changes=[(_value_offset("llama.attention.head_count"), b"\x00")])
+@example(changes=[(_value_offset("llama.attention.head_count_kv"), b"\x00")])
+@example(changes=[(_value_offset("llama.block_count") + 3, b"\x10")])
+def test_mutated_metadata_loads_or_raises_checkpoint_error(
+    tmp_dir: pathlib.Path, changes: list[tuple[int, bytes]]
+):
+    """Parser, config and weights: the loader's checks of the values it reads. The three
+    examples are the bugs this property found (head_count 0 and head_count_kv 0 divided by
+    zero, a huge block_count built names for 268M layers before checking any tensor)."""
+    with counted("mutated_load"), damaged_copy(tmp_dir, _mutated(changes)) as path:
+        assert_loads_or_refuses(path)
+
+
+# -- each property fails on a planted bug --------------------------------------------------
+
+
+def _expect_failure(test, name: str, capsys: pytest.CaptureFixture, **kwargs) -> None:
+    TALLIES.pop(name, None)
+    # Any exception but CheckpointError: the planted bug decides the type.
+    with pytest.raises(Exception) as raised:
+        test(**kwargs)
+    assert not isinstance(raised.value, CheckpointError)
+    tally = TALLIES[name]
+    assert tally.first_failure is not None
+    with capsys.disabled():
+        print(
+            f"\n{name}: planted bug caught at example {tally.first_failure} "
+            f"({tally.calls} examples with shrinking): {type(raised.value).__name__}"
+        )
+
+
+def test_planted_unchecked_metadata_reads_break_truncation(monkeypatch, tmp_dir, capsys):
+    """`_advance` without its end-of-file check: reads past the end of the map."""
+
+    def unchecked(self: GGUFFile, n_bytes: int) -> int:
+        start = self._pos
+        self._pos = start + n_bytes
+        return start
+
+    monkeypatch.setattr(GGUFFile, "_advance", unchecked)
+    _expect_failure(
+        test_truncated_file_loads_or_raises_checkpoint_error, "truncated", capsys, tmp_dir=tmp_dir
+    )
+
+
+def test_planted_unchecked_tensor_extent_breaks_truncation(monkeypatch, tmp_dir, capsys):
+    """The parser believes the file is as large as it could be, so no tensor's offset and size
+    is checked against the real end (nor any metadata read)."""
+    parse = GGUFFile._parse
+
+    def trusting(self: GGUFFile) -> None:
+        real_size, self.file_size = self.file_size, sys.maxsize
+        try:
+            parse(self)
+        finally:
+            self.file_size = real_size
+
+    monkeypatch.setattr(GGUFFile, "_parse", trusting)
+    _expect_failure(
+        test_truncated_file_loads_or_raises_checkpoint_error, "truncated", capsys, tmp_dir=tmp_dir
+    )
+
+
+def test_planted_unknown_value_type_breaks_mutation(monkeypatch, tmp_dir, capsys):
+    """`_value_type` lets GGUFValueType's ValueError for an unknown type id escape."""
+
+    def unchecked(self: GGUFFile) -> gguf_file.GGUFValueType:
+        (type_id,) = self._unpack(gguf_file._U32)
+        return gguf_file.GGUFValueType(type_id)
+
+    monkeypatch.setattr(GGUFFile, "_value_type", unchecked)
+    _expect_failure(
+        test_mutated_metadata_parses_or_raises_checkpoint_error,
+        "mutated_parse",
+        capsys,
+        tmp_dir=tmp_dir,
+    )

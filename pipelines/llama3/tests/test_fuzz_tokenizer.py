@@ -1,0 +1,236 @@
+"""Property-based tests of the tokenizer (tokenizer.py) on random unicode text.
+
+The goldens store the producer's tokenization of each prompt and a run must tokenize it the
+same way, so a tokenizer that differs from the reference on some text (a lost merge, a wrong
+pre-tokenizer split, a mishandled byte) fails golden tests only for prompts that contain such
+text. Here hypothesis draws strings from a broad alphabet (any code point but surrogates,
+ASCII words and contractions, digit runs, whitespace runs with tabs, newlines and carriage
+returns, CJK, emoji, combining marks) and checks two properties on two vocabularies:
+
+- our encode equals the reference's on the same files, BOS as the checkpoint adds it (Llama 3.1
+  adds it, SmolLM2 does not);
+- decode(encode(s)) == s without BOS (byte-level BPE round-trips any string), and our decode
+  of those ids equals the reference's.
+
+The vocabularies: Llama 3.1 as embedded in the committed tiny checkpoint (tiny_llama.gguf),
+against the `tokenizers` library on the tokenizer.json beside it; SmolLM2-135M-Instruct's GGUF
+(skipped with the reason where the file is absent), against transformers'
+`AutoTokenizer.from_pretrained(folder, gguf_file=name)` (about 8 s to build, once per module).
+
+Each property runs FUZZ_EXAMPLES (300) examples per vocabulary; the file takes about 20 s on
+2 cores. The runs are deterministic (derandomize=True, no example database), so CI sees the
+same examples every time. On a failure hypothesis prints the falsifying example and, because
+of print_blob=True, a `@reproduce_failure(...)` line: paste it above the failing test to
+replay exactly that example.
+
+The `test_planted_*` tests prove each property can fail on each vocabulary: each rebuilds our
+tokenizer with one realistic bug planted by monkeypatch, calls the property on it, asserts
+that it raises, and that the first failing example came within the FUZZ_EXAMPLES budget (not
+only while shrinking).
+"""
+
+import dataclasses
+import os
+import pathlib
+import re
+import types
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, pre_tokenizers
+
+from pipelines.checkpoints import smollm2_gguf
+from pipelines.llama3 import Tokenizer
+from pipelines.llama3 import tokenizer as tokenizer_module
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FUZZ_EXAMPLES = 300
+FUZZ_SETTINGS = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=FUZZ_EXAMPLES,
+    print_blob=True,
+)
+TESTDATA = pathlib.Path("max_tests/integration/architectures/llama3/testdata")
+VOCABULARIES = ("llama3_1", "smollm2")
+
+# Fragments that reach the merges and pre-tokenizer rules random code points rarely hit.
+WORDS = st.sampled_from(
+    [
+        "the",
+        " the",
+        " capital",
+        " France",
+        "ing",
+        " don't",
+        " I'LL",
+        "'s",
+        "HTTP",
+        "def",
+        " fibonacci(n):",
+        "==",
+        " ...",
+        "ä",
+        " naïve",
+        "Grüße",
+    ]
+)
+FRAGMENTS = st.one_of(
+    st.text(st.characters(exclude_categories=["Cs"]), max_size=6),
+    WORDS,
+    st.text("0123456789", min_size=1, max_size=7),
+    st.text(" \t\n\r\u00a0\u3000", min_size=1, max_size=12),
+    st.text(st.characters(min_codepoint=0x4E00, max_codepoint=0x9FFF), min_size=1, max_size=4),
+    st.text(st.characters(min_codepoint=0x1F300, max_codepoint=0x1FAFF), min_size=1, max_size=3),
+    st.text(st.characters(categories=["Mn"]), min_size=1, max_size=3),
+)
+TEXTS = st.lists(FRAGMENTS, max_size=8).map("".join)
+
+
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """Our tokenizer and the reference's encode (with or without special tokens) and decode."""
+
+    name: str
+    ours: Tokenizer = dataclasses.field(repr=False)
+    reference: BackendTokenizer = dataclasses.field(repr=False)
+    gguf: pathlib.Path = dataclasses.field(repr=False)
+
+    def reference_encode(self, text: str, special: bool) -> list[int]:
+        return self.reference.encode(text, add_special_tokens=special).ids
+
+
+@pytest.fixture(scope="module")
+def smollm2_transformers(tmp_path_factory: pytest.TempPathFactory):
+    """transformers' tokenizer of the SmolLM2 GGUF, as it loads it (about 8 s)."""
+    from transformers import AutoTokenizer
+
+    try:
+        gguf = smollm2_gguf()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    link = tmp_path_factory.mktemp("smollm2") / gguf.name
+    link.symlink_to(gguf.resolve())
+    return AutoTokenizer.from_pretrained(link.parent, gguf_file=link.name)
+
+
+@pytest.fixture(scope="module", params=VOCABULARIES)
+def subject(request: pytest.FixtureRequest) -> Subject:
+    if request.param == "llama3_1":
+        gguf = TESTDATA / "tiny_llama.gguf"
+        # tokenizer.json's post-processor adds <|begin_of_text|>, as the GGUF's add_bos says.
+        reference = BackendTokenizer.from_file(str(TESTDATA / "tokenizer.json"))
+        return Subject("llama3_1", Tokenizer.from_gguf(gguf), reference, gguf)
+    # transformers' vocabulary, merges, BPE model and decoder, with the pre-tokenizer of
+    # SmolLM2's own tokenizer.json (and llama.cpp's `smollm`): every digit split off, then
+    # GPT-2's split. transformers' GGUF loader drops the digit split (pinned below).
+    reference = BackendTokenizer.from_str(
+        request.getfixturevalue("smollm2_transformers").backend_tokenizer.to_str()
+    )
+    reference.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    return Subject("smollm2", Tokenizer.from_gguf(smollm2_gguf()), reference, smollm2_gguf())
+
+
+@FUZZ_SETTINGS
+@given(text=TEXTS)
+def test_encode_equals_the_reference(subject: Subject, text: str) -> None:
+    ours, theirs = subject.ours.encode(text), subject.reference_encode(text, special=True)
+    assert ours == theirs, f"encode differs from the reference on {text!r}"
+
+
+@FUZZ_SETTINGS
+@given(text=TEXTS)
+def test_decode_of_encode_is_the_text(subject: Subject, text: str) -> None:
+    ids = subject.ours.encode(text, add_bos=False)
+    decoded = subject.ours.decode(ids)
+    # SmolLM2's vocabulary has no token for some bytes (0x04, 0x06, 0x13, 0x14, 0x16, 0x1d,
+    # 0xf1, 0xf2, ...): text with them cannot round-trip, in the reference either.
+    if subject.reference.decode(subject.reference_encode(text, special=False)) == text:
+        assert decoded == text, f"round trip changed {text!r}"
+    assert decoded == subject.reference.decode(ids), f"decode of {ids} differs from the reference"
+
+
+def test_transformers_gguf_loader_drops_smollm2s_digit_split(
+    smollm2_transformers, subject: Subject
+) -> None:
+    """Why the SmolLM2 reference above sets its pre-tokenizer: transformers' loader splits
+    "\n\n0" as GPT-2 does (the newline run stops before the digit), SmolLM2's own split
+    and ours isolate the digit first, so the newlines stay one token."""
+    if subject.name != "smollm2":
+        pytest.skip("a SmolLM2 reference difference")
+    text = "\n\n0"
+    assert smollm2_transformers(text)["input_ids"] == [198, 198, 32]  # "Ċ" "Ċ" "0"
+    assert subject.ours.encode(text) == subject.reference_encode(text, special=True) == [1116, 32]
+
+
+def _first_failure(
+    monkeypatch: pytest.MonkeyPatch, prop: Callable, subject: Subject, match: str
+) -> int:
+    """Run a property on a tokenizer with a planted bug, assert it fails with `match` in a
+    message; return the 1-based example that failed first."""
+    inner = prop.hypothesis.inner_test
+    calls, failures = [0], []
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        try:
+            inner(*args, **kwargs)
+        except AssertionError:
+            failures.append(calls[0])
+            raise
+
+    monkeypatch.setattr(prop.hypothesis, "inner_test", counting)
+    # Hypothesis raises the shrunk failure, or a group of them when it found distinct ones.
+    with pytest.raises((AssertionError, ExceptionGroup)) as caught:
+        prop(subject=subject)
+    errors = getattr(caught.value, "exceptions", [caught.value])
+    assert all(isinstance(e, AssertionError) for e in errors), errors
+    assert any(re.search(match, str(e)) for e in errors), [str(e) for e in errors]
+    print(f"{prop.__name__}: first failure at example {failures[0]}, {calls[0]} calls in all")
+    return failures[0]
+
+
+def _rebuilt(subject: Subject) -> Subject:
+    """`subject` with our tokenizer read again from its GGUF (with whatever is patched)."""
+    return dataclasses.replace(subject, ours=Tokenizer.from_gguf(subject.gguf))
+
+
+def test_planted_lost_merge_fails_the_encode_property(
+    subject: Subject, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An off-by-one that loses the first (highest-priority) merge of tokenizer.ggml.merges.
+    read = tokenizer_module.metadata_value
+
+    def without_first_merge(reader, key, *default):
+        value = read(reader, key, *default)
+        return value[1:] if key == "tokenizer.ggml.merges" else value
+
+    monkeypatch.setattr(tokenizer_module, "metadata_value", without_first_merge)
+    buggy = _rebuilt(subject)
+    first = _first_failure(monkeypatch, test_encode_equals_the_reference, buggy, "encode differs")
+    assert first <= FUZZ_EXAMPLES
+
+
+def test_planted_decoder_that_only_maps_spaces_fails_the_round_trip(
+    subject: Subject, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A decoder that knows the byte alphabet's space ("Ġ") but no other byte.
+    only_spaces = decoders.Sequence([decoders.Replace("Ġ", " "), decoders.Fuse()])
+    monkeypatch.setattr(
+        tokenizer_module, "decoders", types.SimpleNamespace(ByteLevel=lambda: only_spaces)
+    )
+    buggy = _rebuilt(subject)
+    first = _first_failure(
+        monkeypatch, test_decode_of_encode_is_the_text, buggy, "round trip changed"
+    )
+    assert first <= FUZZ_EXAMPLES
