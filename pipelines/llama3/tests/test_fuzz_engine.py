@@ -1,0 +1,312 @@
+"""Property-based tests of the engine over random tiny models, prompts and lengths.
+
+The golden tests pin a handful of fixed checkpoints and prompts; a bug that only shows for some
+shapes (one KV head per query head, head dim 2, three layers, a one-token prompt, a sequence
+past some position) can slip between them. Here hypothesis draws the model shape (1-3 layers,
+hidden size a multiple of 8, query heads dividing it with an even head dim, KV heads dividing
+the query heads, MLP width, RoPE theta, Llama 3.1 RoPE scaling on or off, float32 or bfloat16
+storage), the weights' seed, and random token sequences, and checks three properties:
+
+- the KV-cache decode equals greedy decoding that recomputes every step from scratch
+  (recompute.py), tokens and logits within 1e-5 as in test_engine.py;
+- one full forward (`forward_logits`) of prompt + tokens equals the per-step logits of
+  teacher-forced `generate` (`forced_tokens`): the same sequence run in one batch or step by step;
+- every logit is finite, from `forward_logits` and `generate` alike.
+
+Each property runs FUZZ_EXAMPLES (25) examples; the whole file takes about 25 s on 2 cores,
+most of it hypothesis shrinking the planted bugs' failures.
+The runs are deterministic (derandomize=True, no example database), so CI sees the same
+examples every time. On a failure hypothesis prints the falsifying example and, because of
+print_blob=True, a `@reproduce_failure(...)` line: paste it above the failing test to replay
+exactly that example.
+
+The `test_planted_*` tests prove each property can fail: each plants one bug with monkeypatch
+and asserts the property raises, and that it found the bug within its FUZZ_EXAMPLES examples
+(not only while shrinking).
+
+Checkpoints are written with tools/gen_tiny_model's `write_gguf` (the generator of the committed
+tiny checkpoints, with its weight scheme and GGUF conventions: Q/K permutation, `rope_freqs`
+tensor) but with the 263-token byte-level vocabulary of tiny_checkpoint.py instead of Llama 3.1's
+128256 tokens, so a file takes milliseconds. The properties feed token ids directly; no text is
+tokenized. Each distinct model is written once per session.
+"""
+
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipelines.llama3 import Llama3Engine
+from pipelines.llama3 import model as model_module
+from pipelines.llama3.model import Transformer
+from pipelines.llama3.tests.recompute import greedy_decode_without_cache
+from pipelines.llama3.tests.tiny_checkpoint import tiny_vocab
+from tools.gen_tiny_model.llama3_tokenizer import GGUFVocab
+from tools.gen_tiny_model.tiny_llama import TinyLlamaConfig, write_gguf
+
+FUZZ_EXAMPLES = 25
+FUZZ_SETTINGS = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=FUZZ_EXAMPLES,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+# The bound test_engine.py puts on cached against recomputed logits (bitwise equal in practice).
+DECODE_ATOL = 1e-5
+# One full forward against teacher-forced steps: the kernels see different row counts (n rows
+# at once vs one row per step), which rounds differently. Measured over 150 random models of
+# this file's shapes: at most 2.8e-6 of the largest |logit| (logits reach ~50 here), so 1e-5 of
+# it; the planted bug below moves logits by whole units.
+FORWARD_RTOL_OF_MAX = 1e-5
+
+TOKENS, MERGES, TOKEN_TYPES = tiny_vocab()
+VOCAB = GGUFVocab(
+    tokens=TOKENS,
+    token_types=TOKEN_TYPES,
+    merges=MERGES,
+    bos_token_id=TOKENS.index("<|begin_of_text|>"),
+    eos_token_id=TOKENS.index("<|end_of_text|>"),
+    chat_template="",
+)
+# Config overrides that switch Llama 3.1 RoPE scaling off although the file has rope_freqs
+# (tiny_llama always writes the tensor).
+NO_ROPE_SCALING = {"rope_freq_factors": None, "rope_scaling_type": None}
+
+
+@st.composite
+def model_specs(draw: st.DrawFn) -> tuple[TinyLlamaConfig, str, int, bool]:
+    """(config, storage encoding, weight seed, RoPE scaling on) under gen_tiny_model's rules:
+    hidden % 8 == 0, n_heads | hidden with an even head dim, n_kv_heads | n_heads."""
+    hidden = draw(st.sampled_from([8, 16, 24, 32, 48, 64]))
+    n_heads = draw(st.sampled_from([h for h in range(1, hidden + 1) if hidden % (2 * h) == 0]))
+    n_kv_heads = draw(st.sampled_from([k for k in range(1, n_heads + 1) if n_heads % k == 0]))
+    config = TinyLlamaConfig(
+        n_layers=draw(st.integers(1, 3)),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        hidden_dim=hidden,
+        intermediate_dim=draw(st.sampled_from([8, 32, 4 * hidden])),
+        vocab_size=len(TOKENS),
+        rope_theta=draw(st.sampled_from([10000.0, 500000.0])),
+    )
+    encoding = draw(st.sampled_from(["float32", "bfloat16"]))
+    return config, encoding, draw(st.integers(0, 2)), draw(st.booleans())
+
+
+token_ids = st.integers(0, len(TOKENS) - 1)
+prompts = st.lists(token_ids, min_size=1, max_size=12)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Run this module's tiny models on one thread. Their matmuls are far below the size where
+    torch splits work between threads, but with 2 threads on 2 shared, busy cores each kernel
+    call still waits on the other thread's spin-up and finish: measured 10-100 times slower
+    (0.5-4 s per example instead of 15 ms)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Llama3Engine]:
+    """spec -> a fresh float32 engine of that model. Each model is written once per session;
+    every example loads its own engine (milliseconds), so no KV cache, RoPE table or planted
+    bug carries over from one example or test to the next."""
+    folder = tmp_path_factory.mktemp("fuzz_checkpoints")
+    written: dict[tuple[TinyLlamaConfig, str, int, bool], pathlib.Path] = {}
+
+    def engine(spec: tuple[TinyLlamaConfig, str, int, bool]) -> Llama3Engine:
+        config, encoding, seed, rope_scaling = spec
+        if spec not in written:
+            written[spec] = folder / f"model_{len(written)}.gguf"
+            write_gguf(written[spec], config, encoding, seed, VOCAB)
+        overrides = None if rope_scaling else NO_ROPE_SCALING
+        return Llama3Engine.from_gguf(written[spec], overrides=overrides)
+
+    return engine
+
+
+# Each check fails through one assertion, so that hypothesis sees one bug per plant, not one
+# per assertion line (it shrinks and reports each distinct failure separately).
+
+
+def check_decode_equals_recomputation(
+    engine: Llama3Engine, prompt: list[int], max_new_tokens: int
+) -> None:
+    cached = engine.generate(prompt, max_new_tokens, stop_on_eos=False)
+    recomputed = greedy_decode_without_cache(engine, prompt, max_new_tokens)
+    assert cached.logits.shape == (max_new_tokens, len(TOKENS))
+    max_diff = float((cached.logits - recomputed.logits).abs().max())
+    assert cached.tokens == recomputed.tokens and max_diff <= DECODE_ATOL, (
+        f"cached decode {cached.tokens} vs recomputed {recomputed.tokens}, "
+        f"max |logit difference| {max_diff:.3g} (bound {DECODE_ATOL})"
+    )
+
+
+def check_forward_equals_teacher_forced_steps(
+    engine: Llama3Engine, prompt: list[int], forced: list[int]
+) -> None:
+    stepped = engine.generate(prompt, max_new_tokens=len(forced), forced_tokens=forced)
+    # Row i of the steps follows prompt + forced[:i]; the full forward's row len(prompt) - 1 + i
+    # sees the same prefix.
+    full = engine.forward_logits(prompt + forced[:-1])[len(prompt) - 1 :]
+    atol = FORWARD_RTOL_OF_MAX * float(full.abs().max())
+    torch.testing.assert_close(stepped.logits, full, atol=atol, rtol=0)
+
+
+def check_logits_are_finite(engine: Llama3Engine, prompt: list[int], max_new_tokens: int) -> None:
+    full = engine.forward_logits(prompt)
+    generated = engine.generate(prompt, max_new_tokens, stop_on_eos=False)
+    full_rows = torch.isfinite(full).all(dim=-1).tolist()
+    step_rows = torch.isfinite(generated.logits).all(dim=-1).tolist()
+    assert all(full_rows) and all(step_rows), (
+        f"rows with finite logits: full forward {full_rows}, decode steps {step_rows}"
+    )
+
+
+@FUZZ_SETTINGS
+@given(spec=model_specs(), prompt=prompts, max_new_tokens=st.integers(1, 12))
+def test_kv_cache_decode_equals_recomputation(
+    engines: Callable[..., Llama3Engine],
+    spec: tuple[TinyLlamaConfig, str, int, bool],
+    prompt: list[int],
+    max_new_tokens: int,
+) -> None:
+    check_decode_equals_recomputation(engines(spec), prompt, max_new_tokens)
+
+
+@FUZZ_SETTINGS
+@given(spec=model_specs(), prompt=prompts, forced=st.lists(token_ids, min_size=1, max_size=12))
+def test_full_forward_equals_teacher_forced_steps(
+    engines: Callable[..., Llama3Engine],
+    spec: tuple[TinyLlamaConfig, str, int, bool],
+    prompt: list[int],
+    forced: list[int],
+) -> None:
+    check_forward_equals_teacher_forced_steps(engines(spec), prompt, forced)
+
+
+@FUZZ_SETTINGS
+@given(spec=model_specs(), prompt=prompts, max_new_tokens=st.integers(1, 12))
+def test_logits_are_finite(
+    engines: Callable[..., Llama3Engine],
+    spec: tuple[TinyLlamaConfig, str, int, bool],
+    prompt: list[int],
+    max_new_tokens: int,
+) -> None:
+    check_logits_are_finite(engines(spec), prompt, max_new_tokens)
+
+
+class _FirstFailure:
+    """Wraps a check function: counts its calls and remembers the call that first failed, so a
+    planted-bug test can tell the bug was found while generating examples, not shrinking."""
+
+    def __init__(self, check: Callable[..., None]) -> None:
+        self.check = check
+        self.calls = 0
+        self.first_failing_call: int | None = None
+
+    def __call__(self, *args: Any) -> None:
+        self.calls += 1
+        try:
+            self.check(*args)
+        except AssertionError:
+            if self.first_failing_call is None:
+                self.first_failing_call = self.calls
+            raise
+
+
+def _assert_property_fails(
+    monkeypatch: pytest.MonkeyPatch,
+    record_property: Callable[[str, object], None],
+    check_name: str,
+    run_property: Callable[[], None],
+) -> None:
+    probe = _FirstFailure(globals()[check_name])
+    monkeypatch.setitem(globals(), check_name, probe)
+    # Hypothesis raises the failure itself, or an ExceptionGroup when the plant failed more
+    # than one assertion (it reports each distinct failure).
+    with pytest.raises((AssertionError, ExceptionGroup)) as raised:
+        run_property()
+    if isinstance(raised.value, ExceptionGroup):
+        assert raised.value.subgroup(AssertionError) is not None
+        assert raised.value.split(AssertionError)[1] is None, "a failure other than the check's"
+    assert probe.first_failing_call is not None
+    assert probe.first_failing_call <= FUZZ_EXAMPLES, "found only after the generation phase"
+    print(
+        f"{check_name}: planted bug caught at example {probe.first_failing_call} "
+        f"({probe.calls} calls with shrinking)"
+    )
+    record_property("first_failing_example", probe.first_failing_call)
+    record_property("calls_with_shrinking", probe.calls)
+
+
+def test_planted_kv_cache_shift_fails_decode_property(
+    engines: Callable[..., Llama3Engine],
+    monkeypatch: pytest.MonkeyPatch,
+    record_property: Callable[[str, object], None],
+) -> None:
+    """Decode steps write and read the KV cache one slot late (mutations.py's kv_position)."""
+    forward = Transformer.forward
+
+    def shifted(self: Transformer, tokens: torch.Tensor, start_pos: int, **kwargs: Any):
+        return forward(self, tokens, start_pos + (tokens.shape[1] == 1), **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", shifted)
+    _assert_property_fails(
+        monkeypatch,
+        record_property,
+        "check_decode_equals_recomputation",
+        lambda: test_kv_cache_decode_equals_recomputation(engines),
+    )
+
+
+def test_planted_non_causal_prefill_fails_forward_property(
+    engines: Callable[..., Llama3Engine],
+    monkeypatch: pytest.MonkeyPatch,
+    record_property: Callable[[str, object], None],
+) -> None:
+    """A multi-token forward attends to later positions too (the causal mask lost)."""
+
+    def see_everything(seqlen: int, start_pos: int, device: torch.device) -> torch.Tensor:
+        return torch.ones(seqlen, start_pos + seqlen, dtype=torch.bool, device=device)
+
+    monkeypatch.setattr(model_module, "causal_mask", see_everything)
+    _assert_property_fails(
+        monkeypatch,
+        record_property,
+        "check_forward_equals_teacher_forced_steps",
+        lambda: test_full_forward_equals_teacher_forced_steps(engines),
+    )
+
+
+def test_planted_nan_rope_tail_fails_finite_property(
+    engines: Callable[..., Llama3Engine],
+    monkeypatch: pytest.MonkeyPatch,
+    record_property: Callable[[str, object], None],
+) -> None:
+    """RoPE tables hold NaN from position 16 on (as if rows past some length were never
+    written): only sequences longer than 16 positions see it."""
+    precompute_rope = model_module.precompute_rope
+
+    def nan_tail(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = precompute_rope(*args)
+        cos[16:] = float("nan")
+        return cos, sin
+
+    monkeypatch.setattr(model_module, "precompute_rope", nan_tail)
+    _assert_property_fails(
+        monkeypatch,
+        record_property,
+        "check_logits_are_finite",
+        lambda: test_logits_are_finite(engines),
+    )
