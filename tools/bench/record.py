@@ -1,0 +1,116 @@
+"""The JSON record `bench --json FILE` writes, shared with perf_regression.
+
+Absolute times wander on shared machines, so what perf_regression compares are the ratios
+engine / transformers measured in the same run: both sides see the same load on the CPU. The
+record keeps the raw numbers too, so a surprising ratio can be traced to the side that moved.
+
+Layout (keys sorted on write, so two records diff line by line):
+- `engine`: one entry per engine mode ("eager" today; more modes are more entries), each with
+  `load_seconds`, `prefill_tokens_per_second`, `decode_tokens_per_second`;
+- `peers`: the same numbers for each reference implementation ("transformers");
+- `ratios`: per engine mode, engine / transformers for `load`, `prefill`, `decode`, each taken
+  on the number the table prints (load in seconds, so lower is better there; the others are
+  throughputs, so higher is better);
+- `machine`, `versions`, `setup`: what a ratio depends on besides the code (CPU, core count,
+  torch and transformers versions, checkpoint, thread count, prompt and generation lengths,
+  repeats);
+- `conditions`: the 1-minute load average at the start and the end of the run. Ratios are not
+  load-invariant (with two threads on two oversubscribed cores, transformers' decode slowed
+  several times more than the engine's), so perf_regression warns about a record measured
+  under another load than its baseline.
+
+This module imports neither torch nor transformers: perf_regression and the tests read
+records without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from tools.cli_files import write_atomically
+
+SCHEMA_VERSION = 1
+PEER = "transformers"
+METRICS = ("load", "prefill", "decode")
+LOWER_IS_BETTER = frozenset({"load"})  # seconds; the other metrics are tokens per second
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    """One implementation's numbers in one mode, as the bench table prints them."""
+
+    load_seconds: float
+    prefill_tokens_per_second: float
+    decode_tokens_per_second: float
+
+    def metric(self, name: str) -> float:
+        """The number behind a ratio `name` (one of METRICS)."""
+        return {
+            "load": self.load_seconds,
+            "prefill": self.prefill_tokens_per_second,
+            "decode": self.decode_tokens_per_second,
+        }[name]
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first "model name" in /proc/cpuinfo; elsewhere whatever `platform` knows."""
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The machine class a ratio belongs to: CPU model and how many cores the OS reports."""
+    return {"cpu_model": cpu_model(cpuinfo), "cpu_count": os.cpu_count()}
+
+
+def load_average() -> float:
+    """The 1-minute load average: how busy other processes kept the CPU around the run."""
+    return round(os.getloadavg()[0], 2)
+
+
+def ratios(engine: Timings, peer: Timings) -> dict[str, float]:
+    """engine / peer for every metric, the numbers perf_regression compares."""
+    return {name: engine.metric(name) / peer.metric(name) for name in METRICS}
+
+
+def build_record(
+    engine: dict[str, Timings],
+    peer: Timings,
+    *,
+    machine: dict[str, Any],
+    versions: dict[str, str],
+    setup: dict[str, Any],
+    conditions: dict[str, float],
+) -> dict[str, Any]:
+    """The record for one bench run: every engine mode, the peer, and their ratios."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "conditions": conditions,
+        "machine": machine,
+        "versions": versions,
+        "setup": setup,
+        "engine": {mode: dataclasses.asdict(timings) for mode, timings in engine.items()},
+        "peers": {PEER: dataclasses.asdict(peer)},
+        "ratios": {mode: ratios(timings, peer) for mode, timings in engine.items()},
+    }
+
+
+def dumps(data: dict[str, Any]) -> str:
+    """JSON with sorted keys and a final newline: the same data always gives the same text."""
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Write `record` to `path` whole or not at all (an interrupted run leaves no torn file)."""
+    write_atomically(path, dumps(record))

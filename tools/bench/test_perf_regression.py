@@ -1,0 +1,258 @@
+"""perf_regression's comparison logic on recorded data: real bench records measured on the
+2-core development machine (testdata/), and copies of them with one ratio moved on purpose.
+
+testdata/baseline_runs/ holds the five runs tools/bench/baseline.json was first made from;
+testdata/normal_*.json are two further runs of the same session, held out of the baseline.
+The tests make their own baseline from these runs, so refreshing the committed baseline leaves
+them as they are. No test runs the benchmark: timing is not a CI gate.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.bench import perf_regression, record
+from tools.bench.perf_regression import main
+
+HERE = Path(__file__).resolve().parent
+TESTDATA = HERE / "testdata"
+BASELINE_RUNS = sorted((TESTDATA / "baseline_runs").glob("run_*.json"))
+NORMAL_RUNS = sorted(TESTDATA.glob("normal_*.json"))
+COMMITTED_BASELINE = HERE / "baseline.json"
+# Engine timing field behind each ratio, to keep a doctored record self-consistent.
+FIELD = {
+    "load": "load_seconds",
+    "prefill": "prefill_tokens_per_second",
+    "decode": "decode_tokens_per_second",
+}
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def _write(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(record.dumps(data))
+    return path
+
+
+def _scaled(data: dict[str, Any], metric: str, factor: float) -> dict[str, Any]:
+    """A copy whose engine `metric` (and so its ratio) is `factor` times the recorded one."""
+    result = copy.deepcopy(data)
+    result["engine"]["eager"][FIELD[metric]] *= factor
+    result["ratios"]["eager"][metric] *= factor
+    return result
+
+
+@pytest.fixture
+def baseline(tmp_path: Path) -> Path:
+    """A baseline made from the recorded runs, as `--write-baseline` makes the committed one."""
+    path = tmp_path / "baseline.json"
+    assert main(["--write-baseline", str(path), *map(str, BASELINE_RUNS)]) == 0
+    return path
+
+
+def _rows(out: str) -> dict[str, str]:
+    """Table lines by "mode metric"."""
+    return {
+        " ".join(line.split()[:2]): line for line in out.splitlines() if line.startswith("eager ")
+    }
+
+
+def test_testdata_is_there():
+    assert len(BASELINE_RUNS) == 5
+    assert len(NORMAL_RUNS) == 2
+
+
+@pytest.mark.parametrize("run", NORMAL_RUNS, ids=lambda path: path.name)
+def test_normal_runs_report_no_regression(baseline, run, capsys):
+    assert main(["--baseline", str(baseline), str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "REGRESSION" not in out
+    assert set(_rows(out)) == {"eager load", "eager prefill", "eager decode"}
+    assert out.rstrip().endswith("no regression")
+
+
+def test_decode_slowed_by_20_percent_is_a_regression(baseline, tmp_path, capsys):
+    slow = _write(tmp_path / "slow.json", _scaled(_read(NORMAL_RUNS[0]), "decode", 0.8))
+    assert main(["--baseline", str(baseline), str(slow)]) == 1
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert rows["eager decode"].endswith("REGRESSION")
+    assert rows["eager prefill"].endswith("ok")
+    assert "REGRESSION: eager decode outside the noise band" in out
+
+
+def test_slower_load_is_a_regression(baseline, tmp_path, capsys):
+    """Load is seconds: a higher ratio is the bad direction."""
+    band = _read(baseline)["band"]["eager"]["load"]
+    slow = _write(tmp_path / "slow.json", _scaled(_read(NORMAL_RUNS[0]), "load", 1.5 + 2 * band))
+    assert main(["--baseline", str(baseline), str(slow)]) == 1
+    assert _rows(capsys.readouterr().out)["eager load"].endswith("REGRESSION")
+
+
+@pytest.mark.parametrize("metric", record.METRICS)
+def test_an_improvement_is_not_a_regression(baseline, tmp_path, capsys, metric):
+    """Each ratio moved twice its band's width in the good direction (load: down)."""
+    band = _read(baseline)["band"]["eager"][metric]
+    factor = (1 - band) / 2 if metric in record.LOWER_IS_BETTER else 1 + 2 * band
+    fast = _write(tmp_path / "fast.json", _scaled(_read(NORMAL_RUNS[0]), metric, factor))
+    assert main(["--baseline", str(baseline), str(fast)]) == 0
+    out = capsys.readouterr().out
+    assert _rows(out)[f"eager {metric}"].endswith("improved")
+    assert "REGRESSION" not in out
+
+
+@pytest.mark.parametrize(
+    ("metric", "change", "verdict"),
+    [
+        ("decode", -0.10, "ok"),
+        ("decode", -0.11, "REGRESSION"),
+        ("decode", +0.11, "improved"),
+        ("load", +0.11, "REGRESSION"),
+        ("load", -0.11, "improved"),
+    ],
+)
+def test_verdict_direction_and_band_edge(metric, change, verdict):
+    assert perf_regression.verdict(metric, change, band=0.10) == verdict
+
+
+def test_baseline_is_median_and_band_is_spread_times_safety(baseline):
+    data = _read(baseline)
+    runs = [_read(path)["ratios"]["eager"]["decode"] for path in BASELINE_RUNS]
+    median = sorted(runs)[2]
+    assert data["ratios"]["eager"]["decode"] == median
+    spread = (max(runs) - min(runs)) / median
+    assert data["noise"]["spread"]["eager"]["decode"] == pytest.approx(spread)
+    expected = max(spread * perf_regression.DEFAULT_SAFETY_FACTOR, perf_regression.DEFAULT_FLOOR)
+    assert data["band"]["eager"]["decode"] == pytest.approx(expected)
+    assert data["noise"]["run_ratios"]["eager"]["decode"] == runs
+
+
+def test_committed_baseline_is_readable_and_consistent():
+    data = perf_regression.check_baseline(COMMITTED_BASELINE, _read(COMMITTED_BASELINE))
+    noise = data["noise"]
+    for mode, metrics in data["band"].items():
+        for metric, band in metrics.items():
+            spread = noise["spread"][mode][metric]
+            assert band == pytest.approx(max(spread * noise["safety_factor"], noise["floor"]))
+    assert data["notes"]
+
+
+def _bad_input(tmp_path: Path, baseline: Path, case: str) -> tuple[list[str], Path]:
+    """Arguments for one bad-input case, and the file the message must name."""
+    good = _read(NORMAL_RUNS[0])
+    if case == "missing record":
+        return ["--baseline", str(baseline), str(tmp_path / "nope.json")], tmp_path / "nope.json"
+    if case == "missing baseline":
+        missing = tmp_path / "no_baseline.json"
+        return ["--baseline", str(missing), str(NORMAL_RUNS[0])], missing
+    if case == "bad JSON":
+        path = tmp_path / "torn.json"
+        path.write_text('{"schema_version": 1, "ratios": ')
+        return ["--baseline", str(baseline), str(path)], path
+    if case == "not an object":
+        path = tmp_path / "list.json"
+        path.write_text("[1, 2]")
+        return ["--baseline", str(baseline), str(path)], path
+    if case == "record schema":
+        path = _write(tmp_path / "v99.json", good | {"schema_version": 99})
+        return ["--baseline", str(baseline), str(path)], path
+    if case == "baseline schema":
+        path = _write(tmp_path / "old_baseline.json", _read(baseline) | {"schema_version": 0})
+        return ["--baseline", str(path), str(NORMAL_RUNS[0])], path
+    if case == "record as baseline":
+        return ["--baseline", str(NORMAL_RUNS[0]), str(NORMAL_RUNS[1])], NORMAL_RUNS[0]
+    if case == "threads":
+        path = _write(tmp_path / "t4.json", good | {"setup": good["setup"] | {"threads": 4}})
+        return ["--baseline", str(baseline), str(path)], path
+    if case == "machine":
+        path = _write(tmp_path / "m.json", good | {"machine": good["machine"] | {"cpu_count": 64}})
+        return ["--baseline", str(baseline), str(path)], path
+    if case == "missing mode":
+        path = _write(
+            tmp_path / "modes.json", good | {"ratios": {"compiled": good["ratios"]["eager"]}}
+        )
+        return ["--baseline", str(baseline), str(path)], path
+    if case == "bad ratio":
+        ratios = {"eager": good["ratios"]["eager"] | {"decode": 0}}
+        path = _write(tmp_path / "zero.json", good | {"ratios": ratios})
+        return ["--baseline", str(baseline), str(path)], path
+    raise AssertionError(case)
+
+
+BAD_INPUTS = [
+    "missing record",
+    "missing baseline",
+    "bad JSON",
+    "not an object",
+    "record schema",
+    "baseline schema",
+    "record as baseline",
+    "threads",
+    "machine",
+    "missing mode",
+    "bad ratio",
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line_naming_file_and_fix(baseline, tmp_path, capsys, case):
+    argv, culprit = _bad_input(tmp_path, baseline, case)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("perf_regression: error: ")
+    assert str(culprit) in lines[0]
+    assert any(fix in lines[0] for fix in ("rerun", "refresh", "make a baseline")), lines[0]
+
+
+def test_other_machine_compares_with_a_warning_when_allowed(baseline, tmp_path, capsys):
+    good = _read(NORMAL_RUNS[0])
+    other = _write(tmp_path / "m.json", good | {"machine": good["machine"] | {"cpu_count": 64}})
+    assert main(["--baseline", str(baseline), "--allow-other-machine", str(other)]) == 0
+    assert "warning: other machine class (cpu_count 2 vs 64)" in capsys.readouterr().err
+
+
+def test_other_versions_only_warn(baseline, tmp_path, capsys):
+    good = _read(NORMAL_RUNS[0])
+    newer = _write(tmp_path / "v.json", good | {"versions": good["versions"] | {"torch": "9.9"}})
+    assert main(["--baseline", str(baseline), str(newer)]) == 0
+    assert "warning: other versions (torch" in capsys.readouterr().err
+
+
+def test_write_baseline_refuses_runs_of_different_setups(tmp_path, capsys):
+    good = _read(NORMAL_RUNS[0])
+    other = _write(tmp_path / "t4.json", good | {"setup": good["setup"] | {"threads": 4}})
+    out = tmp_path / "baseline.json"
+    runs = [*map(str, NORMAL_RUNS), str(other)]
+    assert main(["--write-baseline", str(out), *runs]) == 2
+    assert f"record {other} differs from" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_compare_takes_exactly_one_record(baseline, capsys):
+    assert main(["--baseline", str(baseline), *map(str, NORMAL_RUNS)]) == 2
+    assert "--baseline compares one record, got 2" in capsys.readouterr().err
+
+
+def test_other_load_only_warns(baseline, tmp_path, capsys):
+    good = _read(NORMAL_RUNS[0])
+    busy_load = _read(baseline)["conditions"]["load_average_start"] + 3
+    busy = _write(tmp_path / "busy.json", good | {"conditions": {"load_average_start": busy_load}})
+    assert main(["--baseline", str(baseline), str(busy)]) == 0
+    assert "warning: other load on the machine" in capsys.readouterr().err
+
+
+def test_write_baseline_needs_several_runs(tmp_path, capsys):
+    out = tmp_path / "baseline.json"
+    assert main(["--write-baseline", str(out), *map(str, NORMAL_RUNS)]) == 2
+    assert "needs at least 3 runs (got 2)" in capsys.readouterr().err
+    assert not out.exists()

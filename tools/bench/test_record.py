@@ -1,0 +1,95 @@
+"""The record `bench --json` writes, built from fake timings (the benchmark itself never runs
+in tests), and read back by perf_regression: writer and reader agree on the schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tools.bench import perf_regression
+from tools.bench.record import Timings, build_record, cpu_model, machine_info, write_record
+
+ENGINE = Timings(load_seconds=1.0, prefill_tokens_per_second=200.0, decode_tokens_per_second=10.0)
+PEER = Timings(load_seconds=20.0, prefill_tokens_per_second=100.0, decode_tokens_per_second=25.0)
+SETUP = {
+    "checkpoint": "model.gguf",
+    "device": "cpu",
+    "dtype": "float32",
+    "new_tokens": 32,
+    "prompt_tokens": 17,
+    "threads": 2,
+}
+
+
+def _record(engine: dict[str, Timings] | None = None) -> dict:
+    return build_record(
+        engine or {"eager": ENGINE},
+        PEER,
+        machine={"cpu_model": "Fake CPU", "cpu_count": 2},
+        versions={"python": "3.11.7", "torch": "2.13.0+cpu", "transformers": "5.0.0"},
+        setup=SETUP,
+        conditions={"load_average_start": 0.5, "load_average_end": 2.1},
+    )
+
+
+def test_record_layout_and_ratios():
+    data = _record()
+    assert set(data) == {
+        "schema_version",
+        "conditions",
+        "machine",
+        "versions",
+        "setup",
+        "engine",
+        "peers",
+        "ratios",
+    }
+    assert data["schema_version"] == 1
+    assert data["engine"] == {
+        "eager": {
+            "load_seconds": 1.0,
+            "prefill_tokens_per_second": 200.0,
+            "decode_tokens_per_second": 10.0,
+        }
+    }
+    assert data["peers"]["transformers"]["load_seconds"] == 20.0
+    assert data["ratios"] == {"eager": {"load": 0.05, "prefill": 2.0, "decode": 0.4}}
+    assert data["setup"]["threads"] == 2
+
+
+def test_another_mode_is_another_entry():
+    data = _record({"eager": ENGINE, "compiled": Timings(1.0, 400.0, 30.0)})
+    assert sorted(data["engine"]) == ["compiled", "eager"]
+    assert data["ratios"]["compiled"] == {"load": 0.05, "prefill": 4.0, "decode": 1.2}
+
+
+def test_written_record_has_sorted_keys_and_perf_regression_reads_it(tmp_path: Path):
+    path = tmp_path / "bench.json"
+    write_record(path, _record())
+    text = path.read_text()
+    data = json.loads(text)
+    assert list(data) == sorted(data)
+    assert list(data["engine"]["eager"]) == sorted(data["engine"]["eager"])
+    assert text.endswith("\n")
+    assert perf_regression.check_record(path, data) == data
+    write_record(path, _record())
+    assert path.read_text() == text  # same data, same bytes
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temporary left behind
+
+
+def test_cpu_model_from_cpuinfo(tmp_path: Path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: Fake\nmodel name\t: Fake CPU 9000\n")
+    assert cpu_model(cpuinfo) == "Fake CPU 9000"
+    assert machine_info(cpuinfo)["cpu_model"] == "Fake CPU 9000"
+    assert machine_info(cpuinfo)["cpu_count"] >= 1
+
+
+@pytest.mark.parametrize("content", [None, "processor\t: 0\n"])
+def test_cpu_model_without_a_model_name_is_still_a_name(tmp_path: Path, content):
+    cpuinfo = tmp_path / "cpuinfo"
+    if content is not None:
+        cpuinfo.write_text(content)
+    assert cpu_model(cpuinfo)
