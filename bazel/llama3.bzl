@@ -30,18 +30,35 @@ _GOLDEN_ARCHIVES_ENV = {
     "TORCH_LLAMA_GOLDENS": "$(rootpaths @torch_llama_golden)",
 }
 
+# What the package's test files import, given to every test: when a -k/-m selection matches
+# nothing in a target, the runner collects the package's other test files to check it
+# (bazel/pytest_runner.py), so each target must be able to import all of them.
+_TEST_IMPORTS = [
+    ":golden_run",
+    ":gpu_reference",
+    "//max_tests:conftest",
+    "//tools/gen_tiny_model:gen_tiny_model_lib",
+    requirement("gguf"),
+]
+
 def llama3_test(name, size, goldens = True, gpu = False, srcs = [], deps = []):
     """The pytest file `<name>.py` with the package's conftest, over the tiny checkpoints.
 
-    `goldens` adds SmolLM2 and the pinned golden archives; `gpu` makes it a GPU test
-    (SKIPPED as incompatible unless --config=gpu); `srcs` are modules under test that no
-    library holds (a tool's main file), `deps` what else it imports. The suites in
+    Every test gets what any test of the package imports (`_TEST_IMPORTS`). The suites in
     //max_tests/integration are its only users.
+
+    Args:
+      name: the target, and `<name>.py` its test file.
+      size: the test's size; for a GPU test, that of its `<name>_on_cpu` twin (the CUDA
+        target is `enormous`, for placement).
+      goldens: adds SmolLM2 and the pinned golden archives.
+      gpu: makes it a GPU test: `name` runs on CUDA (SKIPPED as incompatible unless
+        --config=gpu) and `<name>_on_cpu` runs the same file with the CPU as the device under
+        test (gpu_pytest_test).
+      srcs: modules under test that no library holds (a tool's main file).
+      deps: what else it imports (labels in `_TEST_IMPORTS` are already there).
     """
-    rule = gpu_pytest_test if gpu else pytest_test
-    rule(
-        name = name,
-        size = size,
+    kwargs = dict(
         srcs = [
             "conftest.py",
             name + ".py",
@@ -49,12 +66,12 @@ def llama3_test(name, size, goldens = True, gpu = False, srcs = [], deps = []):
         data = _CHECKPOINTS + (_SMOLLM2 + _GOLDEN_ARCHIVES if goldens else []),
         env = _CHECKPOINTS_ENV | (_SMOLLM2_ENV | _GOLDEN_ARCHIVES_ENV if goldens else {}),
         visibility = ["//max_tests/integration:__pkg__"],
-        deps = [
-            ":golden_run",
-            "//max_tests:conftest",
-            requirement("gguf"),
-        ] + deps,
+        deps = _TEST_IMPORTS + [dep for dep in deps if dep not in _TEST_IMPORTS],
     )
+    if gpu:
+        gpu_pytest_test(name = name, cpu_size = size, **kwargs)
+    else:
+        pytest_test(name = name, size = size, **kwargs)
 
 def llama3_tool(name, srcs, deps, goldens = False, env = {}, visibility = None):
     """A `bazel run` tool (main `<name>.py`) over the tiny checkpoints and SmolLM2.

@@ -43,12 +43,33 @@ def _package_relative(src):
         return None
     return src
 
-def gpu_pytest_test(name, size = "enormous", tags = [], exec_properties = {}, **kwargs):
-    """A pytest_test that needs a CUDA device.
+def gpu_pytest_test(
+        name,
+        cpu_size,
+        size = "enormous",
+        tags = [],
+        exec_properties = {},
+        env = {},
+        **kwargs):
+    """A pytest_test that needs a CUDA device, and its twin `<name>_on_cpu`.
 
-    Incompatible (reported SKIPPED) unless --config=gpu; `size = "enormous"` and the
+    `name` is incompatible (reported SKIPPED) unless --config=gpu; `size = "enormous"` and the
     gpu-memory resource let a remote executor place it on a GPU worker. Under --config=gpu
     without a GPU the tests fail with "no CUDA device" instead of skipping.
+
+    `<name>_on_cpu` runs the same files with GPU_TEST_DEVICE=cpu, the CPU as the device under
+    test (max_tests/conftest.py), on every machine: GPU test code that only runs when someone
+    has a GPU breaks unnoticed. It is tagged `gpu_code_on_cpu` (`--test_tag_filters=` selects
+    them all), not `gpu`, so it stays out of the GPU suites and off GPU workers.
+
+    Args:
+      name: the GPU target; the CPU twin is `<name>_on_cpu`.
+      cpu_size: the twin's size.
+      size: the GPU target's size.
+      tags: added to both targets.
+      exec_properties: the GPU target's, over the gpu-memory resource.
+      env: both targets' test environment; the twin adds GPU_TEST_DEVICE=cpu.
+      **kwargs: the rest of pytest_test's arguments, for both targets.
     """
     props = {"test.resources:gpu-memory": "2"}
     props.update(exec_properties)
@@ -56,10 +77,18 @@ def gpu_pytest_test(name, size = "enormous", tags = [], exec_properties = {}, **
         name = name,
         size = size,
         tags = tags + ["gpu"],
+        env = env,
         exec_properties = props,
         target_compatible_with = select({
             "//:gpu_enabled": [],
             "//conditions:default": ["@platforms//:incompatible"],
         }),
+        **kwargs
+    )
+    pytest_test(
+        name = name + "_on_cpu",
+        size = cpu_size,
+        tags = tags + ["gpu_code_on_cpu"],
+        env = env | {"GPU_TEST_DEVICE": "cpu"},
         **kwargs
     )

@@ -5,7 +5,8 @@
 #   max_tests/run_gpu_checks.sh [OUT_DIR]
 #
 # 1. installs wheels carried in .whl/ (gguf, and anything else missing) into /tmp/site;
-# 2. runs every GPU test with plain pytest (kernels vs float64 CPU, goldens on CUDA);
+# 2. runs every GPU test with plain pytest on CUDA (kernels, RMSNorm, NVFP4 linear and
+#    attention vs a float64 CPU reference; goldens on CUDA);
 # 3. writes this GPU's bfloat16 goldens (engine and torch) into OUT_DIR, ready for
 #    tools/upload-public-bazel-artifact.sh on a machine with the repository.
 # Prepare the wheels once, on the machine with the repository (see the device tool's README):
@@ -20,7 +21,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:${PYTHONPATH}}"
 fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 GPU_TESTS_REQUIRED=1
+# GPU_TEST_DEVICE pinned: one left at cpu in the caller's shell would test the CPU instead.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 GPU_TESTS_REQUIRED=1 GPU_TEST_DEVICE=cuda
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 

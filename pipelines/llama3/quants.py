@@ -27,6 +27,28 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
 
 
+# E2M1 values doubled (ggml's kvalues_mxfp4, shared by MXFP4 and NVFP4), indexed by the 4-bit
+# code; the scale decoders return half the scale to match.
+_KVALUES_FP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+UE4M3_NAN = 0x7F  # E4M3's NaN byte, which ggml and gguf-py read as a zero scale
+
+
+def _ue4m3_half(scales: torch.Tensor) -> torch.Tensor:
+    """UE4M3 scale bytes -> float32 at half their value, as gguf-py's NVFP4.ue4m3_to_fp32.
+
+    Bit 7 is ignored, except that 0x7F alone reads as 0. A normal byte (exponent field e > 0,
+    mantissa m) is (1 + m/8) * 2^(e - 7) / 2, built here straight from float32 bits; a
+    subnormal one is m * 2^-9 / 2. Every value is exact, so bits equal gguf-py's on any device.
+    """
+    exponent = ((scales >> 3) & 0x0F).to(torch.int32)
+    mantissa = (scales & 0x07).to(torch.int32)
+    # float32 bits of (1 + m/8) * 2^(e - 8): biased exponent e - 8 + 127, mantissa m << 20
+    normal = (((exponent + 119) << 23) | (mantissa << 20)).view(torch.float32)
+    subnormal = mantissa.float() * 2.0**-10
+    value = torch.where(exponent == 0, subnormal, normal)
+    return torch.where(scales == UE4M3_NAN, torch.zeros_like(value), value)
+
+
 def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     # block_q8_0: f16 d, int8 qs[32]
     d = _f16(blocks, 0)
@@ -91,12 +113,23 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n_blocks, QK_K)
 
 
+def dequantize_nvfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # block_nvfp4: u8 d[4] (UE4M3, one per 16 values), u8 qs[32] (E2M1 codes); byte j of a
+    # sub-block's 8 holds value j (low nibble) and value j + 8 (high nibble)
+    n_blocks = blocks.shape[0]
+    d = _ue4m3_half(blocks[:, :4]).reshape(n_blocks, 4, 1)
+    codes = _nibbles(blocks[:, 4:].reshape(n_blocks, 4, 8)).long()
+    kvalues = torch.tensor(_KVALUES_FP4, dtype=torch.float32, device=blocks.device)
+    return (d * kvalues[codes]).reshape(n_blocks, 64)
+
+
 BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLQuantizationType.Q8_0: dequantize_q8_0,
     GGMLQuantizationType.Q4_0: dequantize_q4_0,
     GGMLQuantizationType.Q4_1: dequantize_q4_1,
     GGMLQuantizationType.Q4_K: dequantize_q4_k,
     GGMLQuantizationType.Q6_K: dequantize_q6_k,
+    GGMLQuantizationType.NVFP4: dequantize_nvfp4,
 }
 FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
     GGMLQuantizationType.F32: torch.float32,

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from tools.cli_files import PathError, atomic_path, output_directory, user_path
-from tools.gen_tiny_model import llama3_tokenizer, q4_k
-from tools.gen_tiny_model.tiny_llama import ENCODINGS, TinyLlamaConfig, write_gguf
+from tools.gen_tiny_model import llama3_tokenizer
+from tools.gen_tiny_model.tiny_llama import ENCODINGS, ROW_MULTIPLE, TinyLlamaConfig, write_gguf
 
 PROG = "gen_tiny_model"
 # The first seed whose testdata checkpoints (hidden 16 in float32 and bfloat16, hidden 256 in
@@ -98,13 +98,7 @@ def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Path | No
             "pairs); pick fewer heads"
         )
     intermediate = args.intermediate_dim or 4 * hidden
-    if args.quantization_encoding == "q4_k":
-        for flag, value in (("--hidden-dim", hidden), ("--intermediate-dim", intermediate)):
-            if value % q4_k.QK_K:
-                raise UsageError(
-                    f"{flag}={value} must be a multiple of {q4_k.QK_K} for "
-                    f"--quantization-encoding=q4_k (Q4_K blocks hold {q4_k.QK_K} values)"
-                )
+    _check_block_rows(args.quantization_encoding, hidden, intermediate)
     output = user_path(args.output)
     if output.is_dir():
         raise UsageError(f"--output={args.output} is a directory; name the .gguf file to write")
@@ -128,6 +122,24 @@ def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Path | No
     except PathError as error:
         raise UsageError(str(error)) from error
     return config, output, tokenizer_dir
+
+
+def _check_block_rows(encoding: str, hidden: int, intermediate: int) -> None:
+    """Block-quantized encodings split every weight row into whole blocks.
+
+    Each 2-D weight's rows are hidden or intermediate values long (q/k/v/gate/up and the
+    embedding: hidden; down: intermediate; attn_output: n_heads * head_dim = hidden).
+    """
+    block = ROW_MULTIPLE.get(encoding)
+    if block is None:
+        return
+    for flag, value in (("--hidden-dim", hidden), ("--intermediate-dim", intermediate)):
+        if value % block:
+            raise UsageError(
+                f"{flag}={value} must be a multiple of {block} for "
+                f"--quantization-encoding={encoding} ({encoding.upper()} blocks hold {block} "
+                "values)"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,11 +26,11 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 from gguf.quants import quantize as gguf_quantize
 
-from tools.gen_tiny_model import counter_rng, q4_k
+from tools.gen_tiny_model import counter_rng, nvfp4, q4_k
 from tools.gen_tiny_model.llama3_tokenizer import GGUFVocab
 
 ARCHITECTURE = "llama"
-ENCODINGS = ("float32", "bfloat16", "q4_k")
+ENCODINGS = ("float32", "bfloat16", "q4_k", "nvfp4")
 
 # The 2-D weights' storage type and the general.file_type written for each encoding. 1-D norms
 # and rope_freqs stay F32 in every encoding, as llama.cpp keeps them.
@@ -38,12 +38,21 @@ WEIGHT_TYPE = {
     "float32": GGMLQuantizationType.F32,
     "bfloat16": GGMLQuantizationType.BF16,
     "q4_k": GGMLQuantizationType.Q4_K,
+    "nvfp4": GGMLQuantizationType.NVFP4,
 }
 # Every 2-D weight is Q4_K here; llama.cpp calls that mix Q4_K_S (Q4_K_M would add Q6_K).
+# NVFP4 likewise covers every 2-D weight, the tied embedding (and so the output) included.
 FILE_TYPE = {
     "float32": LlamaFileType.ALL_F32,
     "bfloat16": LlamaFileType.MOSTLY_BF16,
     "q4_k": LlamaFileType.MOSTLY_Q4_K_S,
+    "nvfp4": LlamaFileType.MOSTLY_NVFP4,
+}
+# Values per block of the block-quantized encodings: every row length must be a multiple.
+ROW_MULTIPLE = {"q4_k": q4_k.QK_K, "nvfp4": nvfp4.QK_NVFP4}
+QUANTIZERS = {
+    GGMLQuantizationType.Q4_K: q4_k.quantize_q4_k,
+    GGMLQuantizationType.NVFP4: nvfp4.quantize_nvfp4,
 }
 
 LOGIT_STD = 12.0  # target spread of the logits over the vocabulary (see module docstring)
@@ -192,6 +201,77 @@ def hf_weights(config: TinyLlamaConfig, seed: int) -> Iterator[tuple[str, np.nda
     yield "output_norm.weight", gain("output_norm.weight", h, LOGIT_STD)
 
 
+def tensor_shapes(config: TinyLlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the file and its numpy shape, in file order, without drawing weights."""
+    h, ffn = config.hidden_dim, config.intermediate_dim
+    q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "rope_freqs.weight": (config.head_dim // 2,),
+        "token_embd.weight": (config.vocab_size, h),
+    }
+    for layer in range(config.n_layers):
+        blk = f"blk.{layer}"
+        shapes |= {
+            f"{blk}.attn_norm.weight": (h,),
+            f"{blk}.attn_q.weight": (q_dim, h),
+            f"{blk}.attn_k.weight": (kv_dim, h),
+            f"{blk}.attn_v.weight": (kv_dim, h),
+            f"{blk}.attn_output.weight": (h, q_dim),
+            f"{blk}.ffn_norm.weight": (h,),
+            f"{blk}.ffn_gate.weight": (ffn, h),
+            f"{blk}.ffn_up.weight": (ffn, h),
+            f"{blk}.ffn_down.weight": (h, ffn),
+        }
+    shapes["output_norm.weight"] = (h,)
+    return shapes
+
+
+def nvfp4_quantization_config(config: TinyLlamaConfig) -> dict[str, object]:
+    """The `quantization_config` of an nvfp4 checkpoint, in the shape NVFP4 users look for.
+
+    Hugging Face NVFP4 checkpoints describe E2M1 weights in groups of 16 with an E4M3 scale
+    per group and list what stays unquantized under `ignore`. This one says the same of the
+    GGUF file, plus what differs there: no per-tensor second-level scale, 64-value blocks of
+    36 bytes, the doubled E2M1 table read against half the scale, and GGUF tensor names. The
+    output projection is tied to token_embd.weight, so it is NVFP4 too.
+    """
+    shapes = tensor_shapes(config)
+    return {
+        "quant_method": "gguf",
+        "format": "nvfp4",
+        "ggml_type": GGMLQuantizationType.NVFP4.name,
+        "ggml_type_id": int(GGMLQuantizationType.NVFP4),
+        "weight_format": "e2m1",
+        "num_bits": 4,
+        "group_size": nvfp4.SUB_BLOCK,
+        "scale_format": "ue4m3",
+        "scale_convention": (
+            "one unsigned E4M3 byte (bias 7) per group; ggml decodes it at half its value "
+            "and multiplies the doubled E2M1 table {0, 1, 2, 3, 4, 6, 8, 12} (bit 3: sign), "
+            "so each weight is e2m1 * ue4m3 exactly; byte 0x7F reads as 0"
+        ),
+        "global_scale": None,
+        "block_size": nvfp4.QK_NVFP4,
+        "block_bytes": nvfp4.BLOCK_BYTES,
+        "tensor_names": "gguf",
+        "quantized": [name for name, shape in shapes.items() if len(shape) == 2],
+        "ignore": [name for name, shape in shapes.items() if len(shape) == 1],
+        "ignore_format": "float32",
+        "tied_lm_head": "token_embd.weight",
+    }
+
+
+def hf_config_for(config: TinyLlamaConfig, encoding: str) -> dict[str, object]:
+    """config.json of a checkpoint: the LlamaConfig, plus a quantization_config for nvfp4.
+
+    The other encodings keep the plain LlamaConfig that config.json has always held.
+    """
+    hf_config = config.hf_config()
+    if encoding == "nvfp4":
+        hf_config["quantization_config"] = nvfp4_quantization_config(config)
+    return hf_config
+
+
 def gguf_tensors(
     config: TinyLlamaConfig, encoding: str, seed: int
 ) -> Iterator[tuple[str, np.ndarray, GGMLQuantizationType]]:
@@ -204,8 +284,8 @@ def gguf_tensors(
             weight = permute_for_gguf(weight, config.n_kv_heads)
         if weight.ndim == 1 or weight_type == GGMLQuantizationType.F32:
             yield name, weight, GGMLQuantizationType.F32
-        elif weight_type == GGMLQuantizationType.Q4_K:
-            yield name, q4_k.quantize_q4_k(weight), weight_type
+        elif weight_type in QUANTIZERS:  # gguf-py has no quantizer for these
+            yield name, QUANTIZERS[weight_type](weight), weight_type
         else:
             yield name, gguf_quantize(weight, weight_type), weight_type
 

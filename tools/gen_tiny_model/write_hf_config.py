@@ -4,7 +4,8 @@
         --quantization-encoding=float32 --n-layers=1 --n-heads=1 --n-kv-heads=1 --hidden-dim=16
 
 transformers' GGUF loader drops Llama 3.1 rope scaling, so readers pass this file as `config=`
-next to `gguf_file=`.
+next to `gguf_file=`. For --quantization-encoding=nvfp4 it also carries a `quantization_config`
+saying which tensors are NVFP4 and how the format is laid out.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 
 from tools.cli_files import write_atomically
 from tools.gen_tiny_model.gen_tiny_model import UsageError, build_parser, validate
+from tools.gen_tiny_model.tiny_llama import hf_config_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"write_hf_config: error: {err}", file=sys.stderr)
         return 2
-    text = json.dumps(config.hf_config(), indent=2, sort_keys=True) + "\n"
+    hf_config = hf_config_for(config, args.quantization_encoding)
+    text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
     write_atomically(output, text.encode("utf-8"))
     print(output)
     return 0

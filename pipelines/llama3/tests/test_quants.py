@@ -79,3 +79,36 @@ def test_nan_scale_is_reported_as_non_finite() -> None:
 def test_unsupported_type_is_refused() -> None:
     with pytest.raises(ValueError, match="Q5_K"):
         quants.dequantize(np.zeros((1, 176), np.uint8), GGMLQuantizationType.Q5_K, (1, 256))
+
+
+def _nvfp4_blocks_covering_every_byte(rng: np.random.Generator) -> np.ndarray:
+    """Random NVFP4 blocks in which each scale byte 0..255 and each code byte 0..255 (so every
+    nibble in both halves) occurs, in every scale slot and code position, among random ones."""
+    every = np.arange(256, dtype=np.uint8)
+    _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType.NVFP4]
+    covering = np.stack([np.roll(every, shift) for shift in range(type_size)], axis=1)
+    random = rng.integers(0, 256, size=(64, type_size), dtype=np.uint8)
+    return np.concatenate([covering, random])
+
+
+def test_nvfp4_matches_gguf_py_bit_for_bit_on_every_scale_and_code_byte() -> None:
+    blocks = _nvfp4_blocks_covering_every_byte(np.random.default_rng(4))
+    expected = gguf.quants.dequantize(blocks, GGMLQuantizationType.NVFP4)  # [320, 64]
+    actual = quants.dequantize(blocks, GGMLQuantizationType.NVFP4, expected.shape)
+    # bits, not values: a scale byte of 0 or 0x7F times a negative code is -0.0 in both
+    assert torch.equal(actual.view(torch.int32), torch.from_numpy(expected).view(torch.int32))
+    assert (np.signbit(expected) & (expected == 0)).any()
+
+
+def test_nvfp4_scale_bytes_decode_to_half_their_ue4m3_value() -> None:
+    # one block per scale byte, every code 1 (kvalue 1): each value is the decoded half-scale
+    blocks = np.zeros((256, 36), dtype=np.uint8)
+    blocks[:, :4] = np.arange(256, dtype=np.uint8)[:, None]
+    blocks[:, 4:] = 0x11
+    scales = quants.dequantize(blocks, GGMLQuantizationType.NVFP4, (256, 64))[:, 0].tolist()
+    assert scales[0x00] == 0 and scales[0x7F] == 0  # zero, and E4M3's NaN read as zero
+    assert scales[0x01] == 2.0**-10  # smallest subnormal: 1 * 2^-9 / 2
+    assert scales[0x08] == 2.0**-7  # smallest normal: 2^-6 / 2
+    assert scales[0x38] == 0.5 and scales[0x39] == 0.5625  # 1.0 and 1.125, halved
+    assert scales[0x7E] == 224.0  # 448 / 2
+    assert scales[0xB8] == 0.5 and scales[0xFF] == 240.0  # bit 7 is ignored (0xFF is not NaN)

@@ -39,7 +39,10 @@ CHECKPOINTS = {
     "tiny_llama.gguf": (TinyLlamaConfig(1, 1, 1, 16, 64), GGMLQuantizationType.F32, 0),
     "tiny_llama_bf16.gguf": (TinyLlamaConfig(1, 1, 1, 16, 64), GGMLQuantizationType.BF16, 32),
     "tiny_llama_q4_k.gguf": (TinyLlamaConfig(1, 4, 2, 256, 512), GGMLQuantizationType.Q4_K, 14),
+    "tiny_llama_nvfp4.gguf": (TinyLlamaConfig(1, 4, 2, 256, 512), GGMLQuantizationType.NVFP4, 39),
 }
+# transformers dequantizes NVFP4 with gguf-py; config_nvfp4.json carries the rope scaling.
+HF_CONFIG_FILES = {"tiny_llama_nvfp4.gguf": "config_nvfp4.json"}
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +121,8 @@ def test_transformers_agrees_with_llama_cpp_reference_and_engine(checkpoint, ref
     if config.hidden_dim == 16:
         hf_config = LlamaConfig(**json.loads((TESTDATA / "config.json").read_text()))
         assert json.loads((TESTDATA / "config.json").read_text()) == config.hf_config()
+    elif name in HF_CONFIG_FILES:
+        hf_config = LlamaConfig.from_json_file(TESTDATA / HF_CONFIG_FILES[name])
     else:
         hf_config = LlamaConfig(**config.hf_config())
     model = AutoModelForCausalLM.from_pretrained(

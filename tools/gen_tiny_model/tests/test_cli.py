@@ -37,6 +37,15 @@ def _with(*overrides: str) -> list[str]:
             _with("--quantization-encoding=q4_k", "--hidden-dim=256", "--intermediate-dim=300"),
             "--intermediate-dim=300 must be a multiple of 256",
         ),
+        (
+            _with("--quantization-encoding=nvfp4"),
+            "--hidden-dim=16 must be a multiple of 64 for --quantization-encoding=nvfp4 "
+            "(NVFP4 blocks hold 64 values)",
+        ),
+        (
+            _with("--quantization-encoding=nvfp4", "--hidden-dim=64", "--intermediate-dim=96"),
+            "--intermediate-dim=96 must be a multiple of 64",
+        ),
         (_with("--quantization-encoding=q8_0"), "invalid choice: 'q8_0'"),
         (_with("--n-layers=0"), "0 must be at least 1"),
         (_with("--n-heads=two"), "'two' is not an integer"),

@@ -22,6 +22,7 @@ PINNED_SHA256 = {
     "tiny_llama.gguf": "aa8d9e29ad19536d51dac436612f189576200250945e652ea260f404431aecd4",
     "tiny_llama_bf16.gguf": "93badda9f856ecdef1261baeac26d441feeaa4087a00edc84606a2fe7134974a",
     "tiny_llama_q4_k.gguf": "d91958e577829c325e82a8a87be5904373086e03cfce4d9bcebc6bbd27621ffa",
+    "tiny_llama_nvfp4.gguf": "804cfe84aabe1251b4d34586091ee966e9251c47d18025ac31a0d6d5a4e8c2a0",
 }
 
 
@@ -42,7 +43,7 @@ def _sha256(path: Path) -> str:
 @pytest.mark.slow
 def test_readme_commands_regenerate_committed_files(tmp_path):
     commands = _readme_commands()
-    assert len(commands) == 5, "README.md lost a regeneration command"
+    assert len(commands) == 7, "README.md lost a regeneration command"
     written = []
     for label, args in commands:
         args = [a.replace(PLACEHOLDER, str(tmp_path)) for a in args]
@@ -51,12 +52,14 @@ def test_readme_commands_regenerate_committed_files(tmp_path):
     assert written == sorted(
         [
             "config.json",
+            "config_nvfp4.json",
             "special_tokens_map.json",
             "tokenizer.json",
             "tokenizer_config.json",
             "tiny_llama.gguf",
             "tiny_llama_bf16.gguf",
             "tiny_llama_q4_k.gguf",
+            "tiny_llama_nvfp4.gguf",
         ]
     )
     mismatched = [n for n in written if _sha256(tmp_path / n) != _sha256(TESTDATA / n)]
