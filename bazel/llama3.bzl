@@ -34,6 +34,7 @@ _GOLDEN_ARCHIVES_ENV = {
 # nothing in a target, the runner collects the package's other test files to check it
 # (bazel/pytest_runner.py), so each target must be able to import all of them.
 _TEST_IMPORTS = [
+    ":evaluate_llama_lib",
     ":golden_run",
     ":gpu_reference",
     "//max_tests:conftest",
@@ -41,7 +42,7 @@ _TEST_IMPORTS = [
     requirement("gguf"),
 ]
 
-def llama3_test(name, size, goldens = True, gpu = False, srcs = [], deps = []):
+def llama3_test(name, size, goldens = True, gpu = False, deps = []):
     """The pytest file `<name>.py` with the package's conftest, over the tiny checkpoints.
 
     Every test gets what any test of the package imports (`_TEST_IMPORTS`). The suites in
@@ -55,14 +56,13 @@ def llama3_test(name, size, goldens = True, gpu = False, srcs = [], deps = []):
       gpu: makes it a GPU test: `name` runs on CUDA (SKIPPED as incompatible unless
         --config=gpu) and `<name>_on_cpu` runs the same file with the CPU as the device under
         test (gpu_pytest_test).
-      srcs: modules under test that no library holds (a tool's main file).
       deps: what else it imports (labels in `_TEST_IMPORTS` are already there).
     """
     kwargs = dict(
         srcs = [
             "conftest.py",
             name + ".py",
-        ] + srcs,
+        ],
         data = _CHECKPOINTS + (_SMOLLM2 + _GOLDEN_ARCHIVES if goldens else []),
         env = _CHECKPOINTS_ENV | (_SMOLLM2_ENV | _GOLDEN_ARCHIVES_ENV if goldens else {}),
         visibility = ["//max_tests/integration:__pkg__"],

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog=__doc__[__doc__.index("Example:") :],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--encoding", default="all", help="float32, bfloat16, q4_k, q4_1 or all")
+    parser.add_argument("--encoding", default="all", help="an encoding (e.g. nvfp4) or all")
     parser.add_argument("--goldens-dir", help="read goldens here instead of the pinned archives")
     args = parser.parse_args(argv)
     os.environ.setdefault("PIPELINES_TESTDATA", str(checkout_testdata()))

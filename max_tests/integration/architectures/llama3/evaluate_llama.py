@@ -25,6 +25,7 @@ import torch
 from max_tests.goldens import schema
 from max_tests.integration.architectures.llama3 import golden_run
 from max_tests.integration.architectures.llama3.variants import (
+    ENCODINGS,
     LLAMA3_1_ENV,
     MODELS,
     TESTDATA_REL,
@@ -43,9 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--modular-path", help="repository checkout to evaluate (default: this one)")
-    p.add_argument(
-        "--encoding", default="all", choices=["all", "float32", "bfloat16", "q4_k", "q4_1"]
-    )
+    p.add_argument("--encoding", default="all", choices=["all", *ENCODINGS])
     p.add_argument("--model", default="all", choices=["all", *MODELS])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--output-dir", help="where to write goldens (default: the testdata folder)")

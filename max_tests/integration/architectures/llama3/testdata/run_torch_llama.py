@@ -32,6 +32,7 @@ from max_tests.goldens.record import case_specs, record_case
 from max_tests.integration.architectures.llama3 import golden_run
 from max_tests.integration.architectures.llama3.torch_reference import load_reference
 from max_tests.integration.architectures.llama3.variants import (
+    ENCODINGS,
     LLAMA3_1_ENV,
     MODELS,
     Variant,
@@ -52,9 +53,7 @@ def _parser(default_device: str) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="all", choices=["all", *MODELS])
-    p.add_argument(
-        "--encoding", default="all", choices=["all", "float32", "bfloat16", "q4_k", "q4_1"]
-    )
+    p.add_argument("--encoding", default="all", choices=["all", *ENCODINGS])
     p.add_argument("--device", default=default_device, help=f"default: {default_device}")
     p.add_argument("--output-dir", help="where to write goldens (default: the testdata folder)")
     p.add_argument(
