@@ -16,7 +16,7 @@ from max_tests.integration.architectures.llama3 import golden_run
 from max_tests.integration.architectures.llama3.variants import Variant
 from max_tests.integration.architectures.llama3.variants import testdata_directory as _testdata
 
-GOLDENS_REQUIRED_ENV = "GOLDENS_REQUIRED"  # set by --config=ci: a missing golden fails
+GOLDENS_REQUIRED_ENV = "GOLDENS_REQUIRED"  # set by .bazelrc for every bazel test: a missing golden fails
 
 
 @pytest.fixture(scope="session")

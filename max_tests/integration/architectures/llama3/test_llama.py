@@ -4,7 +4,7 @@ Teacher-forced: for each golden the engine is fed the golden's own tokens, so ev
 every case is compared (max_tests/goldens/compare.py). One test per checkpoint variant, id
 `{size}-{encoding}-{arch}`. A failing golden writes an HTML report of all its cases, named on the
 failure's last line (golden_run.failures_with_report). One case alone:
-  ./bazelw test //max_tests/integration:tests \\
+  ./bazelw test //max_tests/integration/architectures/llama3:test_llama \\
       --test_arg=-k --test_arg='test_llama[tiny-float32-llama3_1]'
 """
 
