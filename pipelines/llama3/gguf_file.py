@@ -54,6 +54,9 @@ _U64 = struct.Struct("<Q")
 _HEADER = struct.Struct("<IIQQ")  # magic, version, tensor count, metadata count
 
 
+GGML_MAX_NAME = 64  # ggml.h: a tensor name and its terminating NUL fit in 64 bytes
+
+
 class CheckpointError(ValueError):
     """A checkpoint file this engine cannot use; the message names the file and the problem."""
 
@@ -161,11 +164,11 @@ class GGUFFile:
 
         raw_tensors = []
         for _ in range(n_tensors):
-            name = self._string()
+            name = self._tensor_name()
             (n_dims,) = self._unpack(_U32)
             if n_dims > 8:
                 raise CheckpointError(
-                    self.path, f"tensor {name} claims {n_dims} dimensions (corrupted?)"
+                    self.path, f"tensor {name!r} claims {n_dims} dimensions (corrupted?)"
                 )
             ne = struct.unpack_from(f"<{n_dims}Q", buf, self._advance(8 * n_dims))
             type_id, relative_offset = self._unpack(struct.Struct("<IQ"))
@@ -178,13 +181,13 @@ class GGUFFile:
                 tensor_type = GGMLQuantizationType(type_id)
             except ValueError:
                 raise CheckpointError(
-                    self.path, f"tensor {name} has unknown type id {type_id}"
+                    self.path, f"tensor {name!r} has unknown type id {type_id}"
                 ) from None
             block_size, _ = GGML_QUANT_SIZES[tensor_type]
             if shape and shape[-1] % block_size:
                 raise CheckpointError(
                     self.path,
-                    f"tensor {name} has {shape[-1]} values per row, not a multiple of "
+                    f"tensor {name!r} has {shape[-1]} values per row, not a multiple of "
                     f"{tensor_type.name}'s block of {block_size}",
                 )
             info = TensorInfo(
@@ -197,11 +200,11 @@ class GGUFFile:
             if info.offset + info.n_bytes > self.file_size:
                 raise CheckpointError(
                     self.path,
-                    f"tensor {name} needs bytes {info.offset}..{info.offset + info.n_bytes}, "
+                    f"tensor {name!r} needs bytes {info.offset}..{info.offset + info.n_bytes}, "
                     f"file has {self.file_size} (truncated?)",
                 )
             if name in tensors:
-                raise CheckpointError(self.path, f"tensor {name} appears twice in the index")
+                raise CheckpointError(self.path, f"tensor {name!r} appears twice in the index")
             tensors[name] = info
         self.tensors: Mapping[str, TensorInfo] = MappingProxyType(tensors)
 
@@ -219,6 +222,19 @@ class GGUFFile:
         (length,) = self._unpack(_U64)
         start = self._advance(length)
         return self._map[start : start + length].decode("utf-8", errors="replace")
+
+    def _tensor_name(self) -> str:
+        """A tensor's name; ggml keeps names under GGML_MAX_NAME bytes, so a longer one is a
+        damaged length field (and would make every later message a megabyte of binary)."""
+        start = self._pos
+        name = self._string()
+        if len(name.encode()) >= GGML_MAX_NAME:
+            raise CheckpointError(
+                self.path,
+                f"tensor name at byte {start} is {self._pos - start - 8} bytes long, ggml allows "
+                f"under {GGML_MAX_NAME} (corrupted?)",
+            )
+        return name
 
     def _value_type(self) -> GGUFValueType:
         (type_id,) = self._unpack(_U32)

@@ -22,10 +22,9 @@ then id, float64 logsumexp, stats), and checks four properties of `compare_case`
 
 Each property runs FUZZ_EXAMPLES (200) examples, about 1 s each; with the planted-bug tests
 (shrinking is most of their time) the file takes about 40 s on 2 shared cores. The
-runs are deterministic (derandomize=True, no example database), so CI sees the same examples
-every time. On a failure hypothesis prints the falsifying example and, because of
-print_blob=True, a `@reproduce_failure(...)` line: paste it above the failing test to replay
-exactly that example.
+runs use testing/fuzz.py's settings: deterministic (derandomize=True, no example database), so
+CI sees the same examples every time; on a failure hypothesis prints the falsifying example and
+a `@reproduce_failure(...)` line (print_blob=True) that replays exactly that example.
 
 The `test_planted_*` tests prove each property can fail: each plants one realistic bug in
 compare.py with monkeypatch (a one-line edit of the function's source, or a replaced
@@ -38,28 +37,21 @@ import __future__
 
 import dataclasses
 import inspect
-import re
 import textwrap
 from collections.abc import Callable
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from max_tests.goldens import compare
 from max_tests.goldens.record import CaseSpec, record_case
 from max_tests.goldens.schema import Case
 from max_tests.goldens.tolerances import Tolerance, entries
+from testing.fuzz import first_failure, fuzz_settings
 
 FUZZ_EXAMPLES = 200
-FUZZ_SETTINGS = settings(
-    derandomize=True,
-    database=None,
-    deadline=None,
-    max_examples=FUZZ_EXAMPLES,
-    print_blob=True,
-)
 INPUT_IDS = [1, 2, 3]
 # The stored logsumexp is rounded to 9 decimals, so a golden's own log-probs differ from its
 # source logits' by up to 5e-10; sums in another order add float64 rounding (~1e-14).
@@ -165,7 +157,7 @@ def _assert_same_report(a: compare.CaseReport, b: compare.CaseReport, atol: floa
     assert a.max_kl == pytest.approx(b.max_kl, rel=1e-9, abs=atol), "max KL differs"
 
 
-@FUZZ_SETTINGS
+@fuzz_settings(FUZZ_EXAMPLES)
 @given(subject=subjects(), tol=st.sampled_from(entries()))
 def test_a_run_with_the_goldens_own_logits_passes(subject: Subject, tol: Tolerance) -> None:
     golden = _golden(subject.logits, subject.top_k)
@@ -192,7 +184,7 @@ def _admitted_by_tie_rule(
     return golden_gap < margin and run_gap < margin
 
 
-@FUZZ_SETTINGS
+@fuzz_settings(FUZZ_EXAMPLES)
 @given(subject=subjects(), tol=tolerances(), data=st.data())
 def test_a_token_change_beyond_the_tie_rule_fails(
     subject: Subject, tol: Tolerance, data: st.DataObject
@@ -238,7 +230,7 @@ def _tie_near_top(logits: np.ndarray, k: int) -> bool:
     return bool((np.diff(top, axis=1) == 0).any())
 
 
-@FUZZ_SETTINGS
+@fuzz_settings(FUZZ_EXAMPLES)
 @given(
     subject=subjects(),
     tol=tolerances(),
@@ -266,7 +258,7 @@ def test_the_verdict_does_not_depend_on_the_order_of_ids(
     ]
 
 
-@FUZZ_SETTINGS
+@fuzz_settings(FUZZ_EXAMPLES)
 @given(
     subject=subjects(),
     tol=tolerances(),
@@ -298,62 +290,39 @@ def _plant(monkeypatch: pytest.MonkeyPatch, function: Callable, old: str, new: s
     monkeypatch.setattr(compare, function.__name__, namespace[function.__name__])
 
 
-def _first_failure(monkeypatch: pytest.MonkeyPatch, prop: Callable, match: str) -> int:
-    """Run a property with a planted bug, assert it fails with `match` in a message; return the
-    1-based example that failed first."""
-    inner = prop.hypothesis.inner_test
-    calls, failures = [0], []
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        try:
-            inner(*args, **kwargs)
-        except AssertionError:
-            failures.append(calls[0])
-            raise
-
-    monkeypatch.setattr(prop.hypothesis, "inner_test", counting)
-    # Hypothesis raises the shrunk failure, or a group of them when it found distinct ones.
-    with pytest.raises((AssertionError, ExceptionGroup)) as caught:
-        prop()
-    errors = getattr(caught.value, "exceptions", [caught.value])
-    assert all(isinstance(e, AssertionError) for e in errors), errors
-    assert any(re.search(match, str(e)) for e in errors), [str(e) for e in errors]
-    print(f"{prop.__name__}: first failure at example {failures[0]}, {calls[0]} calls in all")
-    return failures[0]
-
-
 def test_planted_step_misalignment_fails_the_identical_run_property(monkeypatch):
     # Teacher-forcing off by one: step i compared with the run's logits of step i - 1.
     _plant(monkeypatch, compare.compare_case, "logits[i], tolerance", "logits[i - 1], tolerance")
-    first = _first_failure(monkeypatch, test_a_run_with_the_goldens_own_logits_passes, "identical")
-    assert first <= FUZZ_EXAMPLES
+    planted = first_failure(
+        monkeypatch, test_a_run_with_the_goldens_own_logits_passes, match="identical"
+    )
+    assert planted.first <= FUZZ_EXAMPLES
 
 
 def test_planted_tie_rule_that_accepts_any_token_fails_the_token_property(monkeypatch):
     monkeypatch.setattr(compare, "_tie_reason", lambda *args: None)
-    first = _first_failure(
-        monkeypatch, test_a_token_change_beyond_the_tie_rule_fails, "token change accepted"
+    planted = first_failure(
+        monkeypatch, test_a_token_change_beyond_the_tie_rule_fails, match="token change accepted"
     )
-    assert first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES
 
 
 def test_planted_tie_rule_without_the_run_side_fails_the_token_property(monkeypatch):
     # Only the golden's gap is checked: a run that prefers a golden near-tie by a mile passes.
     _plant(monkeypatch, compare._tie_reason, "if run_gap >= margin:", "if False:")
-    first = _first_failure(
-        monkeypatch, test_a_token_change_beyond_the_tie_rule_fails, "token change accepted"
+    planted = first_failure(
+        monkeypatch, test_a_token_change_beyond_the_tie_rule_fails, match="token change accepted"
     )
-    assert first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES
 
 
 def test_planted_tail_by_position_fails_the_order_property(monkeypatch):
     # The run's tail bucket taken as ids k.. (as if the golden's top-k were ids 0..k-1).
     _plant(monkeypatch, compare._check_step, "outside[ids] = False", "outside[: len(ids)] = False")
-    first = _first_failure(
-        monkeypatch, test_the_verdict_does_not_depend_on_the_order_of_ids, "differ"
+    planted = first_failure(
+        monkeypatch, test_the_verdict_does_not_depend_on_the_order_of_ids, match="differ"
     )
-    assert first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES
 
 
 def test_planted_run_normalized_by_the_goldens_logsumexp_fails_the_shift_property(monkeypatch):
@@ -364,7 +333,7 @@ def test_planted_run_normalized_by_the_goldens_logsumexp_fails_the_shift_propert
         "row.astype(np.float64) - logsumexp(row)",
         "row.astype(np.float64) - gstep.logsumexp",
     )
-    first = _first_failure(
-        monkeypatch, test_a_constant_shift_of_the_logits_changes_nothing, "differ"
+    planted = first_failure(
+        monkeypatch, test_a_constant_shift_of_the_logits_changes_nothing, match="differ"
     )
-    assert first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES

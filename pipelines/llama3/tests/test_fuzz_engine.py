@@ -15,10 +15,9 @@ storage), the weights' seed, and random token sequences, and checks three proper
 
 Each property runs FUZZ_EXAMPLES (25) examples; the whole file takes about 25 s on 2 cores,
 most of it hypothesis shrinking the planted bugs' failures.
-The runs are deterministic (derandomize=True, no example database), so CI sees the same
-examples every time. On a failure hypothesis prints the falsifying example and, because of
-print_blob=True, a `@reproduce_failure(...)` line: paste it above the failing test to replay
-exactly that example.
+The runs use testing/fuzz.py's settings: deterministic (derandomize=True, no example
+database), so CI sees the same examples every time; on a failure hypothesis prints the falsifying
+example and a `@reproduce_failure(...)` line (print_blob=True) that replays exactly that example.
 
 The `test_planted_*` tests prove each property can fail: each plants one bug with monkeypatch
 and asserts the property raises, and that it found the bug within its FUZZ_EXAMPLES examples
@@ -37,7 +36,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pipelines.llama3 import Llama3Engine
@@ -45,18 +44,11 @@ from pipelines.llama3 import model as model_module
 from pipelines.llama3.model import Transformer
 from pipelines.llama3.tests.recompute import greedy_decode_without_cache
 from pipelines.llama3.tests.tiny_checkpoint import tiny_vocab
+from testing.fuzz import first_failure, fuzz_settings
 from tools.gen_tiny_model.llama3_tokenizer import GGUFVocab
 from tools.gen_tiny_model.tiny_llama import TinyLlamaConfig, write_gguf
 
 FUZZ_EXAMPLES = 25
-FUZZ_SETTINGS = settings(
-    derandomize=True,
-    database=None,
-    deadline=None,
-    max_examples=FUZZ_EXAMPLES,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
 
 # The bound test_engine.py puts on cached against recomputed logits (bitwise equal in practice).
 DECODE_ATOL = 1e-5
@@ -173,7 +165,7 @@ def check_logits_are_finite(engine: Llama3Engine, prompt: list[int], max_new_tok
     )
 
 
-@FUZZ_SETTINGS
+@fuzz_settings(FUZZ_EXAMPLES)
 @given(spec=model_specs(), prompt=prompts, max_new_tokens=st.integers(1, 12))
 def test_kv_cache_decode_equals_recomputation(
     engines: Callable[..., Llama3Engine],
@@ -184,7 +176,7 @@ def test_kv_cache_decode_equals_recomputation(
     check_decode_equals_recomputation(engines(spec), prompt, max_new_tokens)
 
 
-@FUZZ_SETTINGS
+@fuzz_settings(FUZZ_EXAMPLES)
 @given(spec=model_specs(), prompt=prompts, forced=st.lists(token_ids, min_size=1, max_size=12))
 def test_full_forward_equals_teacher_forced_steps(
     engines: Callable[..., Llama3Engine],
@@ -195,7 +187,7 @@ def test_full_forward_equals_teacher_forced_steps(
     check_forward_equals_teacher_forced_steps(engines(spec), prompt, forced)
 
 
-@FUZZ_SETTINGS
+@fuzz_settings(FUZZ_EXAMPLES)
 @given(spec=model_specs(), prompt=prompts, max_new_tokens=st.integers(1, 12))
 def test_logits_are_finite(
     engines: Callable[..., Llama3Engine],
@@ -206,48 +198,17 @@ def test_logits_are_finite(
     check_logits_are_finite(engines(spec), prompt, max_new_tokens)
 
 
-class _FirstFailure:
-    """Wraps a check function: counts its calls and remembers the call that first failed, so a
-    planted-bug test can tell the bug was found while generating examples, not shrinking."""
-
-    def __init__(self, check: Callable[..., None]) -> None:
-        self.check = check
-        self.calls = 0
-        self.first_failing_call: int | None = None
-
-    def __call__(self, *args: Any) -> None:
-        self.calls += 1
-        try:
-            self.check(*args)
-        except AssertionError:
-            if self.first_failing_call is None:
-                self.first_failing_call = self.calls
-            raise
-
-
 def _assert_property_fails(
     monkeypatch: pytest.MonkeyPatch,
     record_property: Callable[[str, object], None],
-    check_name: str,
-    run_property: Callable[[], None],
+    prop: Callable[..., None],
+    engines: Callable[..., Llama3Engine],
 ) -> None:
-    probe = _FirstFailure(globals()[check_name])
-    monkeypatch.setitem(globals(), check_name, probe)
-    # Hypothesis raises the failure itself, or an ExceptionGroup when the plant failed more
-    # than one assertion (it reports each distinct failure).
-    with pytest.raises((AssertionError, ExceptionGroup)) as raised:
-        run_property()
-    if isinstance(raised.value, ExceptionGroup):
-        assert raised.value.subgroup(AssertionError) is not None
-        assert raised.value.split(AssertionError)[1] is None, "a failure other than the check's"
-    assert probe.first_failing_call is not None
-    assert probe.first_failing_call <= FUZZ_EXAMPLES, "found only after the generation phase"
-    print(
-        f"{check_name}: planted bug caught at example {probe.first_failing_call} "
-        f"({probe.calls} calls with shrinking)"
-    )
-    record_property("first_failing_example", probe.first_failing_call)
-    record_property("calls_with_shrinking", probe.calls)
+    """Run a property with a planted bug: it fails within its FUZZ_EXAMPLES examples."""
+    planted = first_failure(monkeypatch, prop, engines=engines)
+    assert planted.first <= FUZZ_EXAMPLES, "found only after the generation phase"
+    record_property("first_failing_example", planted.first)
+    record_property("calls_with_shrinking", planted.calls)
 
 
 def test_planted_kv_cache_shift_fails_decode_property(
@@ -263,10 +224,7 @@ def test_planted_kv_cache_shift_fails_decode_property(
 
     monkeypatch.setattr(Transformer, "forward", shifted)
     _assert_property_fails(
-        monkeypatch,
-        record_property,
-        "check_decode_equals_recomputation",
-        lambda: test_kv_cache_decode_equals_recomputation(engines),
+        monkeypatch, record_property, test_kv_cache_decode_equals_recomputation, engines
     )
 
 
@@ -282,10 +240,7 @@ def test_planted_non_causal_prefill_fails_forward_property(
 
     monkeypatch.setattr(model_module, "causal_mask", see_everything)
     _assert_property_fails(
-        monkeypatch,
-        record_property,
-        "check_forward_equals_teacher_forced_steps",
-        lambda: test_full_forward_equals_teacher_forced_steps(engines),
+        monkeypatch, record_property, test_full_forward_equals_teacher_forced_steps, engines
     )
 
 
@@ -294,19 +249,14 @@ def test_planted_nan_rope_tail_fails_finite_property(
     monkeypatch: pytest.MonkeyPatch,
     record_property: Callable[[str, object], None],
 ) -> None:
-    """RoPE tables hold NaN from position 16 on (as if rows past some length were never
-    written): only sequences longer than 16 positions see it."""
+    """RoPE tables hold NaN from position 8 on (as if rows past some length were never
+    written): only sequences longer than 8 positions see it."""
     precompute_rope = model_module.precompute_rope
 
     def nan_tail(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = precompute_rope(*args)
-        cos[16:] = float("nan")
+        cos[8:] = float("nan")
         return cos, sin
 
     monkeypatch.setattr(model_module, "precompute_rope", nan_tail)
-    _assert_property_fails(
-        monkeypatch,
-        record_property,
-        "check_logits_are_finite",
-        lambda: test_logits_are_finite(engines),
-    )
+    _assert_property_fails(monkeypatch, record_property, test_logits_are_finite, engines)

@@ -11,11 +11,12 @@ weights). Mutations overwrite 1-8 bytes at 1-3 offsets before the tensor data, b
 the header, the first bytes of each metadata entry (key length, key, value type, array count,
 small values) and the tensor index; truncations cut anywhere, biased towards the metadata.
 
-Deterministic (`derandomize=True`, no example database). Examples per test: truncation 30,
-mutation of the parser 40, mutation of parser + loader 40. A failure prints
-`@reproduce_failure(...)` (`print_blob=True`): pasting that decorator onto the test replays it.
-The `test_planted_*` tests prove each property can fail: each plants a bug with monkeypatch
-and calls the hypothesis test directly, expecting it to raise.
+Deterministic (testing/fuzz.py's settings: `derandomize=True`, no example database). Examples
+per test: truncation 30, mutation of the parser 40, mutation of parser + loader 40. A failure
+prints `@reproduce_failure(...)` (`print_blob=True`): pasting that decorator onto the test
+replays it. The `test_planted_*` tests prove each property can fail: each plants a bug with
+monkeypatch and calls the hypothesis test directly, expecting it to raise anything but
+CheckpointError.
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ import pathlib
 import signal
 import struct
 import sys
+from collections.abc import Callable
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pipelines.llama3 import gguf_file
 from pipelines.llama3.gguf_file import CheckpointError, GGUFFile
 from pipelines.llama3.gguf_loader import load_weights, read_config
+from testing.fuzz import first_failure, fuzz_settings
 
 CHECKPOINT = pathlib.Path("max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf")
 TIME_LIMIT_S = 5.0
@@ -90,27 +93,6 @@ truncations = st.one_of(
 )
 
 
-def fuzz_settings(max_examples: int) -> settings:
-    return settings(
-        derandomize=True,
-        database=None,
-        deadline=None,
-        max_examples=max_examples,
-        print_blob=True,
-    )
-
-
-@dataclasses.dataclass
-class Tally:
-    """Examples a test ran, and which one failed first (for the planted-bug tests)."""
-
-    calls: int = 0
-    first_failure: int | None = None
-
-
-TALLIES: dict[str, Tally] = {}
-
-
 class TimeLimitExceeded(Exception):
     """An example ran past TIME_LIMIT_S: the reader loops on damaged input."""
 
@@ -120,18 +102,12 @@ def _on_alarm(signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def counted(name: str):
-    """Counts the example, fails it after TIME_LIMIT_S, and records the first failure."""
-    tally = TALLIES.setdefault(name, Tally())
-    tally.calls += 1
+def time_limit():
+    """Fails the example (TimeLimitExceeded) when it runs past TIME_LIMIT_S."""
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, TIME_LIMIT_S)
     try:
         yield
-    except BaseException:
-        if tally.first_failure is None:
-            tally.first_failure = tally.calls
-        raise
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -179,7 +155,7 @@ def _mutated(changes: list[tuple[int, bytes]]) -> bytes:
 @fuzz_settings(30)
 @given(length=truncations)
 def test_truncated_file_loads_or_raises_checkpoint_error(tmp_dir: pathlib.Path, length: int):
-    with counted("truncated"), damaged_copy(tmp_dir, layout().data[:length]) as path:
+    with time_limit(), damaged_copy(tmp_dir, layout().data[:length]) as path:
         assert_loads_or_refuses(path)
 
 
@@ -189,7 +165,7 @@ def test_mutated_metadata_parses_or_raises_checkpoint_error(
     tmp_dir: pathlib.Path, changes: list[tuple[int, bytes]]
 ):
     """The parser alone (header, metadata, tensor index)."""
-    with counted("mutated_parse"), damaged_copy(tmp_dir, _mutated(changes)) as path:
+    with time_limit(), damaged_copy(tmp_dir, _mutated(changes)) as path:
         assert_loads_or_refuses(path, load=False)
 
 
@@ -203,35 +179,31 @@ def _value_offset(key: str) -> int:
 @example(changes=[(_value_offset("llama.attention.head_count"), b"\x00")])
 @example(changes=[(_value_offset("llama.attention.head_count_kv"), b"\x00")])
 @example(changes=[(_value_offset("llama.block_count") + 3, b"\x10")])
+@example(changes=[(7822891, b"\x17")])  # a tensor name length: a 1 MB name
 def test_mutated_metadata_loads_or_raises_checkpoint_error(
     tmp_dir: pathlib.Path, changes: list[tuple[int, bytes]]
 ):
-    """Parser, config and weights: the loader's checks of the values it reads. The three
+    """Parser, config and weights: the loader's checks of the values it reads. The four
     examples are the bugs this property found (head_count 0 and head_count_kv 0 divided by
-    zero, a huge block_count built names for 268M layers before checking any tensor)."""
-    with counted("mutated_load"), damaged_copy(tmp_dir, _mutated(changes)) as path:
+    zero, a huge block_count built names for 268M layers before checking any tensor, a damaged
+    tensor-name length put a megabyte of binary with newlines into the error message)."""
+    with time_limit(), damaged_copy(tmp_dir, _mutated(changes)) as path:
         assert_loads_or_refuses(path)
 
 
 # -- each property fails on a planted bug --------------------------------------------------
 
 
-def _expect_failure(test, name: str, capsys: pytest.CaptureFixture, **kwargs) -> None:
-    TALLIES.pop(name, None)
-    # Any exception but CheckpointError: the planted bug decides the type.
-    with pytest.raises(Exception) as raised:
-        test(**kwargs)
-    assert not isinstance(raised.value, CheckpointError)
-    tally = TALLIES[name]
-    assert tally.first_failure is not None
-    with capsys.disabled():
-        print(
-            f"\n{name}: planted bug caught at example {tally.first_failure} "
-            f"({tally.calls} examples with shrinking): {type(raised.value).__name__}"
-        )
+def _fails_without_checkpoint_error(
+    monkeypatch: pytest.MonkeyPatch, prop: Callable[..., None], tmp_dir: pathlib.Path
+) -> None:
+    """The property raises anything but CheckpointError: the planted bug decides the type."""
+    first_failure(
+        monkeypatch, prop, expected=Exception, unexpected=CheckpointError, tmp_dir=tmp_dir
+    )
 
 
-def test_planted_unchecked_metadata_reads_break_truncation(monkeypatch, tmp_dir, capsys):
+def test_planted_unchecked_metadata_reads_break_truncation(monkeypatch, tmp_dir):
     """`_advance` without its end-of-file check: reads past the end of the map."""
 
     def unchecked(self: GGUFFile, n_bytes: int) -> int:
@@ -240,12 +212,12 @@ def test_planted_unchecked_metadata_reads_break_truncation(monkeypatch, tmp_dir,
         return start
 
     monkeypatch.setattr(GGUFFile, "_advance", unchecked)
-    _expect_failure(
-        test_truncated_file_loads_or_raises_checkpoint_error, "truncated", capsys, tmp_dir=tmp_dir
+    _fails_without_checkpoint_error(
+        monkeypatch, test_truncated_file_loads_or_raises_checkpoint_error, tmp_dir
     )
 
 
-def test_planted_unchecked_tensor_extent_breaks_truncation(monkeypatch, tmp_dir, capsys):
+def test_planted_unchecked_tensor_extent_breaks_truncation(monkeypatch, tmp_dir):
     """The parser believes the file is as large as it could be, so no tensor's offset and size
     is checked against the real end (nor any metadata read)."""
     parse = GGUFFile._parse
@@ -258,12 +230,12 @@ def test_planted_unchecked_tensor_extent_breaks_truncation(monkeypatch, tmp_dir,
             self.file_size = real_size
 
     monkeypatch.setattr(GGUFFile, "_parse", trusting)
-    _expect_failure(
-        test_truncated_file_loads_or_raises_checkpoint_error, "truncated", capsys, tmp_dir=tmp_dir
+    _fails_without_checkpoint_error(
+        monkeypatch, test_truncated_file_loads_or_raises_checkpoint_error, tmp_dir
     )
 
 
-def test_planted_unknown_value_type_breaks_mutation(monkeypatch, tmp_dir, capsys):
+def test_planted_unknown_value_type_breaks_mutation(monkeypatch, tmp_dir):
     """`_value_type` lets GGUFValueType's ValueError for an unknown type id escape."""
 
     def unchecked(self: GGUFFile) -> gguf_file.GGUFValueType:
@@ -271,9 +243,6 @@ def test_planted_unknown_value_type_breaks_mutation(monkeypatch, tmp_dir, capsys
         return gguf_file.GGUFValueType(type_id)
 
     monkeypatch.setattr(GGUFFile, "_value_type", unchecked)
-    _expect_failure(
-        test_mutated_metadata_parses_or_raises_checkpoint_error,
-        "mutated_parse",
-        capsys,
-        tmp_dir=tmp_dir,
+    _fails_without_checkpoint_error(
+        monkeypatch, test_mutated_metadata_parses_or_raises_checkpoint_error, tmp_dir
     )

@@ -18,10 +18,10 @@ against the `tokenizers` library on the tokenizer.json beside it; SmolLM2-135M-I
 `AutoTokenizer.from_pretrained(folder, gguf_file=name)` (about 8 s to build, once per module).
 
 Each property runs FUZZ_EXAMPLES (300) examples per vocabulary; the file takes about 20 s on
-2 cores. The runs are deterministic (derandomize=True, no example database), so CI sees the
-same examples every time. On a failure hypothesis prints the falsifying example and, because
-of print_blob=True, a `@reproduce_failure(...)` line: paste it above the failing test to
-replay exactly that example.
+2 cores. The runs use testing/fuzz.py's settings: deterministic (derandomize=True, no example
+database), so CI sees the same examples every time; on a failure hypothesis prints the
+falsifying example and a `@reproduce_failure(...)` line (print_blob=True) that replays exactly
+that example.
 
 The `test_planted_*` tests prove each property can fail on each vocabulary: each rebuilds our
 tokenizer with one realistic bug planted by monkeypatch, calls the property on it, asserts
@@ -32,12 +32,10 @@ only while shrinking).
 import dataclasses
 import os
 import pathlib
-import re
 import types
-from collections.abc import Callable
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, pre_tokenizers
@@ -45,17 +43,11 @@ from tokenizers import decoders, pre_tokenizers
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Tokenizer
 from pipelines.llama3 import tokenizer as tokenizer_module
+from testing.fuzz import first_failure, fuzz_settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FUZZ_EXAMPLES = 300
-FUZZ_SETTINGS = settings(
-    derandomize=True,
-    database=None,
-    deadline=None,
-    max_examples=FUZZ_EXAMPLES,
-    print_blob=True,
-)
 TESTDATA = pathlib.Path("max_tests/integration/architectures/llama3/testdata")
 VOCABULARIES = ("llama3_1", "smollm2")
 
@@ -141,14 +133,14 @@ def subject(request: pytest.FixtureRequest) -> Subject:
     return Subject("smollm2", Tokenizer.from_gguf(smollm2_gguf()), reference, smollm2_gguf())
 
 
-@FUZZ_SETTINGS
+@fuzz_settings(FUZZ_EXAMPLES)
 @given(text=TEXTS)
 def test_encode_equals_the_reference(subject: Subject, text: str) -> None:
     ours, theirs = subject.ours.encode(text), subject.reference_encode(text, special=True)
     assert ours == theirs, f"encode differs from the reference on {text!r}"
 
 
-@FUZZ_SETTINGS
+@fuzz_settings(FUZZ_EXAMPLES)
 @given(text=TEXTS)
 def test_decode_of_encode_is_the_text(subject: Subject, text: str) -> None:
     ids = subject.ours.encode(text, add_bos=False)
@@ -173,33 +165,6 @@ def test_transformers_gguf_loader_drops_smollm2s_digit_split(
     assert subject.ours.encode(text) == subject.reference_encode(text, special=True) == [1116, 32]
 
 
-def _first_failure(
-    monkeypatch: pytest.MonkeyPatch, prop: Callable, subject: Subject, match: str
-) -> int:
-    """Run a property on a tokenizer with a planted bug, assert it fails with `match` in a
-    message; return the 1-based example that failed first."""
-    inner = prop.hypothesis.inner_test
-    calls, failures = [0], []
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        try:
-            inner(*args, **kwargs)
-        except AssertionError:
-            failures.append(calls[0])
-            raise
-
-    monkeypatch.setattr(prop.hypothesis, "inner_test", counting)
-    # Hypothesis raises the shrunk failure, or a group of them when it found distinct ones.
-    with pytest.raises((AssertionError, ExceptionGroup)) as caught:
-        prop(subject=subject)
-    errors = getattr(caught.value, "exceptions", [caught.value])
-    assert all(isinstance(e, AssertionError) for e in errors), errors
-    assert any(re.search(match, str(e)) for e in errors), [str(e) for e in errors]
-    print(f"{prop.__name__}: first failure at example {failures[0]}, {calls[0]} calls in all")
-    return failures[0]
-
-
 def _rebuilt(subject: Subject) -> Subject:
     """`subject` with our tokenizer read again from its GGUF (with whatever is patched)."""
     return dataclasses.replace(subject, ours=Tokenizer.from_gguf(subject.gguf))
@@ -217,8 +182,10 @@ def test_planted_lost_merge_fails_the_encode_property(
 
     monkeypatch.setattr(tokenizer_module, "metadata_value", without_first_merge)
     buggy = _rebuilt(subject)
-    first = _first_failure(monkeypatch, test_encode_equals_the_reference, buggy, "encode differs")
-    assert first <= FUZZ_EXAMPLES
+    planted = first_failure(
+        monkeypatch, test_encode_equals_the_reference, match="encode differs", subject=buggy
+    )
+    assert planted.first <= FUZZ_EXAMPLES
 
 
 def test_planted_decoder_that_only_maps_spaces_fails_the_round_trip(
@@ -230,7 +197,7 @@ def test_planted_decoder_that_only_maps_spaces_fails_the_round_trip(
         tokenizer_module, "decoders", types.SimpleNamespace(ByteLevel=lambda: only_spaces)
     )
     buggy = _rebuilt(subject)
-    first = _first_failure(
-        monkeypatch, test_decode_of_encode_is_the_text, buggy, "round trip changed"
+    planted = first_failure(
+        monkeypatch, test_decode_of_encode_is_the_text, match="round trip changed", subject=buggy
     )
-    assert first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES

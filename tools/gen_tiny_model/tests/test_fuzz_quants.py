@@ -6,11 +6,12 @@ numpy code bit for bit. Fixed test vectors only cover the blocks someone thought
 properties run hypothesis over blocks mixing arbitrary float32 values with zeros, constant
 blocks, sparse blocks (one value plus outliers), float16-max magnitudes and subnormals.
 
-Every test is deterministic (`derandomize=True`, no example database). Examples per test:
-Q4_K against gguf-py 60, Q4_K round-trip bound 60, Q4_K bytes against the literal llama.cpp port
-40 (it runs the C loops in Python), Q8_0 80, the other gguf-py quantizers (Q4_0, Q4_1, F16,
-BF16) 40 each, raw block bytes 60 per type. A failure prints `@reproduce_failure(...)`
-(`print_blob=True`): pasting that decorator onto the test replays the failing example.
+Every test is deterministic (testing/fuzz.py's settings: `derandomize=True`, no example
+database). Examples per test: Q4_K against gguf-py 60, Q4_K round-trip bound 60, Q4_K bytes
+against the literal llama.cpp port 40 (it runs the C loops in Python), Q8_0 80, the other gguf-py
+quantizers (Q4_0, Q4_1, F16, BF16) 40 each, raw block bytes 60 per type. A failure prints
+`@reproduce_failure(...)` (`print_blob=True`): pasting that decorator onto the test replays the
+failing example.
 
 The `test_planted_*` tests prove each property can fail: each plants one bug with monkeypatch,
 calls the hypothesis test directly and expects it to raise; it prints after how many examples
@@ -19,19 +20,17 @@ the first failure came.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from pipelines.llama3 import quants
+from testing.fuzz import first_failure, fuzz_settings
 from tools.gen_tiny_model import q4_k
 from tools.gen_tiny_model.tests import q4_k_reference
 
@@ -78,39 +77,6 @@ def _gaussian(shape: tuple[int, int], seed: int, scale: float) -> np.ndarray:
     return np.clip(values, -LIMIT, LIMIT).astype(np.float32)
 
 
-def fuzz_settings(max_examples: int) -> settings:
-    return settings(
-        derandomize=True,
-        database=None,
-        deadline=None,
-        max_examples=max_examples,
-        print_blob=True,
-    )
-
-
-@dataclasses.dataclass
-class Tally:
-    """Examples a test ran, and which one failed first (for the planted-bug tests)."""
-
-    calls: int = 0
-    first_failure: int | None = None
-
-
-TALLIES: dict[str, Tally] = {}
-
-
-@contextlib.contextmanager
-def counted(name: str):
-    tally = TALLIES.setdefault(name, Tally())
-    tally.calls += 1
-    try:
-        yield
-    except BaseException:
-        if tally.first_failure is None:
-            tally.first_failure = tally.calls
-        raise
-
-
 def assert_bit_identical(actual: torch.Tensor, expected: np.ndarray) -> None:
     """Same shape and the same float32 bits (any NaN matches any NaN: payloads are not data)."""
     actual = actual.numpy()
@@ -151,12 +117,11 @@ def _slack(*values: np.ndarray) -> np.ndarray:
 @fuzz_settings(60)
 @given(blocks(q4_k.QK_K))
 def test_q4_k_dequantizers_agree_bit_for_bit(weights: np.ndarray) -> None:
-    with counted("q4_k_dequantizers_agree"):
-        packed = q4_k.quantize_q4_k(weights)
-        expected = gguf.quants.dequantize(packed, GGMLQuantizationType.Q4_K)
-        assert_bit_identical(
-            quants.dequantize(packed, GGMLQuantizationType.Q4_K, weights.shape), expected
-        )
+    packed = q4_k.quantize_q4_k(weights)
+    expected = gguf.quants.dequantize(packed, GGMLQuantizationType.Q4_K)
+    assert_bit_identical(
+        quants.dequantize(packed, GGMLQuantizationType.Q4_K, weights.shape), expected
+    )
 
 
 @fuzz_settings(60)
@@ -179,34 +144,33 @@ def test_q4_k_round_trip_within_format_bound(weights: np.ndarray) -> None:
 
     Both sides allow two float32 ulps, the rounding of the dequantizers' float32 arithmetic.
     """
-    with counted("q4_k_round_trip"):
-        x = weights.astype(np.float64)
-        packed = q4_k.quantize_q4_k(weights)
-        restored = quants.dequantize(packed, GGMLQuantizationType.Q4_K, weights.shape)
-        x_restored = restored.numpy().astype(np.float64)
-        step, offset, d, dmin = q4_k_grid(packed)
-        slack = _slack(x, x_restored)
-        lowest, highest = -offset, 15 * step - offset
-        inside = (x >= lowest) & (x <= highest)
-        error = np.abs(x - x_restored)
-        assert np.all(error[inside] <= step[inside] / 2 + slack[inside])
-        # Outside the grid the value is read back as the nearer end of the grid.
-        end = np.where(x < lowest, lowest, highest)
-        assert np.all(np.abs(x_restored - end)[~inside] <= slack[~inside])
-        sub_blocks = x.reshape(x.shape[0], q4_k.SUB_BLOCKS, q4_k.SUB_BLOCK)
-        value_range = np.repeat(
-            sub_blocks.max(axis=2) - np.minimum(sub_blocks.min(axis=2), 0), q4_k.SUB_BLOCK, axis=1
-        )
-        overshoot_bound = (
-            value_range / 16
-            + 7.5 * d
-            + dmin / 2
-            + 15 * 63 * _fp16_rounding(d)
-            + 63 * _fp16_rounding(dmin)
-            + slack
-        )
-        overshoot = np.abs(x - end)
-        assert np.all(overshoot[~inside] <= overshoot_bound[~inside])
+    x = weights.astype(np.float64)
+    packed = q4_k.quantize_q4_k(weights)
+    restored = quants.dequantize(packed, GGMLQuantizationType.Q4_K, weights.shape)
+    x_restored = restored.numpy().astype(np.float64)
+    step, offset, d, dmin = q4_k_grid(packed)
+    slack = _slack(x, x_restored)
+    lowest, highest = -offset, 15 * step - offset
+    inside = (x >= lowest) & (x <= highest)
+    error = np.abs(x - x_restored)
+    assert np.all(error[inside] <= step[inside] / 2 + slack[inside])
+    # Outside the grid the value is read back as the nearer end of the grid.
+    end = np.where(x < lowest, lowest, highest)
+    assert np.all(np.abs(x_restored - end)[~inside] <= slack[~inside])
+    sub_blocks = x.reshape(x.shape[0], q4_k.SUB_BLOCKS, q4_k.SUB_BLOCK)
+    value_range = np.repeat(
+        sub_blocks.max(axis=2) - np.minimum(sub_blocks.min(axis=2), 0), q4_k.SUB_BLOCK, axis=1
+    )
+    overshoot_bound = (
+        value_range / 16
+        + 7.5 * d
+        + dmin / 2
+        + 15 * 63 * _fp16_rounding(d)
+        + 63 * _fp16_rounding(dmin)
+        + slack
+    )
+    overshoot = np.abs(x - end)
+    assert np.all(overshoot[~inside] <= overshoot_bound[~inside])
 
 
 SMALLEST_DEFINED = 1e-30
@@ -228,8 +192,7 @@ def test_q4_k_bytes_match_literal_llama_cpp_port(weights: np.ndarray) -> None:
     magnitudes = np.abs(weights)
     assume(np.all((magnitudes == 0) | (magnitudes >= SMALLEST_DEFINED)))
     assume(np.all((spans == 0) | (spans >= SMALLEST_DEFINED)))
-    with counted("q4_k_bytes_match_reference"):
-        assert q4_k.quantize_q4_k(weights)[0].tobytes() == q4_k_reference.quantize_block(weights[0])
+    assert q4_k.quantize_q4_k(weights)[0].tobytes() == q4_k_reference.quantize_block(weights[0])
 
 
 # -- Q8_0: gguf-py's quantizer, read back by gguf-py and by the engine ---------------------
@@ -240,16 +203,15 @@ def test_q4_k_bytes_match_literal_llama_cpp_port(weights: np.ndarray) -> None:
 def test_q8_0_round_trip_and_dequantizers_agree(weights: np.ndarray) -> None:
     """Q8_0 stores d = max|x| / 127 as float16 and q = round(x / d) as int8, so
     |x - q * fp16(d)| <= d / 2 + 127 * |d - fp16(d)| (plus float32 rounding)."""
-    with counted("q8_0"):
-        packed = gguf.quants.quantize(weights, GGMLQuantizationType.Q8_0)
-        expected = gguf.quants.dequantize(packed, GGMLQuantizationType.Q8_0)
-        restored = quants.dequantize(packed, GGMLQuantizationType.Q8_0, weights.shape)
-        assert_bit_identical(restored, expected)
-        x = weights.astype(np.float64)
-        d = np.abs(x).max(axis=1, keepdims=True) / 127
-        stored_d = packed[:, :2].copy().view(np.float16).astype(np.float64)
-        bound = d / 2 + 127 * np.abs(d - stored_d) + _slack(x, expected)
-        assert np.all(np.abs(x - restored.numpy()) <= bound)
+    packed = gguf.quants.quantize(weights, GGMLQuantizationType.Q8_0)
+    expected = gguf.quants.dequantize(packed, GGMLQuantizationType.Q8_0)
+    restored = quants.dequantize(packed, GGMLQuantizationType.Q8_0, weights.shape)
+    assert_bit_identical(restored, expected)
+    x = weights.astype(np.float64)
+    d = np.abs(x).max(axis=1, keepdims=True) / 127
+    stored_d = packed[:, :2].copy().view(np.float16).astype(np.float64)
+    bound = d / 2 + 127 * np.abs(d - stored_d) + _slack(x, expected)
+    assert np.all(np.abs(x - restored.numpy()) <= bound)
 
 
 # -- every other type with a gguf-py quantizer, and raw bytes of every block type ----------
@@ -268,10 +230,9 @@ OTHER_QUANTIZABLE = [
 def test_gguf_py_quantized_types_dequantize_alike(
     qtype: GGMLQuantizationType, weights: np.ndarray
 ) -> None:
-    with counted(f"quantized_{qtype.name}"):
-        packed = gguf.quants.quantize(weights, qtype)
-        expected = gguf.quants.dequantize(packed, qtype)
-        assert_bit_identical(quants.dequantize(packed, qtype, weights.shape), expected)
+    packed = gguf.quants.quantize(weights, qtype)
+    expected = gguf.quants.dequantize(packed, qtype)
+    assert_bit_identical(quants.dequantize(packed, qtype, weights.shape), expected)
 
 
 @pytest.mark.parametrize("qtype", sorted(quants.BLOCK_DEQUANTIZERS), ids=lambda t: t.name)
@@ -283,29 +244,15 @@ def test_raw_blocks_dequantize_alike(qtype: GGMLQuantizationType, data: st.DataO
     _, type_size = GGML_QUANT_SIZES[qtype]
     n_blocks = data.draw(st.integers(1, 3))
     raw = data.draw(arrays(np.uint8, (n_blocks, type_size)))
-    with counted(f"raw_{qtype.name}"):
-        with np.errstate(invalid="ignore", over="ignore"):
-            expected = gguf.quants.dequantize(raw, qtype)
-        assert_bit_identical(quants.BLOCK_DEQUANTIZERS[qtype](torch.from_numpy(raw)), expected)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = gguf.quants.dequantize(raw, qtype)
+    assert_bit_identical(quants.BLOCK_DEQUANTIZERS[qtype](torch.from_numpy(raw)), expected)
 
 
 # -- each property fails on a planted bug --------------------------------------------------
 
 
-def _expect_failure(test, name: str, capsys: pytest.CaptureFixture, **kwargs) -> None:
-    TALLIES.pop(name, None)
-    with pytest.raises(AssertionError):
-        test(**kwargs)
-    tally = TALLIES[name]
-    assert tally.first_failure is not None
-    with capsys.disabled():
-        print(
-            f"\n{name}: planted bug caught at example {tally.first_failure} "
-            f"({tally.calls} examples with shrinking)"
-        )
-
-
-def test_planted_q4_k_scale_bug_breaks_bit_identity(monkeypatch, capsys) -> None:
+def test_planted_q4_k_scale_bug_breaks_bit_identity(monkeypatch) -> None:
     """The engine's Q4_K dequantizer loses the two high bits of sub-blocks 4-7's scales."""
     unpack = quants._q4_k_scales_mins
 
@@ -315,28 +262,26 @@ def test_planted_q4_k_scale_bug_breaks_bit_identity(monkeypatch, capsys) -> None
         return sc, mins
 
     monkeypatch.setattr(quants, "_q4_k_scales_mins", lossy)
-    _expect_failure(test_q4_k_dequantizers_agree_bit_for_bit, "q4_k_dequantizers_agree", capsys)
+    first_failure(monkeypatch, test_q4_k_dequantizers_agree_bit_for_bit)
 
 
-def test_planted_six_bit_rounding_bug_breaks_round_trip_bound(monkeypatch, capsys) -> None:
+def test_planted_six_bit_rounding_bug_breaks_round_trip_bound(monkeypatch) -> None:
     """The quantizer stores every 6-bit scale and min one level too low."""
     six_bit = q4_k._six_bit
     monkeypatch.setattr(
         q4_k, "_six_bit", lambda v, inv: np.maximum(six_bit(v, inv).astype(np.int16) - 1, 0)
     )
-    _expect_failure(test_q4_k_round_trip_within_format_bound, "q4_k_round_trip", capsys)
+    first_failure(monkeypatch, test_q4_k_round_trip_within_format_bound)
 
 
-def test_planted_search_grid_bug_breaks_reference_bytes(monkeypatch, capsys) -> None:
+def test_planted_search_grid_bug_breaks_reference_bytes(monkeypatch) -> None:
     """A slightly different candidate grid (rdelta 0.11, not 0.1): round trips stay good, only
     the byte comparison with llama.cpp can tell."""
     monkeypatch.setattr(q4_k, "_RDELTA", np.float32(0.11))
-    _expect_failure(
-        test_q4_k_bytes_match_literal_llama_cpp_port, "q4_k_bytes_match_reference", capsys
-    )
+    first_failure(monkeypatch, test_q4_k_bytes_match_literal_llama_cpp_port)
 
 
-def test_planted_q8_0_off_by_one_breaks_round_trip(monkeypatch, capsys) -> None:
+def test_planted_q8_0_off_by_one_breaks_round_trip(monkeypatch) -> None:
     """gguf-py's Q8_0 quantizer divides by 128 instead of 127: q = 128 wraps to -128 in int8.
     Both dequantizers still agree, so only the round-trip bound catches it."""
 
@@ -348,20 +293,17 @@ def test_planted_q8_0_off_by_one_breaks_round_trip(monkeypatch, capsys) -> None:
         return np.concatenate([d.astype(np.float16).view(np.uint8), qs.view(np.uint8)], axis=1)
 
     monkeypatch.setattr(gguf.quants.Q8_0, "quantize_blocks", classmethod(off_by_one))
-    _expect_failure(test_q8_0_round_trip_and_dequantizers_agree, "q8_0", capsys)
+    first_failure(monkeypatch, test_q8_0_round_trip_and_dequantizers_agree)
 
 
-def test_planted_bf16_read_as_float16_breaks_bit_identity(monkeypatch, capsys) -> None:
+def test_planted_bf16_read_as_float16_breaks_bit_identity(monkeypatch) -> None:
     monkeypatch.setitem(quants.FLOAT_TYPES, GGMLQuantizationType.BF16, torch.float16)
-    _expect_failure(
-        test_gguf_py_quantized_types_dequantize_alike,
-        "quantized_BF16",
-        capsys,
-        qtype=GGMLQuantizationType.BF16,
+    first_failure(
+        monkeypatch, test_gguf_py_quantized_types_dequantize_alike, qtype=GGMLQuantizationType.BF16
     )
 
 
-def test_planted_q4_1_sign_bug_breaks_raw_block_identity(monkeypatch, capsys) -> None:
+def test_planted_q4_1_sign_bug_breaks_raw_block_identity(monkeypatch) -> None:
     """Q4_1 subtracts its min instead of adding it."""
 
     def minus_min(blocks: torch.Tensor) -> torch.Tensor:
@@ -369,6 +311,4 @@ def test_planted_q4_1_sign_bug_breaks_raw_block_identity(monkeypatch, capsys) ->
         return d * quants._nibbles(blocks[:, 4:]).float() - m
 
     monkeypatch.setitem(quants.BLOCK_DEQUANTIZERS, GGMLQuantizationType.Q4_1, minus_min)
-    _expect_failure(
-        test_raw_blocks_dequantize_alike, "raw_Q4_1", capsys, qtype=GGMLQuantizationType.Q4_1
-    )
+    first_failure(monkeypatch, test_raw_blocks_dequantize_alike, qtype=GGMLQuantizationType.Q4_1)

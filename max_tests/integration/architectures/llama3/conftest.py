@@ -16,7 +16,8 @@ from max_tests.integration.architectures.llama3 import golden_run
 from max_tests.integration.architectures.llama3.variants import Variant
 from max_tests.integration.architectures.llama3.variants import testdata_directory as _testdata
 
-GOLDENS_REQUIRED_ENV = "GOLDENS_REQUIRED"  # set by .bazelrc for every bazel test: a missing golden fails
+# Set by .bazelrc for every bazel test: a missing golden fails instead of skipping.
+GOLDENS_REQUIRED_ENV = "GOLDENS_REQUIRED"
 
 
 @pytest.fixture(scope="session")

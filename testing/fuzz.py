@@ -1,0 +1,106 @@
+"""Shared pieces of the property-based (hypothesis) tests.
+
+`fuzz_settings` is the one configuration every fuzz test runs under:
+
+- derandomized (`derandomize=True`, no example database): the examples come from a seed derived
+  from the test's source, so CI and every laptop see the same examples on every run, and a
+  failure does not come and go between runs;
+- `print_blob=True`: on a failure hypothesis prints the falsifying example and a
+  `@reproduce_failure(...)` line; paste it above the failing test to replay exactly that
+  example;
+- no deadline and no too-slow health check: examples load models and files, and their time
+  varies with the machine.
+
+`first_failure` serves the planted-bug tests. A property that never fails proves nothing, so
+each property has a test that plants a realistic bug with monkeypatch and runs the property
+on it, expecting it to fail. `first_failure` also counts the examples, so that the test can
+assert that the bug was found while generating examples (within `max_examples`), not only
+by luck while shrinking another failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.errors import UnsatisfiedAssumption
+
+ExceptionTypes = type[BaseException] | tuple[type[BaseException], ...]
+
+
+def fuzz_settings(max_examples: int) -> settings:
+    """The settings of every fuzz test: derandomized, no database, no deadline, print_blob."""
+    return settings(
+        derandomize=True,
+        database=None,
+        deadline=None,
+        max_examples=max_examples,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlantedFailure:
+    """How a property failed on a planted bug."""
+
+    first: int  # the 1-based example that failed first
+    calls: int  # every example run, shrinking included (not those rejected by assume)
+    errors: list[BaseException]  # what hypothesis raised: one failure, or each distinct one
+
+
+def first_failure(
+    monkeypatch: pytest.MonkeyPatch,
+    prop: Callable[..., None],
+    *,
+    match: str | None = None,
+    expected: ExceptionTypes = AssertionError,
+    unexpected: ExceptionTypes = (),
+    **kwargs: Any,
+) -> PlantedFailure:
+    """Run the hypothesis test `prop(**kwargs)` with a bug planted and assert that it fails.
+
+    Every error hypothesis raises (the failure, or an ExceptionGroup of the distinct failures
+    it found) must be an `expected` and not an `unexpected` instance; with `match`, the regex
+    must be found in at least one error's message. Counts the examples through
+    `prop.hypothesis.inner_test`; examples rejected by `assume` or a filter do not count, as
+    they do not count towards `max_examples`. Prints and returns where the first failure came.
+    """
+    inner = prop.hypothesis.inner_test
+    calls, first = 0, 0
+
+    # wraps: hypothesis seeds a derandomized run from inner_test's source, so the planted run
+    # draws the same examples as the property's own run.
+    @functools.wraps(inner)
+    def counting(*args: Any, **inner_kwargs: Any) -> None:
+        nonlocal calls, first
+        try:
+            inner(*args, **inner_kwargs)
+        except UnsatisfiedAssumption:
+            raise
+        except Exception:
+            calls += 1
+            first = first or calls
+            raise
+        calls += 1
+
+    monkeypatch.setattr(prop.hypothesis, "inner_test", counting)
+    with pytest.raises(Exception) as caught:
+        prop(**kwargs)
+    raised = caught.value
+    errors = list(raised.exceptions) if isinstance(raised, ExceptionGroup) else [raised]
+    assert all(isinstance(e, expected) and not isinstance(e, unexpected) for e in errors), errors
+    if match is not None:
+        assert any(re.search(match, str(e)) for e in errors), [str(e) for e in errors]
+    assert first, f"{prop.__name__} raised {errors!r} but no example failed"
+    record = PlantedFailure(first=first, calls=calls, errors=errors)
+    print(
+        f"{prop.__name__}: planted bug caught at example {record.first} "
+        f"({record.calls} examples with shrinking)"
+    )
+    return record
