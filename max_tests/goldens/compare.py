@@ -157,7 +157,7 @@ def _missing_step(i: int, gstep: Step) -> StepCheck:
 
 def _check_step(i: int, gstep: Step, token: int, row: np.ndarray, tol: Tolerance) -> StepCheck:
     ids = np.asarray(gstep.topk_ids)
-    golden_lp = np.asarray(gstep.topk_logits, dtype=np.float64) - gstep.logsumexp
+    golden_lp = gstep.topk_log_probs()
     run_lp_all = row.astype(np.float64) - logsumexp(row)
     run_lp = run_lp_all[ids]
     diffs = np.abs(run_lp - golden_lp)

@@ -57,6 +57,10 @@ class Step:
         """Top-1 minus top-2 logit: small means the greedy choice is a near-tie."""
         return self.topk_logits[0] - self.topk_logits[1]
 
+    def topk_log_probs(self) -> np.ndarray:
+        """Log-probabilities of the top-k ids (logit minus the step's logsumexp), float64."""
+        return np.asarray(self.topk_logits, dtype=np.float64) - self.logsumexp
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:

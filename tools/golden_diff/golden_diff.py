@@ -58,7 +58,7 @@ from tools.artifacts.upload_artifact import (
     download_pinned,
     store_from_args,
 )
-from tools.cli_files import output_directory, repo_root, user_path
+from tools.cli_files import OneLineParser, output_directory, repo_root, user_path
 
 T = TypeVar("T")
 OWN_NAME = locate.ARCHIVES["own"][0]
@@ -295,10 +295,6 @@ class StepDelta:
 IDENTICAL_STEP = StepDelta(0.0, 0.0, 0)
 
 
-def log_probs(step: Step) -> np.ndarray:
-    return np.asarray(step.topk_logits, dtype=np.float64) - step.logsumexp
-
-
 def step_delta(before: Step, after: Step) -> StepDelta:
     """Max |Δ log-prob| over `before`'s top-k ids and KL(before || after) with a tail bucket.
 
@@ -306,8 +302,8 @@ def step_delta(before: Step, after: Step) -> StepDelta:
     """
     if before == after:
         return IDENTICAL_STEP
-    from_lp = log_probs(before)
-    after_lp = log_probs(after)
+    from_lp = before.topk_log_probs()
+    after_lp = after.topk_log_probs()
     by_id = dict(zip(after.topk_ids, after_lp, strict=True))
     bound = float(after_lp.min())
     to_lp = np.array([by_id.get(i, bound) for i in before.topk_ids])
@@ -563,13 +559,8 @@ def case_view(file: FileDiff, diff: CaseDiff) -> CaseView:
 # --- the command ------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"golden_diff: error: {message} (see --help)\n")
-
-
 def parser() -> argparse.ArgumentParser:
-    result = _Parser(
+    result = OneLineParser(
         prog="golden_diff",
         description=__doc__.split("\n\n")[0],
         epilog=EXAMPLES,
