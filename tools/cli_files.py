@@ -1,4 +1,4 @@
-"""How the repository's command-line tools and tests find and write files.
+"""How the repository's command-line tools and tests find and write files, and report usage.
 
 - `repo_root`: the repository a command acts on. Under `bazel run` that is the workspace Bazel
   was called in (BUILD_WORKSPACE_DIRECTORY); elsewhere (plain Python, pytest, `bazel test`)
@@ -8,6 +8,8 @@
   BUILD_WORKING_DIRECTORY.
 - `output_directory`: a folder the user named for outputs is created (parents included) when
   missing; a path that exists as a file is an error naming the flag, never overwritten.
+- `OneLineParser`: a usage error is one line naming the problem (argparse would print the
+  whole usage block first), exit 2; the full usage is one --help away.
 - `atomic_path` / `write_atomically`: an output appears whole or not at all. Data goes to a
   temporary file beside the target, then one rename replaces it; on any failure the temporary
   file is removed and an existing target is left untouched.
@@ -15,11 +17,18 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def repo_root() -> Path:

@@ -35,7 +35,7 @@ from tools.artifacts.store import (
     check_version,
     ref_from_url,
 )
-from tools.cli_files import repo_root, user_path, write_atomically
+from tools.cli_files import OneLineParser, repo_root, user_path, write_atomically
 
 COMMANDS = ("upload", "fetch", "add", "distdir", "verify")
 
@@ -58,12 +58,6 @@ class CheckFailed(Exception):
     """A store, download or checksum failed: exit 1."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # One line, naming the problem; the full usage is one --help away.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] not in (*COMMANDS, "-h", "--help"):
@@ -83,13 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="upload_artifact",
         description=__doc__.split("\n\n")[0],
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    common = _Parser(add_help=False)
+    common = OneLineParser(add_help=False)
     stores = common.add_argument_group("store (default: the repository's artifacts/ folder)")
     stores.add_argument(
         "--store", choices=["local", "s3"], help="local, or s3 (default when --bucket is given)"
@@ -115,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    update = _Parser(add_help=False)
+    update = OneLineParser(add_help=False)
     update.add_argument(
         "--update-module",
         action="store_true",

@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import NoReturn
 
-from tools.cli_files import PathError, atomic_path, output_directory, user_path
+from tools.cli_files import OneLineParser, PathError, atomic_path, output_directory, user_path
 from tools.gen_tiny_model import llama3_tokenizer
 from tools.gen_tiny_model.tiny_llama import ENCODINGS, ROW_MULTIPLE, TinyLlamaConfig, write_gguf
 
@@ -28,12 +27,6 @@ class UsageError(Exception):
     """Bad command-line input: one line on stderr, exit status 2, nothing written."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # argparse prints the whole usage block first; the tool's contract is one line.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -45,7 +38,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG,
         description="Write a tiny random Llama 3.1 GGUF checkpoint (llama.cpp conventions, "
         "full Llama 3.1 tokenizer) for golden tests. Same arguments, same bytes.",
