@@ -248,7 +248,13 @@ def _remove_empty(folders: list[Path]) -> None:
 
 
 class S3Store:
-    """An S3 (or S3-compatible, via endpoint_url) bucket, credentials from boto3's chain."""
+    """An S3 (or S3-compatible, via endpoint_url) bucket, credentials from boto3's chain.
+
+    Bazel downloads a pinned URL with no credentials, so with `public_read` (the default) each
+    archive is written with the canned ACL public-read: one object is made readable, not the
+    whole bucket through its policy, and uploading needs no bucket-level permission. Claims stay
+    private. A bucket that disables ACLs must grant the read in its policy (public_read=False).
+    """
 
     def __init__(
         self,
@@ -257,6 +263,7 @@ class S3Store:
         endpoint_url: str | None = None,
         public_url_template: str | None = None,
         region: str | None = None,
+        public_read: bool = True,
     ) -> None:
         import boto3
         from botocore.config import Config
@@ -264,6 +271,7 @@ class S3Store:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
+        self.public_read = public_read
         self.public_url_template = public_url_template or (
             f"{endpoint_url.rstrip('/')}/{bucket}/{{key}}"
             if endpoint_url
@@ -299,6 +307,12 @@ class S3Store:
             ) from error
         except ClientError as error:
             detail = error.response.get("Error", {})
+            if detail.get("Code") == "AccessControlListNotSupported":
+                raise StoreError(
+                    f"{action} on {self.description} failed: the bucket disables ACLs, so the "
+                    "object cannot be made public-read; grant s3:GetObject to everyone in the "
+                    "bucket policy and pass --no-public-read"
+                ) from error
             raise StoreError(
                 f"{action} on {self.description} failed: {detail.get('Code')} "
                 f"{detail.get('Message', '')}".rstrip()
@@ -332,7 +346,7 @@ class S3Store:
     def write(self, ref: ArchiveRef, data: bytes) -> None:
         self._claim(ref)
         try:
-            self._create(ref.relative_path, data, "application/gzip")
+            self._create(ref.relative_path, data, "application/gzip", public=self.public_read)
         except StoreError:
             with contextlib.suppress(StoreError):
                 self._release(ref)
@@ -341,6 +355,16 @@ class S3Store:
     def delete(self, ref: ArchiveRef) -> None:
         self._delete(ref.relative_path)
         self._release(ref)
+
+    def ensure_public(self, ref: ArchiveRef) -> None:
+        """With `public_read`, sets the ACL of an archive published before, maybe private."""
+        if self.public_read:
+            self._call(
+                "setting the public-read ACL",
+                lambda: self._client.put_object_acl(
+                    Bucket=self.bucket, Key=self.key(ref.relative_path), ACL="public-read"
+                ),
+            )
 
     def _claim(self, ref: ArchiveRef) -> None:
         """Takes NAME/VERSION for `ref`'s bytes, or finds it taken by them; else refuses."""
@@ -378,8 +402,8 @@ class S3Store:
 
         return self._call("download", get)  # type: ignore[return-value]
 
-    def _create(self, relative: str, body: bytes, content_type: str) -> bool:
-        """PUTs a new object; False, writing nothing, when the key exists.
+    def _create(self, relative: str, body: bytes, content_type: str, public: bool = False) -> bool:
+        """PUTs a new object, public-read if `public`; False, writing nothing, if the key exists.
 
         If-None-Match: * makes S3 check and write in one step. S3 answers 409 to a conditional
         PUT that races another on the same key and asks for a retry, which gets 412 or 200.
@@ -388,6 +412,7 @@ class S3Store:
         from botocore.exceptions import ClientError
 
         digest = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
+        acl = {"ACL": "public-read"} if public else {}
 
         def put() -> bool:
             attempt = 1
@@ -400,6 +425,7 @@ class S3Store:
                         ContentMD5=digest,
                         ContentType=content_type,
                         IfNoneMatch="*",
+                        **acl,
                     )
                     return True
                 except ClientError as error:

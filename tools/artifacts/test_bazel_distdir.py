@@ -1,8 +1,9 @@
-"""Bazel itself resolves pinned archives from the local store, and never a corrupted one.
+"""Bazel itself resolves pinned archives, from the local store or over HTTP, never corrupted.
 
 Runs real Bazel in a throwaway workspace (batch mode, its own output base, no repository
-cache, so nothing is shared with the repository's server). Needs `bazel` on PATH; skipped
-inside `bazel test`, where a nested Bazel has no business running. About 10 s:
+cache, so nothing is shared with the repository's server).
+The HTTP case publishes to moto's S3 server on loopback, so it too runs offline. Needs `bazel`
+on PATH; skipped inside `bazel test`, where a nested Bazel has no business running. About 20 s:
     python3 -m pytest tools/artifacts/test_bazel_distdir.py -m slow
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.artifacts import stanza
+from tools.artifacts import archive, stanza
 from tools.artifacts.upload_artifact import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,10 +50,10 @@ def _bazel(workspace: Path, output_base: Path) -> subprocess.CompletedProcess[st
     )  # fmt: skip
 
 
-def _publish(workspace: Path, version: str, golden: Path) -> str:
+def _publish(workspace: Path, version: str, golden: Path, *store: str) -> str:
     code = main([
         "upload", "test_llama_golden", version, str(golden), "--update-module",
-        f"--artifacts-dir={workspace / 'artifacts'}",
+        *(store or [f"--artifacts-dir={workspace / 'artifacts'}"]),
         f"--module-file={workspace / 'MODULE.bazel'}",
         f"--distdir-bazelrc={workspace / 'third_party' / 'golden_distdir.bazelrc'}",
     ])  # fmt: skip
@@ -60,14 +61,19 @@ def _publish(workspace: Path, version: str, golden: Path) -> str:
     return stanza.parse((workspace / "MODULE.bazel").read_text())["test_llama_golden"].sha256
 
 
-def test_bazel_takes_the_pinned_archive_from_the_store_and_refuses_a_corrupted_one(
-    tmp_path: Path,
-) -> None:
+def _workspace(tmp_path: Path) -> Path:
     workspace = tmp_path / "ws"
     (workspace / "third_party").mkdir(parents=True)
     shutil.copytree(STANDINS, workspace / "bazel_standins")
     (workspace / "MODULE.bazel").write_text(MODULE)
     (workspace / "BUILD.bazel").write_text("")
+    return workspace
+
+
+def test_bazel_takes_the_pinned_archive_from_the_store_and_refuses_a_corrupted_one(
+    tmp_path: Path,
+) -> None:
+    workspace = _workspace(tmp_path)
     golden = tmp_path / "llama3_1_float32_cpu_golden.json"
     golden.write_text('{"version": 1}\n')
     old_sha = _publish(workspace, "1", golden)
@@ -96,3 +102,35 @@ def test_bazel_takes_the_pinned_archive_from_the_store_and_refuses_a_corrupted_o
     assert corrupted.returncode != 0
     assert f"test_llama_golden/2/{new_sha}/test_llama_golden.tar.gz" in corrupted.stderr
     assert "llama-goldens.invalid" in corrupted.stderr
+
+
+def test_bazel_downloads_an_s3_pin_anonymously_and_refuses_other_bytes(
+    tmp_path: Path, s3_endpoint: str, s3_bucket: str
+) -> None:
+    import boto3
+
+    workspace = _workspace(tmp_path)
+    golden = tmp_path / "llama3_1_float32_cpu_golden.json"
+    golden.write_text('{"over": "http"}\n')
+    sha = _publish(workspace, "1", golden, f"--bucket={s3_bucket}", f"--endpoint-url={s3_endpoint}")
+    pin = stanza.parse((workspace / "MODULE.bazel").read_text())["test_llama_golden"]
+    assert pin.url == f"{s3_endpoint}/{s3_bucket}/artifacts/test_llama_golden/1/{sha}/" + (
+        "test_llama_golden.tar.gz"
+    )
+    # No distdir and no repository cache: the pinned URL is the only place to get it from.
+    (workspace / ".bazelrc").write_text("common --noenable_workspace\ncommon --lockfile_mode=off\n")
+
+    fetched = _bazel(workspace, tmp_path / "ob")
+    assert fetched.returncode == 0, fetched.stderr[-3000:]
+    repo = tmp_path / "ob" / "external" / "_main~_repo_rules~test_llama_golden"
+    assert (repo / golden.name).read_text() == '{"over": "http"}\n'
+
+    key = pin.url.removeprefix(f"{s3_endpoint}/{s3_bucket}/")
+    boto3.client("s3", endpoint_url=s3_endpoint).put_object(
+        Bucket=s3_bucket, Key=key, Body=b"other bytes", ACL="public-read"
+    )
+    corrupted = _bazel(workspace, tmp_path / "ob2")
+    assert corrupted.returncode != 0
+    assert f"Checksum was {archive.sha256_hex(b'other bytes')} but wanted {sha}" in (
+        corrupted.stderr
+    ), corrupted.stderr[-3000:]

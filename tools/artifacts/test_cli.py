@@ -5,6 +5,8 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -226,6 +228,100 @@ def test_s3_upload_through_the_cli(
     assert f'url = "{s3_endpoint}/{s3_bucket}/artifacts/g/1/' in out
     code, out, err = _run(capsys, *args)
     assert code == 0 and "nothing to do" in err
+
+
+def _anonymous_get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, b""
+
+
+def _s3_pin_flags(repo: Path, endpoint: str, bucket: str) -> list[str]:
+    return [
+        f"--bucket={bucket}",
+        f"--endpoint-url={endpoint}",
+        f"--module-file={repo / 'MODULE.bazel'}",
+        f"--distdir-bazelrc={repo / 'third_party' / 'golden_distdir.bazelrc'}",
+        "--update-module",
+    ]
+
+
+def test_an_s3_upload_is_public_read_and_pinned_after_an_anonymous_get(
+    s3_endpoint: str,
+    s3_bucket: str,
+    scratch_repo: Path,
+    goldens: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = _s3_pin_flags(scratch_repo, s3_endpoint, s3_bucket)
+    code, out, err = _run(capsys, "g", "1", str(goldens[0]), *flags)
+    assert code == 0, err
+    pin = stanza.parse((scratch_repo / "MODULE.bazel").read_text())["g"]
+    assert stanza.render(pin) + "\n" == out
+    assert f"anonymous GET of {pin.url}: sha256 ok" in err
+    status, data = _anonymous_get(pin.url)
+    assert status == 200 and archive.sha256_hex(data) == pin.sha256
+    assert _anonymous_get(f"{s3_endpoint}/{s3_bucket}/artifacts/g/1/claim")[0] == 403
+
+
+def test_an_object_nobody_may_read_is_exit_1_and_pins_nothing_until_it_is_public(
+    s3_endpoint: str,
+    s3_bucket: str,
+    scratch_repo: Path,
+    goldens: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = _s3_pin_flags(scratch_repo, s3_endpoint, s3_bucket)
+    code, out, err = _run(capsys, "g", "1", str(goldens[0]), *flags, "--no-public-read")
+    url = f"{s3_endpoint}/{s3_bucket}/artifacts/g/1/"
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert code == 1 and out == ""
+    assert line.startswith(f"error: an anonymous GET of {url}"), err
+    assert "HTTP 403" in line and "--public-url-template" in line
+    assert (scratch_repo / "MODULE.bazel").read_text() == SAMPLE_MODULE
+    assert not (scratch_repo / "third_party" / "golden_distdir.bazelrc").exists()
+    # The reported bug's way out: the same command again, now public-read, pins it.
+    code, out, err = _run(capsys, "g", "1", str(goldens[0]), *flags)
+    assert code == 0 and "nothing to do" in err, err
+    assert stanza.parse((scratch_repo / "MODULE.bazel").read_text())["g"].url.startswith(url)
+
+
+def test_other_bytes_at_the_pinned_url_are_exit_1_and_pin_nothing(
+    s3_endpoint: str,
+    s3_bucket: str,
+    scratch_repo: Path,
+    goldens: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import boto3
+
+    data = archive.pack_members(archive.read_members([goldens[0]]))
+    key = f"artifacts/g/1/{archive.sha256_hex(data)}/g.tar.gz"
+    mirror = s3_bucket + "-mirror"  # a stale mirror serving other bytes under the same key
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket=mirror)
+    client.put_object(Bucket=mirror, Key=key, Body=b"stale", ACL="public-read")
+    template = f"--public-url-template={s3_endpoint}/{mirror}/{{key}}"
+    flags = _s3_pin_flags(scratch_repo, s3_endpoint, s3_bucket)
+    code, out, err = _run(capsys, "g", "1", str(goldens[0]), *flags, template)
+    assert code == 1 and out == ""
+    assert (
+        f"error: checksum mismatch: an anonymous GET of {s3_endpoint}/{mirror}/{key} returned 5 "
+        f"bytes with sha256 {archive.sha256_hex(b'stale')}"
+    ) in err
+    assert (scratch_repo / "MODULE.bazel").read_text() == SAMPLE_MODULE
+
+
+def test_public_read_needs_the_s3_store(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = _repo_flags(scratch_repo)
+    code, _, err = _run(capsys, "g", "1", str(goldens[0]), *flags, "--no-public-read")
+    assert code == 2 and "--public-read/--no-public-read need --store=s3" in err
+    assert _store_files(scratch_repo) == []
 
 
 def test_missing_credentials_are_exit_1_with_a_clear_message(

@@ -5,6 +5,8 @@ answered by a botocore hook on the store's client, in place of the server.
 """
 
 import time
+import urllib.error
+import urllib.request
 
 import boto3
 import pytest
@@ -16,6 +18,7 @@ from tools.artifacts.store import ArchiveRef, PublishRefused, S3Store, StoreErro
 
 V1 = archive.pack_members({"a_golden.json": b"1\n"})
 V1_OTHER = archive.pack_members({"a_golden.json": b"other\n"})
+V2 = archive.pack_members({"a_golden.json": b"2\n"})
 
 
 def _keys(endpoint: str, bucket: str) -> list[str]:
@@ -135,6 +138,33 @@ def test_a_failed_read_back_deletes_the_object(s3_endpoint: str, s3_bucket: str)
     with pytest.raises(StoreError, match=r"read-back .* was deleted"):
         publish(store, "g", 1, V1)
     assert _keys(s3_endpoint, s3_bucket) == []
+
+
+def _anonymous_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code
+
+
+def test_the_archive_is_public_read_and_its_claim_private(s3_endpoint: str, s3_bucket: str) -> None:
+    result = publish(S3Store(s3_bucket, endpoint_url=s3_endpoint), "g", 1, V1)
+    assert _anonymous_status(result.url) == 200
+    assert _anonymous_status(f"{s3_endpoint}/{s3_bucket}/artifacts/g/1/claim") == 403
+    private = publish(S3Store(s3_bucket, endpoint_url=s3_endpoint, public_read=False), "g", 2, V2)
+    assert _anonymous_status(private.url) == 403
+    S3Store(s3_bucket, endpoint_url=s3_endpoint).ensure_public(private.ref)
+    assert _anonymous_status(private.url) == 200
+
+
+def test_a_bucket_without_acls_asks_for_a_bucket_policy(s3_endpoint: str, s3_bucket: str) -> None:
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint)
+    _fail_puts(store, 400, "AccessControlListNotSupported", 1, ".tar.gz")
+    with pytest.raises(StoreError, match=r"disables ACLs.*bucket policy and pass --no-public-r"):
+        publish(store, "g", 1, V1)
+    assert _keys(s3_endpoint, s3_bucket) == []  # the claim was released
 
 
 def test_a_missing_object_reads_as_none(s3_endpoint: str, s3_bucket: str) -> None:

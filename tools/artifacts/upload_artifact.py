@@ -8,8 +8,13 @@ Commands (the first argument; `upload` when it is none of them, as the seed's sc
   distdir                      regenerate third_party/golden_distdir.bazelrc from MODULE.bazel
   verify                       check every pinned archive in the local store against its sha256
 
+An archive uploaded to S3 is made public-read (--no-public-read leaves that to the bucket's
+policy) and then fetched from the URL it is pinned at with an anonymous GET, as Bazel will fetch
+it; unless those bytes have the archive's sha256, nothing is printed or pinned.
+
 Exit status: 0 done (also when identical bytes were already published), 1 a store or check
-failed, 2 bad usage. The stanza goes to stdout, progress to stderr.
+failed (also an anonymous GET of the pinned URL), 2 bad usage. The stanza goes to stdout,
+progress to stderr.
 """
 
 import argparse
@@ -45,6 +50,8 @@ examples:
   ./bazelw run //tools:upload_artifact -- upload test_llama_golden 3 a_golden.json b_golden.json
   python3 -m tools.artifacts.upload_artifact upload torch_llama_golden 2 torch_*_golden.json \\
       --store=s3 --bucket=my-goldens --endpoint-url=http://127.0.0.1:9000
+  tools/upload-public-bazel-artifact.sh test_llama_golden 7 *golden.json --bucket=goldens \\
+      --no-public-read --public-url-template='https://goldens.example.com/{key}' --update-module
   python3 -m tools.artifacts.upload_artifact fetch test_llama_golden --output-dir=/tmp/goldens
   python3 -m tools.artifacts.upload_artifact add test_llama_golden new_golden.json --update-module
 """
@@ -114,6 +121,13 @@ def _parser() -> argparse.ArgumentParser:
         "--update-module",
         action="store_true",
         help="pin the archive in MODULE.bazel and regenerate the distdir bazelrc",
+    )
+    update.add_argument(
+        "--public-read",
+        action=argparse.BooleanOptionalAction,
+        help="S3, on by default: give the archive the public-read ACL, as Bazel downloads "
+        "pins anonymously; --no-public-read when the bucket policy makes it readable. Either "
+        "way an anonymous GET of the pinned URL must return the archive before it is pinned",
     )
 
     upload = commands.add_parser(
@@ -273,6 +287,10 @@ def _publish_and_pin(
         stanza.set_pin(module_file.read_text(encoding="utf-8"), GoldenPin(name, "0" * 64, "x"))
     result = publish(store, name, version, data)
     pin = GoldenPin(name, result.ref.sha256, result.url)
+    if isinstance(store, S3Store):
+        if not result.published:
+            store.ensure_public(result.ref)
+        check_anonymous_get(pin, store)
     print(stanza.render(pin))
     if args.update_module:
         changed = stanza.update_module_file(module_file, pin)
@@ -282,6 +300,40 @@ def _publish_and_pin(
         write_atomically(bazelrc, text)
         _progress(f"wrote {bazelrc}")
     return 0
+
+
+def check_anonymous_get(pin: GoldenPin, store: Store) -> None:
+    """The pinned URL, fetched with no credentials as Bazel fetches it, serves the archive."""
+    where = f"the archive stays in the {store.description}; fix that and run this again"
+    fix = (
+        "make the object publicly readable (--public-read, the default, sets its ACL; the "
+        "bucket policy or Block Public Access may still deny it) or pass "
+        "--public-url-template pointing at a URL that serves it"
+    )
+    try:
+        with urllib.request.urlopen(pin.url, timeout=30) as response:
+            data = response.read()
+    except urllib.error.HTTPError as error:
+        error.close()
+        raise CheckFailed(
+            f"an anonymous GET of {pin.url} returned HTTP {error.code} {error.reason}, so "
+            f"Bazel cannot fetch it and nothing was pinned: {fix}; {where}"
+        ) from error
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise CheckFailed(
+            f"an anonymous GET of {pin.url} failed ({reason}), so Bazel cannot fetch it and "
+            f"nothing was pinned: pass --public-url-template pointing at a reachable URL; {where}"
+        ) from error
+    actual = archive.sha256_hex(data)
+    if actual != pin.sha256:
+        raise CheckFailed(
+            f"checksum mismatch: an anonymous GET of {pin.url} returned {len(data)} bytes with "
+            f"sha256 {actual}, not the archive's {pin.sha256}, so Bazel would refuse it and "
+            f"nothing was pinned: pass --public-url-template pointing at a URL that serves "
+            f"this archive; {where}"
+        )
+    _progress(f"anonymous GET of {pin.url}: sha256 ok")
 
 
 def download_pinned(store: Store, pin: GoldenPin) -> bytes:
@@ -329,9 +381,12 @@ def _pinned(args: argparse.Namespace, name: str) -> GoldenPin:
 
 def store_from_args(args: argparse.Namespace) -> Store:
     kind = args.store or ("s3" if args.bucket else "local")
+    public_read = getattr(args, "public_read", None)  # golden_diff's parser has no such flag
     if kind == "local":
         if args.bucket or args.endpoint_url:
             raise UsageError("--bucket/--endpoint-url need --store=s3")
+        if public_read is not None:
+            raise UsageError("--public-read/--no-public-read need --store=s3")
         return _local_store(args)
     if not args.bucket:
         raise UsageError("--store=s3 needs --bucket=NAME")
@@ -342,6 +397,7 @@ def store_from_args(args: argparse.Namespace) -> Store:
             endpoint_url=args.endpoint_url,
             public_url_template=args.public_url_template,
             region=args.region,
+            public_read=public_read is not False,
         )
     except ImportError as error:
         raise CheckFailed(f"--store=s3 needs boto3 ({error}); pip install boto3") from error
