@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from pipelines.llama3 import packed
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.gguf_file import GGUFFile
 from pipelines.llama3.gguf_loader import (
@@ -92,9 +93,24 @@ def clear_checkpoint_cache() -> None:
         _PARSED_CACHE.clear()
 
 
+# Execution modes, all held to the same goldens and tolerances (the goldens come from eager):
+#   eager      dense weights (float32 or bfloat16), plain PyTorch: the reference.
+#   compiled   eager's weights, each transformer block run through torch.compile.
+#   quantized  Q4_0/Q4_1/Q4_K/Q8_0 matrices stay packed (packed.py) on the CPU in float32;
+#              other tensors, other devices and bfloat16 compute stay as in eager.
+MODES = ("eager", "compiled", "quantized")
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _compile_blocks(model: Transformer) -> None:
+    """torch.compile each transformer block in place; the layers share one compiled graph
+    (same code, parameters as inputs), compiled at the first prefill and the first decode."""
+    for layer in model.layers:
+        layer.compile(dynamic=True)
 
 
 class Llama3Engine:
@@ -105,12 +121,14 @@ class Llama3Engine:
         tokenizer: Tokenizer | None,
         device: torch.device,
         dtype: torch.dtype,
+        mode: str = "eager",
     ) -> None:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer  # None when the GGUF stores no vocabulary
         self.device = device
         self.dtype = dtype
+        self.mode = mode
 
     @classmethod
     def from_gguf(
@@ -119,8 +137,9 @@ class Llama3Engine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         overrides: dict | None = None,
+        mode: str = "eager",
     ) -> "Llama3Engine":
-        """Read config, tokenizer and weights from one GGUF file.
+        """Read config, tokenizer and weights from one GGUF file, for one of MODES.
 
         `overrides` replaces LlamaConfig fields after reading (e.g. {"rope_theta": 1e4}; an
         unknown name is a TypeError), so the mutation tests can check that a wrong setting is
@@ -132,17 +151,31 @@ class Llama3Engine:
         device = torch.device(device)
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype {dtype} is not supported (float32 or bfloat16)")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
         parsed = _parsed_checkpoint(path)
         config = dataclasses.replace(parsed.config, **(overrides or {}))
         tokenizer = parsed.tokenizer.copy() if parsed.tokenizer else None
+        keep_packed = mode == "quantized" and device.type == "cpu" and dtype == torch.float32
         weights = load_weights(
-            parsed.gguf, config, path, device=device, dtype=dtype, verified=parsed.verified
+            parsed.gguf,
+            config,
+            path,
+            device=device,
+            dtype=dtype,
+            verified=parsed.verified,
+            keep_packed=keep_packed,
         )
+        packed_weights = {k: w for k, w in weights.items() if isinstance(w, packed.PackedWeight)}
         with torch.device("meta"):
             model = Transformer(config)
         # assign=True adopts the loaded tensors; nothing is randomly initialised and thrown away.
-        model.load_state_dict(weights, strict=not config.tie_word_embeddings, assign=True)
-        if config.tie_word_embeddings:
+        dense = {k: w for k, w in weights.items() if k not in packed_weights}
+        model.load_state_dict(
+            dense, strict=not (config.tie_word_embeddings or packed_weights), assign=True
+        )
+        packed.install(model, packed_weights)
+        if config.tie_word_embeddings and "tok_embeddings.weight" not in packed_weights:
             model.tie_weights()
         if dtype != torch.float32:
             # The LM head runs in float32 whatever the compute dtype: bfloat16 logits of ~40
@@ -151,7 +184,20 @@ class Llama3Engine:
                 model.output.weight.detach().float(), requires_grad=False
             )
         model.eval()
-        return cls(config, model, tokenizer, device, dtype)
+        if mode == "compiled":
+            _compile_blocks(model)
+        return cls(config, model, tokenizer, device, dtype, mode)
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads: every matrix once (embedding rows aside)."""
+        total = 0
+        for module in self.model.modules():
+            if isinstance(module, packed.PackedLinear):
+                total += module.weight.nbytes
+            elif isinstance(module, torch.nn.Linear):
+                total += module.weight.numel() * module.weight.element_size()
+        return total
 
     def _tensor(self, ids: list[int]) -> torch.Tensor:
         if not ids:

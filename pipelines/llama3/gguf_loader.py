@@ -10,7 +10,7 @@ import pathlib
 import numpy as np
 import torch
 
-from pipelines.llama3 import quants
+from pipelines.llama3 import packed, quants
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.gguf_file import CheckpointError, GGUFFile, TensorInfo
 
@@ -215,8 +215,12 @@ def load_weights(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     verified: set[str] | None = None,
-) -> dict[str, torch.Tensor]:
+    keep_packed: bool = False,
+) -> dict[str, torch.Tensor | packed.PackedWeight]:
     """Every model parameter, dequantized on `device`, cast to `dtype`, Q/K rows unpermuted.
+
+    With `keep_packed` (the `quantized` mode: CPU, float32) the matrices stored as Q4_0, Q4_1,
+    Q4_K or Q8_0 come back as packed.PackedWeight instead, never dequantized.
 
     With tied embeddings "output.weight" is absent; the model shares tok_embeddings.weight.
     Float32 tensors on the CPU are not copied: they are views of a private copy-on-write map
@@ -243,8 +247,18 @@ def load_weights(
     private = reader.private_tensor_data()
     weights = {}
     for gguf_name, param in names.items():
+        info = reader.tensors[gguf_name]
+        if keep_packed and packed.can_pack(info.tensor_type, info.shape):
+            weight = packed.pack(private[gguf_name], info.tensor_type, info.shape)
+            if gguf_name not in verified and not bool(torch.isfinite(weight.scales.sum())):
+                raise CheckpointError(
+                    path, f"tensor {gguf_name} holds NaN or infinite values (corrupted?)"
+                )
+            verified.add(gguf_name)
+            weights[param] = _unpermuted(weight, gguf_name, config)
+            continue
         weight = _dequantize(
-            reader.tensors[gguf_name],
+            info,
             private[gguf_name],
             path,
             device,
@@ -252,9 +266,18 @@ def load_weights(
             check_finite=gguf_name not in verified,
         )
         verified.add(gguf_name)
-        if gguf_name.endswith("attn_q.weight"):
-            weight = unpermute_qk(weight, config.n_heads)
-        elif gguf_name.endswith("attn_k.weight"):
-            weight = unpermute_qk(weight, config.n_kv_heads)
-        weights[param] = weight.to(dtype)
+        weights[param] = _unpermuted(weight, gguf_name, config).to(dtype)
     return weights
+
+
+def _unpermuted(weight, gguf_name: str, config: LlamaConfig):
+    """wq and wk with llama.cpp's row permutation undone (dense tensor or PackedWeight)."""
+    if gguf_name.endswith("attn_q.weight"):
+        heads = config.n_heads
+    elif gguf_name.endswith("attn_k.weight"):
+        heads = config.n_kv_heads
+    else:
+        return weight
+    if isinstance(weight, packed.PackedWeight):
+        return weight.permute_rows(lambda rows: unpermute_qk(rows, heads))
+    return unpermute_qk(weight, heads)

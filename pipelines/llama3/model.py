@@ -101,6 +101,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        # A fused projection returning (q, k, v), set instead of wq/wk/wv by the quantized mode.
+        self.wqkv: nn.Module | None = None
         self.cache_k: torch.Tensor | None = None  # [max_batch, n_kv_heads, max_seq_len, head_dim]
         self.cache_v: torch.Tensor | None = None
 
@@ -114,9 +116,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # [bsz, seq, heads * head_dim] -> [bsz, heads, seq, head_dim]
-        xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
-        xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.wqkv is None:
+            xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        else:
+            xq, xk, xv = self.wqkv(x)
+        xq = xq.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        xk = xk.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        xv = xv.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         xq = apply_rotary_emb(xq, cos, sin)
         xk = apply_rotary_emb(xk, cos, sin)
 
@@ -140,9 +146,12 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        # A fused projection returning (gate, up), set instead of w1/w3 by the quantized mode.
+        self.w13: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU
+        gate, up = (self.w1(x), self.w3(x)) if self.w13 is None else self.w13(x)
+        return self.w2(F.silu(gate) * up)  # SwiGLU
 
 
 class TransformerBlock(nn.Module):

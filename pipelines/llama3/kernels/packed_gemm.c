@@ -1,0 +1,187 @@
+/* Matrix products with weights that stay 4-bit or 8-bit: y[M, N] = x[M, K] . W^T, float32.
+ *
+ * Built and loaded by pipelines/llama3/packed.py (`cc -O3 -march=native -fopenmp -shared`),
+ * called through ctypes. Weights are groupwise, 32 values per group along K:
+ *
+ *   int4: W[n, k] = fma(scale[n, g], q[n, k], offset[n, g])   q in 0..15, g = k / 32
+ *         q4[n, g, j] holds q[n, 32g + j] in its low nibble and q[n, 32g + j + 16] in its
+ *         high nibble (llama.cpp's Q4_0/Q4_1 byte order); so_[n, g] = {scale, offset}.
+ *         Q4_0 (offset = -8 d), Q4_1 (scale d, offset m) and Q4_K (per sub-block d*sc and
+ *         -dmin*m) all map onto it exactly.
+ *   int8: W[n, k] = scale[n, g] * q[n, k]               q in -128..127 (Q8_0)
+ *
+ * The activations stay float32, so the products differ from the dense float32 path only in
+ * summation order: each group's dot product sum_j x_j q_j is scaled once, and the offset
+ * term is offset * sum_j x_j. `*_dequantize` writes W exactly as the dense path computes it
+ * (fma above; for every GGUF scale the product is exact, so it is also d * q + m rounded
+ * once), which is how the tests prove the packing loses nothing.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PACKED_AVX2 1
+#else
+#define PACKED_AVX2 0
+#endif
+
+#define GROUP 32
+#define M_TILE 4 /* activation rows sharing one unpacking of a weight group */
+
+int packed_gemm_simd(void) { return PACKED_AVX2; }
+
+#if PACKED_AVX2
+static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* 16 packed bytes -> the group's 32 values as four vectors of 8 floats, in k order. */
+static inline void unpack_q4(const uint8_t *q, __m256 w[4]) {
+  const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static inline void unpack_q8(const int8_t *q, __m256 w[4]) {
+  for (int i = 0; i < 4; i++) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
+    w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  }
+}
+
+static inline __m256 group_dot(const float *x, const __m256 w[4]) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(x), w[0]);
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w[1], acc);
+  acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), w[2], acc);
+  return _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), w[3], acc);
+}
+#endif
+
+/* sum_j x[m, 32g + j] for every row m and group g: the offset term's factor. */
+static void group_sums(const float *x, int64_t M, int64_t K, float *sums) {
+  const int64_t G = K / GROUP;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < G; g++) {
+      float s = 0.0f;
+      for (int j = 0; j < GROUP; j++) s += x[m * K + g * GROUP + j];
+      sums[m * G + g] = s;
+    }
+}
+
+static void q4_rows(const float *x, const float *sums, int64_t M, int64_t K, const uint8_t *q4,
+                    const float *so_, int64_t n, float *y, int64_t N) {
+  const int64_t G = K / GROUP;
+  const uint8_t *qrow = q4 + n * G * (GROUP / 2);
+  const float *sorow = so_ + n * G * 2;
+  for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
+    const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
+#if PACKED_AVX2
+    __m256 acc[M_TILE];
+    float off[M_TILE] = {0};
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      __m256 w[4];
+      unpack_q4(qrow + g * (GROUP / 2), w);
+      const __m256 scale = _mm256_set1_ps(sorow[2 * g]);
+      const float offset = sorow[2 * g + 1];
+      for (int i = 0; i < mt; i++) {
+        const float *xm = x + (m0 + i) * K + g * GROUP;
+        acc[i] = _mm256_fmadd_ps(scale, group_dot(xm, w), acc[i]);
+        off[i] += offset * sums[(m0 + i) * G + g];
+      }
+    }
+    for (int i = 0; i < mt; i++) y[(m0 + i) * N + n] = hsum256(acc[i]) + off[i];
+#else
+    for (int i = 0; i < mt; i++) {
+      const float *xm = x + (m0 + i) * K;
+      float total = 0.0f;
+      for (int64_t g = 0; g < G; g++) {
+        const uint8_t *q = qrow + g * (GROUP / 2);
+        float dot = 0.0f;
+        for (int j = 0; j < GROUP / 2; j++)
+          dot += xm[g * GROUP + j] * (float)(q[j] & 0x0F) +
+                 xm[g * GROUP + j + 16] * (float)(q[j] >> 4);
+        total += sorow[2 * g] * dot + sorow[2 * g + 1] * sums[(m0 + i) * G + g];
+      }
+      y[(m0 + i) * N + n] = total;
+    }
+#endif
+  }
+}
+
+static void q8_rows(const float *x, int64_t M, int64_t K, const int8_t *q8, const float *scale,
+                    int64_t n, float *y, int64_t N) {
+  const int64_t G = K / GROUP;
+  const int8_t *qrow = q8 + n * K;
+  const float *srow = scale + n * G;
+  for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
+    const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
+#if PACKED_AVX2
+    __m256 acc[M_TILE];
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      __m256 w[4];
+      unpack_q8(qrow + g * GROUP, w);
+      const __m256 s = _mm256_set1_ps(srow[g]);
+      for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_fmadd_ps(s, group_dot(x + (m0 + i) * K + g * GROUP, w), acc[i]);
+    }
+    for (int i = 0; i < mt; i++) y[(m0 + i) * N + n] = hsum256(acc[i]);
+#else
+    for (int i = 0; i < mt; i++) {
+      const float *xm = x + (m0 + i) * K;
+      float total = 0.0f;
+      for (int64_t g = 0; g < G; g++) {
+        float dot = 0.0f;
+        for (int j = 0; j < GROUP; j++) dot += xm[g * GROUP + j] * (float)qrow[g * GROUP + j];
+        total += srow[g] * dot;
+      }
+      y[(m0 + i) * N + n] = total;
+    }
+#endif
+  }
+}
+
+/* y[M, N] = x[M, K] . W^T for int4 weights; sums: scratch of M * K / 32 floats. */
+void q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const float *so_, int64_t N,
+             float *y, float *sums, int threads) {
+  group_sums(x, M, K, sums);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) q4_rows(x, sums, M, K, q4, so_, n, y, N);
+}
+
+void q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q8, const float *scale,
+             int64_t N, float *y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) q8_rows(x, M, K, q8, scale, n, y, N);
+}
+
+/* W[N, K] as the dense path has it (float32), for checks. */
+void q4_dequantize(const uint8_t *q4, const float *so_, int64_t N, int64_t K, float *w) {
+  const int64_t G = K / GROUP;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t g = 0; g < G; g++) {
+      const uint8_t *q = q4 + (n * G + g) * (GROUP / 2);
+      const float scale = so_[(n * G + g) * 2], offset = so_[(n * G + g) * 2 + 1];
+      float *out = w + n * K + g * GROUP;
+      for (int j = 0; j < GROUP / 2; j++) {
+        out[j] = __builtin_fmaf(scale, (float)(q[j] & 0x0F), offset);
+        out[j + 16] = __builtin_fmaf(scale, (float)(q[j] >> 4), offset);
+      }
+    }
+}
+
+void q8_dequantize(const int8_t *q8, const float *scale, int64_t N, int64_t K, float *w) {
+  const int64_t G = K / GROUP;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t k = 0; k < K; k++) w[n * K + k] = scale[n * G + k / GROUP] * (float)q8[n * K + k];
+}

@@ -1,0 +1,148 @@
+"""The quantized mode's packed weights: exact packing, kernel products, the engine end to end.
+
+Exactness is checked on every packable tensor of the tiny Q4_K file and SmolLM2 (Q4_1, Q8_0)
+and on gguf-py's own Q4_0/Q4_1/Q8_0 quantizations: the kernel library's dequantization of the
+packed arrays equals quants.dequantize (the dense path) bit for bit.
+"""
+
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from pipelines.checkpoints import smollm2_gguf
+from pipelines.llama3 import Llama3Engine, packed, quants
+from pipelines.llama3.gguf_file import GGUFFile
+from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+
+# Relative to the repository root, where pytest and Bazel's runfiles both start.
+Q4_K_FILE = pathlib.Path("max_tests/integration/architectures/llama3/testdata/tiny_llama_q4_k.gguf")
+
+GGUF_PY_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+def _gguf_py_tensor(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):
+    rng = np.random.default_rng(seed)
+    # Rows of very different magnitudes, so scales and offsets span many exponents.
+    values = rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-12, 4, size=(rows, 1)))
+    return gguf.quants.quantize(values.astype(np.float32), qtype)
+
+
+def _packed(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> packed.PackedWeight:
+    return packed.pack(_gguf_py_tensor(qtype, rows, cols, seed), qtype, (rows, cols))
+
+
+def _check_exact(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> None:
+    dense = quants.dequantize(raw, qtype, shape)
+    weight = packed.pack(raw, qtype, shape)
+    assert torch.equal(packed.dequantize(weight), dense)
+
+
+@pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
+def test_gguf_py_quantizations_pack_exactly(qtype: GGMLQuantizationType) -> None:
+    _check_exact(_gguf_py_tensor(qtype, 48, 256, 0), qtype, (48, 256))
+
+
+def test_every_packable_tensor_of_the_q4_k_file_packs_exactly() -> None:
+    reader = GGUFFile(Q4_K_FILE)
+    checked = 0
+    for name, info in reader.tensors.items():
+        if packed.can_pack(info.tensor_type, info.shape):
+            _check_exact(reader.tensor_data(name), info.tensor_type, info.shape)
+            checked += 1
+    assert checked >= 7  # the layers' matrices are Q4_K
+
+
+@pytest.mark.slow
+def test_every_smollm2_tensor_packs_exactly() -> None:
+    reader = GGUFFile(smollm2_gguf())
+    types = set()
+    for name, info in reader.tensors.items():
+        if packed.can_pack(info.tensor_type, info.shape):
+            _check_exact(reader.tensor_data(name), info.tensor_type, info.shape)
+            types.add(info.tensor_type)
+    assert types == {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+
+
+@pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows_of_x", [1, 3, 4, 9])
+def test_kernel_product_equals_the_dense_product(qtype, rows_of_x: int) -> None:
+    """Only the summation order differs: float32 rounding, relative 1e-5 of the largest."""
+    raw = _gguf_py_tensor(qtype, 40, 320, 1)
+    dense = quants.dequantize(raw, qtype, (40, 320))
+    x = torch.randn(2, rows_of_x, 320, generator=torch.Generator().manual_seed(2))
+    y = packed.PackedLinear(packed.pack(raw, qtype, (40, 320)))(x)
+    expected = x @ dense.t()
+    assert y.shape == expected.shape
+    assert (y - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_fused_projection_splits_into_its_parts() -> None:
+    weights = [
+        _packed(GGMLQuantizationType.Q4_1, 32, 64, 3),
+        _packed(GGMLQuantizationType.Q4_0, 16, 64, 4),
+    ]
+    fused = packed.PackedLinear(packed.concatenate(weights), (32, 16))
+    x = torch.randn(1, 64)
+    first, second = fused(x)
+    assert torch.equal(first, packed.PackedLinear(weights[0])(x))
+    assert torch.equal(second, packed.PackedLinear(weights[1])(x))
+
+
+def test_int4_and_int8_parts_are_not_fused() -> None:
+    int4 = _packed(GGMLQuantizationType.Q4_0, 8, 64, 6)
+    int8 = _packed(GGMLQuantizationType.Q8_0, 8, 64, 7)
+    assert packed.concatenate([int4, int8]) is None
+
+
+@pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
+def test_embedding_rows_are_the_dense_rows(qtype: GGMLQuantizationType) -> None:
+    raw = _gguf_py_tensor(qtype, 20, 96, 8)
+    dense = quants.dequantize(raw, qtype, (20, 96))
+    tokens = torch.tensor([[3, 0, 19, 3]])
+    rows = packed.PackedEmbedding(packed.pack(raw, qtype, (20, 96)))(tokens)
+    assert torch.equal(rows, dense[tokens])
+
+
+def test_quantized_engine_follows_eager_on_the_q4_k_file() -> None:
+    path = Q4_K_FILE
+    eager = Llama3Engine.from_gguf(path)
+    quantized = Llama3Engine.from_gguf(path, mode="quantized")
+    assert quantized.model.layers[0].attention.wqkv is not None  # fused
+    assert quantized.model.layers[0].feed_forward.w13 is not None
+    assert quantized.weight_bytes_per_token < eager.weight_bytes_per_token / 3
+    prompt = [1, 17, 99, 5, 42, 7]
+    a = eager.generate(prompt, 24, stop_on_eos=False)
+    b = quantized.generate(prompt, 24, stop_on_eos=False)
+    assert a.tokens == b.tokens
+    assert (a.logits - b.logits).abs().max() <= 1e-3
+
+
+def test_quantized_mode_keeps_float_files_dense(tmp_path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    engine = Llama3Engine.from_gguf(path, mode="quantized")
+    assert not any(isinstance(m, packed.PackedLinear) for m in engine.model.modules())
+    eager = Llama3Engine.from_gguf(path)
+    assert torch.equal(engine.forward_logits([1, 2, 3]), eager.forward_logits([1, 2, 3]))
+
+
+def test_an_unknown_mode_is_refused(tmp_path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    with pytest.raises(ValueError, match="mode 'fast' is not one of eager, compiled, quantized"):
+        Llama3Engine.from_gguf(path, mode="fast")
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_greedy_32_tokens_equal_eager() -> None:
+    eager = Llama3Engine.from_gguf(smollm2_gguf())
+    quantized = Llama3Engine.from_gguf(smollm2_gguf(), mode="quantized")
+    ids = eager.tokenizer.encode("The capital of France is")
+    a = eager.generate(ids, 32, stop_on_eos=False)
+    b = quantized.generate(ids, 32, stop_on_eos=False)
+    assert a.tokens == b.tokens
+    assert quantized.weight_bytes_per_token < eager.weight_bytes_per_token / 4
