@@ -8,6 +8,8 @@ import threading
 import time
 
 import torch
+import torch._dynamo.config
+import torch._inductor.config
 
 from pipelines.llama3 import packed
 from pipelines.llama3.config import LlamaConfig
@@ -108,7 +110,17 @@ def _synchronize(device: torch.device) -> None:
 
 def _compile_blocks(model: Transformer) -> None:
     """torch.compile each transformer block in place; the layers share one compiled graph
-    (same code, parameters as inputs), compiled at the first prefill and the first decode."""
+    (same code, parameters as inputs), compiled at the first prefill and the first decode.
+
+    Process-wide settings, needed by any engine in this mode: inductor rounds bfloat16
+    intermediates where eager rounds them (else it keeps float32 between fused operations and
+    bfloat16 results move by ~0.5 in log-probability); and a block that keeps recompiling (a
+    process loading many checkpoints) raises instead of silently running eager, which would
+    let the compiled mode pass its tests without being exercised.
+    """
+    torch._inductor.config.emulate_precision_casts = True
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     for layer in model.layers:
         layer.compile(dynamic=True)
 

@@ -173,3 +173,18 @@ def test_a_replaced_file_is_parsed_again(tmp_path: pathlib.Path) -> None:
     (tmp_path / "other.gguf").replace(path)
     after = Llama3Engine.from_gguf(path)
     assert (before.config.ffn_dim, after.config.ffn_dim) == (128, 64)
+
+
+def test_compiled_mode_runs_compiled_graphs_and_follows_eager(tmp_path: pathlib.Path) -> None:
+    import torch._dynamo.utils
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    engine = Llama3Engine.from_gguf(path)
+    compiled = Llama3Engine.from_gguf(path, mode="compiled")
+    torch._dynamo.utils.counters.clear()
+    out = compiled.generate(PROMPT, 12, stop_on_eos=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # not silently eager
+    expected = engine.generate(PROMPT, 12, stop_on_eos=False)
+    assert out.tokens == expected.tokens
+    assert (out.logits - expected.logits).abs().max() <= 1e-4

@@ -94,12 +94,12 @@ def hardware(device: str) -> str:
 
 
 def load_engine(
-    variant: Variant, device: str = "cpu", overrides: dict | None = None
+    variant: Variant, device: str = "cpu", overrides: dict | None = None, mode: str = "eager"
 ) -> Llama3Engine:
     if variant.path is None:
         raise FileNotFoundError(f"{variant.model} {variant.encoding}: {variant.unavailable_reason}")
     return Llama3Engine.from_gguf(
-        variant.path, device=device, dtype=variant.dtype, overrides=overrides
+        variant.path, device=device, dtype=variant.dtype, overrides=overrides, mode=mode
     )
 
 

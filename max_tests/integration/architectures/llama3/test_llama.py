@@ -1,11 +1,16 @@
 """The engine against its own goldens and against the torch (transformers) goldens, on the CPU.
 
 Teacher-forced: for each golden the engine is fed the golden's own tokens, so every step of
-every case is compared (max_tests/goldens/compare.py). One test per checkpoint variant, id
-`{size}-{encoding}-{arch}`. A failing golden writes an HTML report of all its cases, named on the
-failure's last line (golden_run.failures_with_report). One case alone:
+every case is compared (max_tests/goldens/compare.py). One test per checkpoint variant and
+execution mode (engine.MODES), all held to the same goldens (made by `eager`) and tolerances:
+id `{size}-{encoding}-{arch}` for eager, `{size}-{encoding}-{arch}-{mode}` for the others.
+A failing golden writes an HTML report of all its cases, named on the failure's last line
+(golden_run.failures_with_report). One case alone:
   ./bazelw test //max_tests/integration/architectures/llama3:test_llama \\
       --test_arg=-k --test_arg='test_llama[tiny-float32-llama3_1]'
+Bazel runs the `compiled` mode in its own target, test_llama_compiled (torch.compile takes
+tens of seconds on a cold cache); $LLAMA_TEST_MODES (comma-separated) picks the modes, all of
+them by default.
 """
 
 from __future__ import annotations
@@ -19,20 +24,38 @@ import pytest
 from max_tests.goldens.tolerances import tolerance
 from max_tests.integration.architectures.llama3 import golden_run
 from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV, Variant, variants
+from pipelines.llama3.engine import MODES
 
 VARIANTS = variants()
+MODES_ENV = "LLAMA_TEST_MODES"
 # Set (by .ci/run) to the value it gave LLAMA3_1_GGUF, to prove Bazel passes it through.
 EXPECTED_LLAMA3_1_ENV = "EXPECTED_LLAMA3_1_GGUF"
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=[v.test_id for v in VARIANTS])
-def test_llama(variant: Variant, goldens, record_property, tmp_path: Path) -> None:
+def _modes() -> list[str]:
+    chosen = os.environ.get(MODES_ENV, ",".join(MODES)).split(",")
+    unknown = sorted(set(chosen) - set(MODES))
+    if unknown:
+        raise ValueError(f"${MODES_ENV}: {unknown} not among {', '.join(MODES)}")
+    return [mode for mode in MODES if mode in chosen]
+
+
+def _case_id(variant: Variant, mode: str) -> str:
+    return variant.test_id if mode == "eager" else f"{variant.test_id}-{mode}"
+
+
+def _cases() -> list:
+    return [pytest.param(v, mode, id=_case_id(v, mode)) for mode in _modes() for v in VARIANTS]
+
+
+@pytest.mark.parametrize(("variant", "mode"), _cases())
+def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: Path) -> None:
     if variant.path is None:
         pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
     references = [(*goldens.load(reference, variant), reference) for reference in ("own", "torch")]
 
     start = time.perf_counter()
-    engine = golden_run.load_engine(variant, "cpu")
+    engine = golden_run.load_engine(variant, "cpu", mode=mode)
     loaded = time.perf_counter()
     verdicts = []
     for golden, name, reference in references:
@@ -43,7 +66,10 @@ def test_llama(variant: Variant, goldens, record_property, tmp_path: Path) -> No
     record_property("model_seconds", round(model_seconds, 4))
     # .ci/run adds these up from the JUnit XML into its closing line.
     record_property("ambiguous_steps", sum(v.ambiguous_steps for v in verdicts))
-    print(f"{variant.test_id}: load {(loaded - start) * 1000:.1f} ms, model {model_seconds:.3f} s")
+    print(
+        f"{variant.test_id} ({mode}): load {(loaded - start) * 1000:.1f} ms, "
+        f"model {model_seconds:.3f} s"
+    )
     for verdict in verdicts:
         print("  " + verdict.summary())
     reports = golden_run.report_directory(tmp_path)
@@ -55,7 +81,7 @@ def test_llama(variant: Variant, goldens, record_property, tmp_path: Path) -> No
             golden,
             engine.tokenizer.decode,
             reports,
-            variant.test_id,
+            _case_id(variant, mode),
             golden_run.diverging_layer(engine, variant, golden, verdict),
         )
     ]
