@@ -178,7 +178,7 @@ class Llama3Engine:
             verified=parsed.verified,
             keep_packed=keep_packed,
         )
-        packed_weights = {k: w for k, w in weights.items() if isinstance(w, packed.PackedWeight)}
+        packed_weights = {k: w for k, w in weights.items() if isinstance(w, packed.RawMatrix)}
         with torch.device("meta"):
             model = Transformer(config)
         # assign=True adopts the loaded tensors; nothing is randomly initialised and thrown away.

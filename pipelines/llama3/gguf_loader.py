@@ -4,6 +4,7 @@ Parsing is `gguf_file.GGUFFile` (memory-mapped); this module only knows which ll
 and tensor names mean what, checks them, and turns the raw bytes into torch tensors.
 """
 
+import dataclasses
 import os
 import pathlib
 
@@ -216,11 +217,12 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     verified: set[str] | None = None,
     keep_packed: bool = False,
-) -> dict[str, torch.Tensor | packed.PackedWeight]:
+) -> dict[str, torch.Tensor | packed.RawMatrix]:
     """Every model parameter, dequantized on `device`, cast to `dtype`, Q/K rows unpermuted.
 
     With `keep_packed` (the `quantized` mode: CPU, float32) the matrices stored as Q4_0, Q4_1,
-    Q4_K or Q8_0 come back as packed.PackedWeight instead, never dequantized.
+    Q4_K or Q8_0 come back as packed.RawMatrix instead (packed by packed.install), never
+    dequantized.
 
     With tied embeddings "output.weight" is absent; the model shares tok_embeddings.weight.
     Float32 tensors on the CPU are not copied: they are views of a private copy-on-write map
@@ -249,13 +251,13 @@ def load_weights(
     for gguf_name, param in names.items():
         info = reader.tensors[gguf_name]
         if keep_packed and packed.can_pack(info.tensor_type, info.shape):
-            weight = packed.pack(private[gguf_name], info.tensor_type, info.shape)
-            if gguf_name not in verified and not bool(torch.isfinite(weight.scales.sum())):
+            matrix = packed.RawMatrix(private[gguf_name], info.tensor_type, *info.shape)
+            if gguf_name not in verified and not matrix.scales_finite():
                 raise CheckpointError(
                     path, f"tensor {gguf_name} holds NaN or infinite values (corrupted?)"
                 )
             verified.add(gguf_name)
-            weights[param] = _unpermuted(weight, gguf_name, config)
+            weights[param] = _unpermuted(matrix, gguf_name, config)
             continue
         weight = _dequantize(
             info,
@@ -278,6 +280,7 @@ def _unpermuted(weight, gguf_name: str, config: LlamaConfig):
         heads = config.n_kv_heads
     else:
         return weight
-    if isinstance(weight, packed.PackedWeight):
-        return weight.permute_rows(lambda rows: unpermute_qk(rows, heads))
+    if isinstance(weight, packed.RawMatrix):
+        rows = torch.arange(weight.rows).reshape(weight.rows, 1)
+        return dataclasses.replace(weight, row_order=unpermute_qk(rows, heads).reshape(-1))
     return unpermute_qk(weight, heads)

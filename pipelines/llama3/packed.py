@@ -31,10 +31,8 @@ import tempfile
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
-
-from pipelines.llama3 import quants
 
 GROUP = 32
 SOURCE = pathlib.Path(__file__).with_name("kernels") / "packed_gemm.c"
@@ -111,8 +109,12 @@ def library() -> ctypes.CDLL:
     lib.q8_gemm.argtypes = [f32, i64, i64, i8, f32, i64, f32, ctypes.c_int]
     lib.q4_dequantize.argtypes = [u8, f32, i64, i64, f32]
     lib.q8_dequantize.argtypes = [i8, f32, i64, i64, f32]
-    for function in (lib.q4_gemm, lib.q8_gemm, lib.q4_dequantize, lib.q8_dequantize):
-        function.restype = None
+    rows = ctypes.POINTER(ctypes.c_int64)
+    for name in ("pack_q4_0", "pack_q4_1", "pack_q4_k", "pack_q8_0"):
+        getattr(lib, name).argtypes = [u8, i64, rows, i64, i64, u8, f32]
+    functions = ("q4_gemm", "q8_gemm", "q4_dequantize", "q8_dequantize", *_PACKERS.values())
+    for name in functions:
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -146,55 +148,84 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self.q.numel() * self.q.element_size() + self.scales.numel() * 4
 
-    def permute_rows(self, permute: callable) -> PackedWeight:
-        """The same weight with its rows reordered by `permute` ([rows, X] -> [rows, X])."""
-        q = permute(self.q.reshape(self.rows, -1)).reshape(self.q.shape)
-        scales = permute(self.scales.reshape(self.rows, -1)).reshape(self.scales.shape)
-        return dataclasses.replace(self, q=q.contiguous(), scales=scales.contiguous())
-
 
 def can_pack(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
     return qtype in PACKABLE_TYPES and len(shape) == 2 and shape[1] % GROUP == 0
 
 
-def pack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> PackedWeight:
-    """Raw GGUF blocks of a [rows, cols] tensor -> PackedWeight (no value is rounded)."""
-    rows, cols = shape
-    blocks = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
-    groups = rows * cols // GROUP
-    if qtype == GGMLQuantizationType.Q8_0:
-        blocks = blocks.reshape(groups, 34)
-        q = blocks[:, 2:].contiguous().view(torch.int8).reshape(rows, cols)
-        scales = quants._f16(blocks, 0).reshape(rows, cols // GROUP)
-        return PackedWeight("int8", q, scales, rows, cols)
-    if qtype == GGMLQuantizationType.Q4_0:
-        blocks = blocks.reshape(groups, 18)
-        d = quants._f16(blocks, 0)
-        scale_offset, q = torch.cat([d, -8.0 * d], dim=1), blocks[:, 2:]
-    elif qtype == GGMLQuantizationType.Q4_1:
-        blocks = blocks.reshape(groups, 20)
-        scale_offset = torch.cat([quants._f16(blocks, 0), quants._f16(blocks, 2)], dim=1)
-        q = blocks[:, 4:]
-    elif qtype == GGMLQuantizationType.Q4_K:
-        scale_offset, q = _q4_k_groups(blocks.reshape(-1, 144))
+@dataclasses.dataclass
+class RawMatrix:
+    """A GGUF matrix's raw blocks, to be packed; `row_order[r]` is the file row that becomes
+    row r (llama.cpp's permuted wq/wk), None for the file's order."""
+
+    raw: np.ndarray
+    qtype: GGMLQuantizationType
+    rows: int
+    cols: int
+    row_order: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        return "int8" if self.qtype in INT8_TYPES else "int4"
+
+    def scales_finite(self) -> bool:
+        """Whether every float16 scale (and min) in the blocks is finite."""
+        block_bytes = GGML_QUANT_SIZES[self.qtype][1]
+        blocks = np.asarray(self.raw).view(np.uint8).reshape(-1, block_bytes)
+        fields = [blocks[:, o : o + 2].copy().view(np.float16) for o in _SCALE_OFFSETS[self.qtype]]
+        return all(bool(np.isfinite(f).all()) for f in fields)
+
+
+_SCALE_OFFSETS = {  # byte offsets of each block's float16 scale fields
+    GGMLQuantizationType.Q4_0: (0,),
+    GGMLQuantizationType.Q4_1: (0, 2),
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q8_0: (0,),
+}
+_PACKERS = {
+    GGMLQuantizationType.Q4_0: "pack_q4_0",
+    GGMLQuantizationType.Q4_1: "pack_q4_1",
+    GGMLQuantizationType.Q4_K: "pack_q4_k",
+    GGMLQuantizationType.Q8_0: "pack_q8_0",
+}
+
+
+def pack_rows(parts: list[RawMatrix]) -> PackedWeight:
+    """The parts' rows one after the other (a fused projection when several), packed into one
+    buffer in a single pass by the kernel library; no value is rounded."""
+    kind, cols = parts[0].kind, parts[0].cols
+    if any(p.kind != kind or p.cols != cols for p in parts):
+        raise ValueError("fused parts must share the packed kind and the column count")
+    rows = sum(p.rows for p in parts)
+    groups = cols // GROUP
+    if kind == "int4":
+        q = torch.empty(rows, groups, GROUP // 2, dtype=torch.uint8)
+        scales = torch.empty(rows, groups, 2, dtype=torch.float32)
     else:
-        raise ValueError(f"{qtype.name} has no packed form")
-    q = q.contiguous().reshape(rows, cols // GROUP, GROUP // 2)
-    return PackedWeight("int4", q, scale_offset.reshape(rows, cols // GROUP, 2), rows, cols)
+        q = torch.empty(rows, cols, dtype=torch.int8)
+        scales = torch.empty(rows, groups, dtype=torch.float32)
+    lib, start = library(), 0
+    for part in parts:
+        raw = torch.from_numpy(np.ascontiguousarray(part.raw).view(np.uint8).reshape(-1))
+        order = None if part.row_order is None else part.row_order.to(torch.int64).contiguous()
+        getattr(lib, _PACKERS[part.qtype])(
+            _pointer(raw, ctypes.c_uint8),
+            raw.numel() // part.rows,
+            None if order is None else _pointer(order, ctypes.c_int64),
+            part.rows,
+            cols,
+            _pointer(q[start], ctypes.c_uint8),
+            _pointer(scales[start], ctypes.c_float),
+        )
+        start += part.rows
+    return PackedWeight(kind, q, scales, rows, cols)
 
 
-def _q4_k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K super-blocks -> per-32 (scale d*sc, offset -dmin*m) and Q4_1-ordered nibbles."""
-    n_blocks = blocks.shape[0]
-    d, dmin = quants._f16(blocks, 0), quants._f16(blocks, 2)
-    sc, mins = quants._q4_k_scales_mins(blocks[:, 4:16])
-    scale = (d * sc.float()).reshape(-1, 1)
-    offset = -(dmin * mins.float()).reshape(-1, 1)
-    # 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low nibbles, 2c + 1 in its high
-    chunks = blocks[:, 16:].reshape(n_blocks, 4, 1, 32)
-    values = torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(-1, 32)  # [groups, 32]
-    q = values[:, :16] | (values[:, 16:] << 4)
-    return torch.cat([scale, offset], dim=1), q
+def pack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> PackedWeight:
+    """Raw GGUF blocks of a [rows, cols] tensor -> PackedWeight."""
+    if not can_pack(qtype, shape):
+        raise ValueError(f"{qtype.name} {shape} has no packed form")
+    return pack_rows([RawMatrix(raw, qtype, *shape)])
 
 
 def dequantize(weight: PackedWeight) -> torch.Tensor:
@@ -218,20 +249,6 @@ def dequantize(weight: PackedWeight) -> torch.Tensor:
             _pointer(out, ctypes.c_float),
         )
     return out
-
-
-def concatenate(weights: list[PackedWeight]) -> PackedWeight | None:
-    """Row-wise concatenation (a fused projection), or None when the kinds differ."""
-    kinds = {w.kind for w in weights}
-    if len(kinds) != 1 or len({w.cols for w in weights}) != 1:
-        return None
-    return PackedWeight(
-        kinds.pop(),
-        torch.cat([w.q for w in weights]),
-        torch.cat([w.scales for w in weights]),
-        sum(w.rows for w in weights),
-        weights[0].cols,
-    )
 
 
 # --- modules ----------------------------------------------------------------------------------
@@ -304,45 +321,37 @@ class PackedEmbedding(nn.Module):
         return out.reshape(*tokens.shape, w.cols)
 
 
-def install(model: nn.Module, weights: dict[str, PackedWeight]) -> None:
-    """Put packed weights into a Transformer whose other parameters are loaded.
+def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
+    """Pack `matrices` (parameter name -> RawMatrix) into a Transformer whose other
+    parameters are loaded.
 
-    wq/wk/wv become one fused `wqkv` and w1/w3 one `w13` when all their parts are packed alike
-    (one kernel call and one read of the activations instead of three or two).
+    wq/wk/wv become one fused `wqkv` and w1/w3 one `w13` when all their parts are packable
+    alike (one kernel call and one read of the activations instead of three or two).
     """
 
-    def linear(name: str) -> PackedLinear:
-        return PackedLinear(weights[name])
-
-    def fuse(owner: nn.Module, prefix: str, parts: tuple[str, ...], fused: str) -> None:
+    def fuse(owner: nn.Module, prefix: str, parts: tuple[str, ...], fused: str = "") -> None:
         names = [f"{prefix}.{part}.weight" for part in parts]
-        if not all(name in weights for name in names):
-            for part, name in zip(parts, names, strict=True):
-                if name in weights:
-                    setattr(owner, part, linear(name))
+        present = [matrices.get(name) for name in names]
+        if fused and all(present) and len({(m.kind, m.cols) for m in present}) == 1:
+            splits = tuple(m.rows for m in present)
+            setattr(owner, fused, PackedLinear(pack_rows(present), splits))
+            for part in parts:
+                setattr(owner, part, None)
             return
-        joined = concatenate([weights[name] for name in names])
-        if joined is None:
-            for part, name in zip(parts, names, strict=True):
-                setattr(owner, part, linear(name))
-            return
-        setattr(owner, fused, PackedLinear(joined, tuple(weights[n].rows for n in names)))
-        for part in parts:
-            setattr(owner, part, None)
+        for part, matrix in zip(parts, present, strict=True):
+            if matrix is not None:
+                setattr(owner, part, PackedLinear(pack_rows([matrix])))
 
     for i, layer in enumerate(model.layers):
         fuse(layer.attention, f"layers.{i}.attention", ("wq", "wk", "wv"), "wqkv")
         fuse(layer.feed_forward, f"layers.{i}.feed_forward", ("w1", "w3"), "w13")
-        for owner, part, name in (
-            (layer.attention, "wo", f"layers.{i}.attention.wo.weight"),
-            (layer.feed_forward, "w2", f"layers.{i}.feed_forward.w2.weight"),
-        ):
-            if name in weights:
-                setattr(owner, part, linear(name))
-    if "tok_embeddings.weight" in weights:
-        model.tok_embeddings = PackedEmbedding(weights["tok_embeddings.weight"])
-    head = weights.get("output.weight")
-    if head is None and model.config.tie_word_embeddings:
-        head = weights.get("tok_embeddings.weight")
-    if head is not None:
-        model.output = PackedLinear(head)
+        fuse(layer.attention, f"layers.{i}.attention", ("wo",))
+        fuse(layer.feed_forward, f"layers.{i}.feed_forward", ("w2",))
+    embedding = None
+    if "tok_embeddings.weight" in matrices:
+        embedding = pack_rows([matrices["tok_embeddings.weight"]])
+        model.tok_embeddings = PackedEmbedding(embedding)
+    if "output.weight" in matrices:
+        model.output = PackedLinear(pack_rows([matrices["output.weight"]]))
+    elif embedding is not None and model.config.tie_word_embeddings:
+        model.output = PackedLinear(embedding)

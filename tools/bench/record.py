@@ -7,7 +7,8 @@ record keeps the raw numbers too, so a surprising ratio can be traced to the sid
 Layout (keys sorted on write, so two records diff line by line):
 - `engine`: one entry per engine mode ("eager" today; more modes are more entries), each with
   `load_seconds`, `prefill_tokens_per_second`, `decode_tokens_per_second`;
-- `peers`: the same numbers for each reference implementation ("transformers");
+- `peers`: the same numbers for each reference implementation ("transformers", and
+  "llama.cpp" when the bench could import it);
 - `ratios`: per engine mode, engine / transformers for `load`, `prefill`, `decode`, each taken
   on the number the table prints (load in seconds, so lower is better there; the others are
   throughputs, so higher is better);
@@ -92,8 +93,10 @@ def build_record(
     versions: dict[str, str],
     setup: dict[str, Any],
     conditions: dict[str, float],
+    other_peers: dict[str, Timings] | None = None,
 ) -> dict[str, Any]:
-    """The record for one bench run: every engine mode, the peer, and their ratios."""
+    """The record for one bench run: every engine mode, the peers, and the ratios against
+    transformers (`other_peers`' numbers are kept, not compared)."""
     return {
         "schema_version": SCHEMA_VERSION,
         "conditions": conditions,
@@ -101,7 +104,10 @@ def build_record(
         "versions": versions,
         "setup": setup,
         "engine": {mode: dataclasses.asdict(timings) for mode, timings in engine.items()},
-        "peers": {PEER: dataclasses.asdict(peer)},
+        "peers": {
+            PEER: dataclasses.asdict(peer),
+            **{name: dataclasses.asdict(t) for name, t in (other_peers or {}).items()},
+        },
         "ratios": {mode: ratios(timings, peer) for mode, timings in engine.items()},
     }
 

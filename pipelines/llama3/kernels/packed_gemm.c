@@ -165,6 +165,115 @@ void q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q8, const float
   for (int64_t n = 0; n < N; n++) q8_rows(x, M, K, q8, scale, n, y, N);
 }
 
+/* --- packing GGUF blocks ------------------------------------------------------------------
+ * Each packer writes `rows` rows of a [rows, K] matrix into q/so_ (or q/scale), taking dest
+ * row r from source row src_rows[r] (or r when src_rows is NULL: wq/wk reorder their rows).
+ * row_bytes is the source row's size in bytes. Every value is converted exactly.
+ */
+static float half_to_float(const uint8_t *p) {
+  const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13); /* infinity, NaN */
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else { /* subnormal: value = mantissa * 2^-24, exact in float32 */
+    float value = (float)mantissa * 5.9604644775390625e-8f;
+    memcpy(&bits, &value, 4);
+    bits |= sign;
+  }
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+static const uint8_t *source_row(const uint8_t *blocks, int64_t row_bytes, const int64_t *src_rows,
+                                 int64_t r) {
+  return blocks + (src_rows ? src_rows[r] : r) * row_bytes;
+}
+
+/* Q4_0: f16 d, 16 bytes of nibbles; w = d * (q - 8) = fma(d, q, -8 d) exactly. */
+void pack_q4_0(const uint8_t *blocks, int64_t row_bytes, const int64_t *src_rows, int64_t rows,
+               int64_t K, uint8_t *q, float *so_) {
+  const int64_t G = K / GROUP;
+  for (int64_t r = 0; r < rows; r++) {
+    const uint8_t *row = source_row(blocks, row_bytes, src_rows, r);
+    for (int64_t g = 0; g < G; g++) {
+      const uint8_t *block = row + g * 18;
+      const float d = half_to_float(block);
+      so_[(r * G + g) * 2] = d;
+      so_[(r * G + g) * 2 + 1] = -8.0f * d;
+      memcpy(q + (r * G + g) * 16, block + 2, 16);
+    }
+  }
+}
+
+/* Q4_1: f16 d, f16 m, 16 bytes of nibbles; w = d * q + m. */
+void pack_q4_1(const uint8_t *blocks, int64_t row_bytes, const int64_t *src_rows, int64_t rows,
+               int64_t K, uint8_t *q, float *so_) {
+  const int64_t G = K / GROUP;
+  for (int64_t r = 0; r < rows; r++) {
+    const uint8_t *row = source_row(blocks, row_bytes, src_rows, r);
+    for (int64_t g = 0; g < G; g++) {
+      const uint8_t *block = row + g * 20;
+      so_[(r * G + g) * 2] = half_to_float(block);
+      so_[(r * G + g) * 2 + 1] = half_to_float(block + 2);
+      memcpy(q + (r * G + g) * 16, block + 4, 16);
+    }
+  }
+}
+
+/* Q4_K: 256 values per super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins,
+ * 128 bytes of nibbles (32-byte chunk c: sub-block 2c low nibbles, 2c + 1 high). Sub-block s:
+ * w = (d * sc_s) * q - dmin * m_s, both products exact in float32. */
+void pack_q4_k(const uint8_t *blocks, int64_t row_bytes, const int64_t *src_rows, int64_t rows,
+               int64_t K, uint8_t *q, float *so_) {
+  const int64_t G = K / GROUP;
+  for (int64_t r = 0; r < rows; r++) {
+    const uint8_t *row = source_row(blocks, row_bytes, src_rows, r);
+    for (int64_t b = 0; b < K / 256; b++) {
+      const uint8_t *block = row + b * 144, *scales = block + 4, *qs = block + 16;
+      const float d = half_to_float(block), dmin = half_to_float(block + 2);
+      for (int s = 0; s < 8; s++) {
+        int sc, m;
+        if (s < 4) {
+          sc = scales[s] & 0x3F;
+          m = scales[s + 4] & 0x3F;
+        } else {
+          sc = (scales[s + 4] & 0x0F) | ((scales[s - 4] >> 6) << 4);
+          m = (scales[s + 4] >> 4) | ((scales[s] >> 6) << 4);
+        }
+        const int64_t group = r * G + b * 8 + s;
+        so_[group * 2] = d * (float)sc;
+        so_[group * 2 + 1] = -(dmin * (float)m);
+        const uint8_t *chunk = qs + (s / 2) * 32;
+        const int shift = (s % 2) * 4;
+        for (int j = 0; j < 16; j++)
+          q[group * 16 + j] =
+              (uint8_t)(((chunk[j] >> shift) & 0x0F) | (((chunk[j + 16] >> shift) & 0x0F) << 4));
+      }
+    }
+  }
+}
+
+/* Q8_0: f16 d, 32 int8; w = d * q. */
+void pack_q8_0(const uint8_t *blocks, int64_t row_bytes, const int64_t *src_rows, int64_t rows,
+               int64_t K, int8_t *q, float *scale) {
+  const int64_t G = K / GROUP;
+  for (int64_t r = 0; r < rows; r++) {
+    const uint8_t *row = source_row(blocks, row_bytes, src_rows, r);
+    for (int64_t g = 0; g < G; g++) {
+      const uint8_t *block = row + g * 34;
+      scale[r * G + g] = half_to_float(block);
+      memcpy(q + (r * G + g) * GROUP, block + 2, GROUP);
+    }
+  }
+}
+
 /* W[N, K] as the dense path has it (float32), for checks. */
 void q4_dequantize(const uint8_t *q4, const float *so_, int64_t N, int64_t K, float *w) {
   const int64_t G = K / GROUP;

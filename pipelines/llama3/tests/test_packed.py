@@ -5,6 +5,7 @@ and on gguf-py's own Q4_0/Q4_1/Q8_0 quantizations: the kernel library's dequanti
 packed arrays equals quants.dequantize (the dense path) bit for bit.
 """
 
+import dataclasses
 import pathlib
 
 import gguf
@@ -31,8 +32,8 @@ def _gguf_py_tensor(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int
     return gguf.quants.quantize(values.astype(np.float32), qtype)
 
 
-def _packed(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> packed.PackedWeight:
-    return packed.pack(_gguf_py_tensor(qtype, rows, cols, seed), qtype, (rows, cols))
+def _raw(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> packed.RawMatrix:
+    return packed.RawMatrix(_gguf_py_tensor(qtype, rows, cols, seed), qtype, rows, cols)
 
 
 def _check_exact(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> None:
@@ -81,21 +82,35 @@ def test_kernel_product_equals_the_dense_product(qtype, rows_of_x: int) -> None:
 
 
 def test_fused_projection_splits_into_its_parts() -> None:
-    weights = [
-        _packed(GGMLQuantizationType.Q4_1, 32, 64, 3),
-        _packed(GGMLQuantizationType.Q4_0, 16, 64, 4),
-    ]
-    fused = packed.PackedLinear(packed.concatenate(weights), (32, 16))
+    parts = [_raw(GGMLQuantizationType.Q4_1, 32, 64, 3), _raw(GGMLQuantizationType.Q4_0, 16, 64, 4)]
+    fused = packed.PackedLinear(packed.pack_rows(parts), (32, 16))
     x = torch.randn(1, 64)
     first, second = fused(x)
-    assert torch.equal(first, packed.PackedLinear(weights[0])(x))
-    assert torch.equal(second, packed.PackedLinear(weights[1])(x))
+    assert torch.equal(first, packed.PackedLinear(packed.pack_rows(parts[:1]))(x))
+    assert torch.equal(second, packed.PackedLinear(packed.pack_rows(parts[1:]))(x))
+
+
+def test_rows_are_taken_in_the_given_order() -> None:
+    matrix = _raw(GGMLQuantizationType.Q4_1, 8, 64, 5)
+    order = torch.tensor([3, 1, 7, 0, 2, 6, 5, 4])
+    reordered = packed.pack_rows([dataclasses.replace(matrix, row_order=order)])
+    assert torch.equal(
+        packed.dequantize(reordered), packed.dequantize(packed.pack_rows([matrix]))[order]
+    )
 
 
 def test_int4_and_int8_parts_are_not_fused() -> None:
-    int4 = _packed(GGMLQuantizationType.Q4_0, 8, 64, 6)
-    int8 = _packed(GGMLQuantizationType.Q8_0, 8, 64, 7)
-    assert packed.concatenate([int4, int8]) is None
+    parts = [_raw(GGMLQuantizationType.Q4_0, 8, 64, 6), _raw(GGMLQuantizationType.Q8_0, 8, 64, 7)]
+    with pytest.raises(ValueError, match="fused parts must share"):
+        packed.pack_rows(parts)
+
+
+def test_a_non_finite_scale_is_found() -> None:
+    matrix = _raw(GGMLQuantizationType.Q4_1, 4, 64, 8)
+    assert matrix.scales_finite()
+    blocks = matrix.raw.view(np.uint8).reshape(-1, 20).copy()
+    blocks[5, 2:4] = np.array([np.inf], dtype=np.float16).view(np.uint8)  # block 5's min
+    assert not dataclasses.replace(matrix, raw=blocks).scales_finite()
 
 
 @pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)

@@ -5,11 +5,16 @@ Writes `{model}_{encoding}_{hardware}_golden.json` per combination into --output
 progress on stderr. A selection with no checkpoint at all (--model=llama3_1 without
 --llama3-1-gguf) exits 2 and names what is missing; --model=all runs what is available.
 Publish the files with tools/upload-public-bazel-artifact.sh (see testdata/README.md).
+Goldens come from --mode=eager (the default). Another execution mode writes the same files,
+with producer `engine-MODE`, into an --output-dir of your choice, never the testdata folder:
+compare them with the goldens by `./bazelw run //tools:golden_diff -- --from=... --to=...`.
 
 Examples:
   ./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama -- --model=tinyllama
   ./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama -- \\
       --encoding=all --model=all --output-dir=/tmp/goldens
+  ./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama -- \\
+      --model=smollm2 --mode=quantized --output-dir=/tmp/quantized
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from max_tests.integration.architectures.llama3.variants import (
     unavailable_selection,
     variants,
 )
+from pipelines.llama3.engine import MODES
 from tools.cli_files import PathError, user_path
 
 
@@ -47,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--encoding", default="all", choices=["all", *ENCODINGS])
     p.add_argument("--model", default="all", choices=["all", *MODELS])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument(
+        "--mode",
+        default="eager",
+        choices=MODES,
+        help="execution mode (default: eager, the only one that makes goldens)",
+    )
     p.add_argument("--output-dir", help="where to write goldens (default: the testdata folder)")
     p.add_argument(
         "--llama3-1-gguf", type=user_path, help=f"a Llama-3.1-8B-Instruct GGUF (or ${LLAMA3_1_ENV})"
@@ -82,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     nothing = unavailable_selection(selected)
     if nothing is not None:
         _usage_error(parser, nothing)
+    if args.mode != "eager" and args.output_dir is None:
+        _usage_error(
+            parser,
+            f"--mode={args.mode} does not make goldens (eager does); pass --output-dir "
+            "to write its run somewhere else than the testdata folder",
+        )
     try:
         output_dir = golden_run.output_folder(args.output_dir, testdata)
     except PathError as error:
@@ -96,15 +114,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             continue
         print(
-            f"evaluate_llama: {variant.model} {variant.encoding} on {args.device} ...",
+            f"evaluate_llama: {variant.model} {variant.encoding} "
+            f"on {args.device} ({args.mode}) ...",
             file=sys.stderr,
             flush=True,
         )
         start = time.perf_counter()
-        engine = golden_run.load_engine(variant, args.device)
+        engine = golden_run.load_engine(variant, args.device, mode=args.mode)
         load_seconds = time.perf_counter() - start
         runs = golden_run.run_cases(engine, variant.model)
-        golden = golden_run.engine_golden(variant, engine, runs, args.device, args.full_logits)
+        golden = golden_run.engine_golden(
+            variant, engine, runs, args.device, args.full_logits, args.mode
+        )
         name = schema.golden_file_name(variant.model, variant.encoding, golden.provenance.hardware)
         schema.write(golden, output_dir / name)
         rows.append(

@@ -150,10 +150,18 @@ def provenance(
 
 
 def engine_golden(
-    variant: Variant, engine: Llama3Engine, runs: list[Run], device: str, full_logits: bool = False
+    variant: Variant,
+    engine: Llama3Engine,
+    runs: list[Run],
+    device: str,
+    full_logits: bool = False,
+    mode: str = "eager",
 ) -> schema.Golden:
+    """The engine's golden (eager), or another mode's run in the same format (producer
+    `engine-MODE`, never published as a golden)."""
     tokenizer = engine.tokenizer
-    prov = provenance(variant, "engine", ENGINE_PRODUCER_VERSION, device)
+    producer = "engine" if mode == "eager" else f"engine-{mode}"
+    prov = provenance(variant, producer, ENGINE_PRODUCER_VERSION, device)
     cases = [
         record_case(
             r.spec,

@@ -61,3 +61,25 @@ def test_help_names_the_examples(capsys):
         evaluate_llama.main(["--help"])
     assert exit.value.code == 0
     assert "--encoding=all --model=all" in capsys.readouterr().out
+
+
+def test_a_non_eager_mode_never_writes_into_the_testdata_folder(capsys):
+    assert _exit_code(["--model=tinyllama", "--encoding=q4_k", "--mode=quantized"]) == 2
+    assert "--mode=quantized does not make goldens (eager does)" in capsys.readouterr().err
+
+
+def test_a_quantized_run_is_marked_and_matches_the_eager_golden_within_tolerance(tmp_path):
+    argv = ["--model=tinyllama", "--encoding=q4_k"]
+    assert _exit_code([*argv, f"--output-dir={tmp_path / 'eager'}"]) == 0
+    assert _exit_code([*argv, "--mode=quantized", f"--output-dir={tmp_path / 'q'}"]) == 0
+    name = "tinyllama_q4_k_all_golden.json"
+    eager = json.loads((tmp_path / "eager" / name).read_text())
+    quantized = json.loads((tmp_path / "q" / name).read_text())
+    assert (eager["provenance"]["producer"], quantized["provenance"]["producer"]) == (
+        "engine",
+        "engine-quantized",
+    )
+    for a, b in zip(eager["cases"], quantized["cases"], strict=True):
+        assert [s["token_id"] for s in a["steps"]] == [s["token_id"] for s in b["steps"]]
+        first_a, first_b = a["steps"][0]["topk_logits"], b["steps"][0]["topk_logits"]
+        assert max(abs(x - y) for x, y in zip(first_a, first_b, strict=True)) < 1e-3
