@@ -1,7 +1,7 @@
 /* Matrix products with weights that stay 4-bit or 8-bit: y[M, N] = x[M, K] . W^T, float32.
  *
  * Built and loaded by pipelines/llama3/packed.py (`cc -O3 -march=native -fopenmp -shared`),
- * called through ctypes. Weights are groupwise, 32 values per group along K:
+ * called through ctypes. AVX-512 where the CPU has it, else AVX2 + FMA, else plain C. Weights are groupwise, 32 values per group along K:
  *
  *   int4: W[n, k] = fma(scale[n, g], q[n, k], offset[n, g])   q in 0..15, g = k / 32
  *         q4[n, g, j] holds q[n, 32g + j] in its low nibble and q[n, 32g + j + 16] in its
@@ -19,19 +19,42 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define PACKED_AVX2 1
+#define PACKED_SIMD 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PACKED_SIMD 256
 #else
-#define PACKED_AVX2 0
+#define PACKED_SIMD 0
 #endif
 
 #define GROUP 32
 #define M_TILE 4 /* activation rows sharing one unpacking of a weight group */
 
-int packed_gemm_simd(void) { return PACKED_AVX2; }
+/* The vector width the library was built with: 512 (AVX-512), 256 (AVX2 + FMA) or 0. */
+int packed_gemm_simd(void) { return PACKED_SIMD; }
 
-#if PACKED_AVX2
+#if PACKED_SIMD == 512
+/* A group's 32 values as two vectors of 16 floats, in k order. */
+static inline void unpack_q4_512(const uint8_t *q, __m512 *lo, __m512 *hi) {
+  const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+  *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+}
+
+static inline void unpack_q8_512(const int8_t *q, __m512 *lo, __m512 *hi) {
+  *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+  *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+}
+
+static inline __m512 group_dot_512(const float *x, __m512 lo, __m512 hi) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), hi, _mm512_mul_ps(_mm512_loadu_ps(x), lo));
+}
+#endif
+
+#if PACKED_SIMD == 256
 static inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -77,6 +100,16 @@ static void group_sums(const float *x, int64_t M, int64_t K, float *sums) {
     }
 }
 
+/* sum_g offset[g] * sums[g] over a row's groups, in four independent partial sums. */
+static inline float offset_term(const float *so_, const float *sums, int64_t G) {
+  float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4)
+    for (int j = 0; j < 4; j++) part[j] += so_[2 * (g + j) + 1] * sums[g + j];
+  for (; g < G; g++) part[0] += so_[2 * g + 1] * sums[g];
+  return (part[0] + part[1]) + (part[2] + part[3]);
+}
+
 static void q4_rows(const float *x, const float *sums, int64_t M, int64_t K, const uint8_t *q4,
                     const float *so_, int64_t n, float *y, int64_t N) {
   const int64_t G = K / GROUP;
@@ -84,22 +117,37 @@ static void q4_rows(const float *x, const float *sums, int64_t M, int64_t K, con
   const float *sorow = so_ + n * G * 2;
   for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
     const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
-#if PACKED_AVX2
-    __m256 acc[M_TILE];
-    float off[M_TILE] = {0};
-    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+#if PACKED_SIMD == 512
+    /* Two accumulators per row (even and odd groups) halve the dependency chain. */
+    __m512 acc[M_TILE][2];
+    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      __m512 lo, hi;
+      unpack_q4_512(qrow + g * (GROUP / 2), &lo, &hi);
+      const __m512 scale = _mm512_set1_ps(sorow[2 * g]);
+      for (int i = 0; i < mt; i++) {
+        const float *xm = x + (m0 + i) * K + g * GROUP;
+        acc[i][g & 1] = _mm512_fmadd_ps(scale, group_dot_512(xm, lo, hi), acc[i][g & 1]);
+      }
+    }
+    for (int i = 0; i < mt; i++)
+      y[(m0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
+                            offset_term(sorow, sums + (m0 + i) * G, G);
+#elif PACKED_SIMD == 256
+    __m256 acc[M_TILE][2];
+    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
       __m256 w[4];
       unpack_q4(qrow + g * (GROUP / 2), w);
       const __m256 scale = _mm256_set1_ps(sorow[2 * g]);
-      const float offset = sorow[2 * g + 1];
       for (int i = 0; i < mt; i++) {
         const float *xm = x + (m0 + i) * K + g * GROUP;
-        acc[i] = _mm256_fmadd_ps(scale, group_dot(xm, w), acc[i]);
-        off[i] += offset * sums[(m0 + i) * G + g];
+        acc[i][g & 1] = _mm256_fmadd_ps(scale, group_dot(xm, w), acc[i][g & 1]);
       }
     }
-    for (int i = 0; i < mt; i++) y[(m0 + i) * N + n] = hsum256(acc[i]) + off[i];
+    for (int i = 0; i < mt; i++)
+      y[(m0 + i) * N + n] = hsum256(_mm256_add_ps(acc[i][0], acc[i][1])) +
+                            offset_term(sorow, sums + (m0 + i) * G, G);
 #else
     for (int i = 0; i < mt; i++) {
       const float *xm = x + (m0 + i) * K;
@@ -125,7 +173,20 @@ static void q8_rows(const float *x, int64_t M, int64_t K, const int8_t *q8, cons
   const float *srow = scale + n * G;
   for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
     const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
-#if PACKED_AVX2
+#if PACKED_SIMD == 512
+    __m512 acc[M_TILE][2];
+    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      __m512 lo, hi;
+      unpack_q8_512(qrow + g * GROUP, &lo, &hi);
+      const __m512 s = _mm512_set1_ps(srow[g]);
+      for (int i = 0; i < mt; i++)
+        acc[i][g & 1] = _mm512_fmadd_ps(
+            s, group_dot_512(x + (m0 + i) * K + g * GROUP, lo, hi), acc[i][g & 1]);
+    }
+    for (int i = 0; i < mt; i++)
+      y[(m0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+#elif PACKED_SIMD == 256
     __m256 acc[M_TILE];
     for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {

@@ -81,6 +81,26 @@ def test_kernel_product_equals_the_dense_product(qtype, rows_of_x: int) -> None:
     assert (y - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@pytest.mark.parametrize(
+    ("flags", "simd"), [("", 256), ("-mavx512f", 512), ("-mno-avx2 -mno-fma", 0)]
+)
+def test_every_code_path_of_the_kernels_agrees(flags, simd, monkeypatch) -> None:
+    """AVX2 (the default), AVX-512 and plain C: the same exact weights, the same products."""
+    monkeypatch.setenv(packed.EXTRA_FLAGS_ENV, flags)
+    if simd == 512 and "avx512f" not in packed._cpu_features().split():
+        pytest.skip("this CPU has no AVX-512")
+    assert packed.library().packed_gemm_simd() == simd
+    for qtype in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+        raw = _gguf_py_tensor(qtype, 24, 320, 9)
+        dense = quants.dequantize(raw, qtype, (24, 320))
+        weight = packed.pack(raw, qtype, (24, 320))
+        assert torch.equal(packed.dequantize(weight), dense)
+        x = torch.randn(6, 320, generator=torch.Generator().manual_seed(3))
+        expected = x @ dense.t()
+        y = packed.PackedLinear(weight)(x)
+        assert (y - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 def test_fused_projection_splits_into_its_parts() -> None:
     parts = [_raw(GGMLQuantizationType.Q4_1, 32, 64, 3), _raw(GGMLQuantizationType.Q4_0, 16, 64, 4)]
     fused = packed.PackedLinear(packed.pack_rows(parts), (32, 16))
