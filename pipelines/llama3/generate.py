@@ -3,7 +3,7 @@
 Example:
     bazel run //pipelines/llama3:generate -- \\
         --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --prompt "The capital of France is" --max-new-tokens 16
+        --prompt "The capital of France is" --max-new-tokens 16 --mode=quantized
 """
 
 import argparse
@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from pipelines.llama3.engine import Llama3Engine
+from pipelines.llama3.engine import MODES, Llama3Engine
 from pipelines.llama3.gguf_loader import CheckpointError
 from tools.cli_files import user_path
 
@@ -30,6 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="eager",
+        help="execution mode: eager (dense), compiled (torch.compile), quantized (packed 4/8-bit)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
     )
     return parser
@@ -45,9 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf_path = args.gguf
-    print(f"loading {gguf_path} on {args.device} ({args.dtype})", file=sys.stderr)
+    print(f"loading {gguf_path} on {args.device} ({args.dtype}, {args.mode})", file=sys.stderr)
     try:
-        engine = Llama3Engine.from_gguf(gguf_path, device=args.device, dtype=DTYPES[args.dtype])
+        engine = Llama3Engine.from_gguf(
+            gguf_path, device=args.device, dtype=DTYPES[args.dtype], mode=args.mode
+        )
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

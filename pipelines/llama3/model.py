@@ -22,6 +22,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel; bit-identical to the steps below in float32 (every golden of
+            # the eager mode regenerates byte for byte with it).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalize in float32 whatever the compute dtype (bfloat16 has too few mantissa bits).
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -101,7 +105,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-        # A fused projection returning (q, k, v), set instead of wq/wk/wv by the quantized mode.
+        # A fused projection, output [..., (n_heads + 2 n_kv_heads) * head_dim] as q, k, v, set
+        # instead of wq/wk/wv by the quantized mode.
         self.wqkv: nn.Module | None = None
         self.cache_k: torch.Tensor | None = None  # [max_batch, n_kv_heads, max_seq_len, head_dim]
         self.cache_v: torch.Tensor | None = None
@@ -117,14 +122,19 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         # [bsz, seq, heads * head_dim] -> [bsz, heads, seq, head_dim]
         if self.wqkv is None:
-            xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+            xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+            xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            xq = apply_rotary_emb(xq, cos, sin)
+            xk = apply_rotary_emb(xk, cos, sin)
         else:
-            xq, xk, xv = self.wqkv(x)
-        xq = xq.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
-        xk = xk.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        xv = xv.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        xq = apply_rotary_emb(xq, cos, sin)
-        xk = apply_rotary_emb(xk, cos, sin)
+            # One product for q, k and v, and one rotation for the q and k heads together
+            # (elementwise, so each head is rotated exactly as above).
+            qk_heads = self.n_heads + self.n_kv_heads
+            qkv = self.wqkv(x).view(bsz, seqlen, qk_heads + self.n_kv_heads, self.head_dim)
+            qk = apply_rotary_emb(qkv[:, :, :qk_heads].transpose(1, 2), cos, sin)
+            xq, xk = qk[:, : self.n_heads], qk[:, self.n_heads :]
+            xv = qkv[:, :, qk_heads:].transpose(1, 2)
 
         end_pos = start_pos + seqlen
         self.cache_k[:bsz, :, start_pos:end_pos] = xk

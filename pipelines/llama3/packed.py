@@ -346,7 +346,8 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
         names = [f"{prefix}.{part}.weight" for part in parts]
         present = [matrices.get(name) for name in names]
         if fused and all(present) and len({(m.kind, m.cols) for m in present}) == 1:
-            splits = tuple(m.rows for m in present)
+            # q, k, v stay one tensor (the attention splits it); gate and up are split here.
+            splits = None if fused == "wqkv" else tuple(m.rows for m in present)
             setattr(owner, fused, PackedLinear(pack_rows(present), splits))
             for part in parts:
                 setattr(owner, part, None)

@@ -62,16 +62,17 @@ static inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/* 16 packed bytes -> the group's 32 values as four vectors of 8 floats, in k order. */
+/* 16 packed bytes -> the group's 32 values as four vectors of 8 floats, in k order. Each
+ * half of the bytes is widened to 32-bit lanes straight from memory; a lane's low nibble is
+ * value j, its high nibble value j + 16 (fewer shuffles than splitting the nibbles first). */
 static inline void unpack_q4(const uint8_t *q, __m256 w[4]) {
-  const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+  const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask));
+  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask));
+  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
 }
 
 static inline void unpack_q8(const int8_t *q, __m256 w[4]) {
