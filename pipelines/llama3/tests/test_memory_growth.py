@@ -67,13 +67,15 @@ def _smollm2() -> pathlib.Path:
         pytest.skip(f"SmolLM2 not available: {error}")
 
 
-# name -> (file, compute dtype): bfloat16 files run in bfloat16, the rest in float32, as the
-# golden tests run them.
-CHECKPOINTS: dict[str, tuple[Callable[[], pathlib.Path], torch.dtype]] = {
-    "tiny-float32": (lambda: TESTDATA / "tiny_llama.gguf", torch.float32),
-    "tiny-bfloat16": (lambda: TESTDATA / "tiny_llama_bf16.gguf", torch.bfloat16),
-    "tiny-q4_k": (lambda: TESTDATA / "tiny_llama_q4_k.gguf", torch.float32),
-    "real-q4_1-smollm2": (_smollm2, torch.float32),
+# name -> (file, compute dtype, mode): bfloat16 files run in bfloat16, the rest in float32, as
+# the golden tests run them; the quantized mode keeps packed weights and its kernel library.
+CHECKPOINTS: dict[str, tuple[Callable[[], pathlib.Path], torch.dtype, str]] = {
+    "tiny-float32": (lambda: TESTDATA / "tiny_llama.gguf", torch.float32, "eager"),
+    "tiny-bfloat16": (lambda: TESTDATA / "tiny_llama_bf16.gguf", torch.bfloat16, "eager"),
+    "tiny-q4_k": (lambda: TESTDATA / "tiny_llama_q4_k.gguf", torch.float32, "eager"),
+    "tiny-q4_k-quantized": (lambda: TESTDATA / "tiny_llama_q4_k.gguf", torch.float32, "quantized"),
+    "real-q4_1-smollm2": (_smollm2, torch.float32, "eager"),
+    "real-q4_1-smollm2-quantized": (_smollm2, torch.float32, "quantized"),
 }
 # SmolLM2 takes about 13 s per cycle on 2 cores (dequantizing its Q4_1 weights).
 NAMES = [
@@ -82,8 +84,8 @@ NAMES = [
 ]
 
 
-def _load_run_drop(path: pathlib.Path, device: str, dtype: torch.dtype) -> None:
-    engine = Llama3Engine.from_gguf(path, device=device, dtype=dtype)
+def _load_run_drop(path: pathlib.Path, device: str, dtype: torch.dtype, mode: str) -> None:
+    engine = Llama3Engine.from_gguf(path, device=device, dtype=dtype, mode=mode)
     logits = engine.generate(PROMPT, 2, stop_on_eos=False).logits
     assert torch.isfinite(logits).all()
     del engine
@@ -97,13 +99,13 @@ def _load_run_drop(path: pathlib.Path, device: str, dtype: torch.dtype) -> None:
 def test_repeated_load_does_not_grow_memory(
     name: str, device: str, record_property: Callable[[str, object], None]
 ) -> None:
-    locate, dtype = CHECKPOINTS[name]
+    locate, dtype, mode = CHECKPOINTS[name]
     path = locate()
     if not path.is_file():
         pytest.skip(f"{path} is missing (see its folder's README.md)")
     rss, cuda = [], []
     for _ in range(CYCLES):
-        _load_run_drop(path, device, dtype)
+        _load_run_drop(path, device, dtype, mode)
         rss.append(rss_mib())
         if device == "cuda":
             cuda.append(torch.cuda.memory_allocated() / 2**20)
