@@ -108,6 +108,27 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _import_setuptools() -> None:
+    """Import setuptools, which torch.compile's C++ builder needs (torch.utils.cpp_extension).
+
+    Bazel leaves files whose names contain a space out of runfiles, and setuptools' vendored
+    jaraco.text reads its 'Lorem ipsum.txt' when imported; under `bazel test` or `bazel run`
+    that import fails. The text is only a sample string, so a missing copy reads as one.
+    """
+    read_text = pathlib.Path.read_text
+
+    def tolerant_read_text(path: pathlib.Path, *args, **kwargs) -> str:
+        if path.name == "Lorem ipsum.txt" and not path.exists():
+            return "Lorem ipsum dolor sit amet."
+        return read_text(path, *args, **kwargs)
+
+    pathlib.Path.read_text = tolerant_read_text
+    try:
+        import setuptools  # noqa: F401
+    finally:
+        pathlib.Path.read_text = read_text
+
+
 def _compile_blocks(model: Transformer) -> None:
     """torch.compile each transformer block in place; the layers share one compiled graph
     (same code, parameters as inputs), compiled at the first prefill and the first decode.
@@ -118,6 +139,7 @@ def _compile_blocks(model: Transformer) -> None:
     process loading many checkpoints) raises instead of silently running eager, which would
     let the compiled mode pass its tests without being exercised.
     """
+    _import_setuptools()
     torch._inductor.config.emulate_precision_casts = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
