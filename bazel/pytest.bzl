@@ -3,7 +3,7 @@
 load("@pip//:requirements.bzl", "requirement")
 load("@rules_python//python:defs.bzl", "py_test")
 
-def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, **kwargs):
+def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, tags = [], **kwargs):
     """A py_test that runs pytest over `srcs`.
 
     Extra pytest arguments reach the runner through `args` here or `--test_arg` on the
@@ -29,6 +29,11 @@ def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, **kwargs)
         # Only test modules are collected; conftest.py and helpers are imported by pytest.
         args = ["$(rootpath %s)" % src for src in srcs if src.split("/")[-1].startswith("test_")] + args,
         env = env | {"PYTEST_SIBLING_TESTS": " ".join(["$(rootpath :%s)" % f for f in siblings])},
+        # Not sandboxed (still cached, still remotely executable): Python can then keep the
+        # bytecode of torch and the other pip packages in the runfiles tree between runs
+        # (rules_python ships no .pyc, and a sandbox discards what Python writes). Measured
+        # on the README's one-case command after an edit of model.py: 4.6 s instead of 8.5 s.
+        tags = tags + ["no-sandbox"],
         **kwargs
     )
 

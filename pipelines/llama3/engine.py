@@ -8,8 +8,6 @@ import threading
 import time
 
 import torch
-import torch._dynamo.config
-import torch._inductor.config
 
 from pipelines.llama3 import packed
 from pipelines.llama3.config import LlamaConfig
@@ -139,6 +137,10 @@ def _compile_blocks(model: Transformer) -> None:
     process loading many checkpoints) raises instead of silently running eager, which would
     let the compiled mode pass its tests without being exercised.
     """
+    # Imported here: torch._dynamo takes seconds to import, which eager and quantized skip.
+    import torch._dynamo.config
+    import torch._inductor.config
+
     _import_setuptools()
     torch._inductor.config.emulate_precision_casts = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
