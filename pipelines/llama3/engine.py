@@ -282,6 +282,7 @@ class Llama3Engine:
                 self.tokenizer.eos_ids if self.tokenizer else {self.config.eos_token_id} - {None}
             )
         step_logits = torch.empty(max_new_tokens, self.config.vocab_size, dtype=torch.float32)
+        next_token = torch.empty(1, 1, dtype=torch.long, device=self.device)
         tokens: list[int] = []
 
         _synchronize(self.device)
@@ -299,7 +300,7 @@ class Llama3Engine:
                 break
             if forced_tokens is not None:
                 token = forced_tokens[step]
-            next_token = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            next_token.fill_(token)  # one preallocated [1, 1] input for every step
             logits = self.model(next_token, len(input_ids) + step)[0, -1]
         _synchronize(self.device)
         decode_seconds = time.perf_counter() - start

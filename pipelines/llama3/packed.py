@@ -279,6 +279,13 @@ class PackedLinear(nn.Module):
         self._lib = library()
         self._q = _pointer(weight.q, ctypes.c_uint8 if weight.kind == "int4" else ctypes.c_int8)
         self._scales = _pointer(weight.scales, ctypes.c_float)
+        self._sums = torch.empty(0, dtype=torch.float32)  # the kernel's scratch, kept
+
+    def _scratch(self, size: int) -> torch.Tensor:
+        """The kernel's per-call scratch (group sums of x), allocated once per largest size."""
+        if self._sums.numel() < size:
+            self._sums = torch.empty(size, dtype=torch.float32)
+        return self._sums
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -290,7 +297,7 @@ class PackedLinear(nn.Module):
         # Small products run on one thread: waking the pool costs more than it saves there.
         threads = torch.get_num_threads() if rows * self.weight.nbytes >= PARALLEL_BYTES else 1
         if self.weight.kind == "int4":
-            sums = torch.empty(rows, self.in_features // GROUP, dtype=torch.float32)
+            sums = self._scratch(rows * (self.in_features // GROUP))
             self._lib.q4_gemm(
                 _pointer(x, ctypes.c_float),
                 rows,
