@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
+        if x.dtype == self.weight.dtype == torch.float32:
             # One fused kernel; bit-identical to the steps below in float32 (every golden of
             # the eager mode regenerates byte for byte with it).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
