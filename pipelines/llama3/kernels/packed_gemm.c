@@ -217,13 +217,13 @@ static void q8_rows(const float *x, int64_t M, int64_t K, const int8_t *q8, cons
 void q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const float *so_, int64_t N,
              float *y, float *sums, int threads) {
   group_sums(x, M, K, sums);
-#pragma omp parallel for schedule(dynamic, 16) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < N; n++) q4_rows(x, sums, M, K, q4, so_, n, y, N);
 }
 
 void q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q8, const float *scale,
              int64_t N, float *y, int threads) {
-#pragma omp parallel for schedule(dynamic, 16) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < N; n++) q8_rows(x, M, K, q8, scale, n, y, N);
 }
 
