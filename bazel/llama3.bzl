@@ -42,8 +42,8 @@ _TEST_IMPORTS = [
     requirement("gguf"),
 ]
 
-def llama3_test(name, size, goldens = True, gpu = False, deps = [], src = None, env = {}):
-    """The pytest file `<name>.py` (or `src`) with the package's conftest, over the tiny checkpoints.
+def llama3_test(name, size, goldens = True, gpu = False, deps = [], srcs = None, env = {}):
+    """The pytest file `<name>.py` (or the files `srcs`) with the package's conftest, over the tiny checkpoints.
 
     Every test gets what any test of the package imports (`_TEST_IMPORTS`). The suites in
     //max_tests/integration are its only users.
@@ -57,14 +57,13 @@ def llama3_test(name, size, goldens = True, gpu = False, deps = [], src = None, 
         --config=gpu) and `<name>_on_cpu` runs the same file with the CPU as the device under
         test (gpu_pytest_test).
       deps: what else it imports (labels in `_TEST_IMPORTS` are already there).
-      src: the test file, when it is not `<name>.py` (a second target over the same file).
+      srcs: the test files, when they are not `<name>.py`: several small files in one
+        process (each target pays for starting Python and importing torch), or a second
+        target over the same file.
       env: more environment for the test.
     """
     kwargs = dict(
-        srcs = [
-            "conftest.py",
-            src or name + ".py",
-        ],
+        srcs = ["conftest.py"] + (srcs or [name + ".py"]),
         data = _CHECKPOINTS + (_SMOLLM2 + _GOLDEN_ARCHIVES if goldens else []),
         env = _CHECKPOINTS_ENV | (_SMOLLM2_ENV | _GOLDEN_ARCHIVES_ENV if goldens else {}) | env,
         visibility = ["//max_tests/integration:__pkg__"],

@@ -28,7 +28,14 @@ def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, tags = []
         data = data + ["//:pyproject.toml"] + [":" + f for f in siblings],
         # Only test modules are collected; conftest.py and helpers are imported by pytest.
         args = ["$(rootpath %s)" % src for src in srcs if src.split("/")[-1].startswith("test_")] + args,
-        env = env | {"PYTEST_SIBLING_TESTS": " ".join(["$(rootpath :%s)" % f for f in siblings])},
+        # One torch (OpenMP) thread per test unless the target says otherwise: Bazel runs as
+        # many tests at once as there are cores, each holding one. With torch's default (a
+        # thread per core) the tests oversubscribe the cores, and every parallel region waits
+        # for a descheduled thread: after an edit of model.py, test_llama took 41 s in
+        # //max_tests/integration:tests instead of 9 s alone.
+        env = {"OMP_NUM_THREADS": "1"} | env | {
+            "PYTEST_SIBLING_TESTS": " ".join(["$(rootpath :%s)" % f for f in siblings]),
+        },
         # Not sandboxed (still cached, still remotely executable): Python can then keep the
         # bytecode of torch and the other pip packages in the runfiles tree between runs
         # (rules_python ships no .pyc, and a sandbox discards what Python writes). Measured

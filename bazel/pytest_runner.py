@@ -26,6 +26,7 @@ test (`//max_tests/integration:tests`), not to `//...`, where packages without a
 """
 
 import difflib
+import gc
 import os
 import sys
 
@@ -70,6 +71,20 @@ class _Collected:
         self.selected = list(session.items)
 
 
+class _FrozenImports:
+    """A pytest plugin moving what collection imported out of the garbage collector's sight.
+
+    torch, transformers and the rest leave about a million objects behind, and pytest ends a
+    session with five full gc.collect() passes (to surface exceptions raised in __del__): 0.4 s
+    of a small target's 2 s, in each of the suite's processes. Frozen after collection, those
+    objects are never scanned or freed again (they live as long as the process anyway); what
+    the tests create is collected as before.
+    """
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        gc.freeze()
+
+
 def main() -> int:
     base = ["-p", "no:cacheprovider", "-c", _find_config(), "--rootdir", os.getcwd()]
     args = list(base)
@@ -81,7 +96,7 @@ def main() -> int:
         args += ["-k", test_filter]
     user_args = sys.argv[1:]
     own = _Collected()
-    code = pytest.main(args + user_args, plugins=[own])
+    code = pytest.main(args + user_args, plugins=[own, _FrozenImports()])
     if code != pytest.ExitCode.NO_TESTS_COLLECTED:
         return code
     if not own.selection_pairs():

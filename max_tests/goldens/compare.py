@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from max_tests.goldens.schema import Case, Step, logsumexp
+from max_tests.goldens.schema import Case, Step, logsumexp, top_k_ids
 from max_tests.goldens.tolerances import Tolerance
 
 PASS, FAIL, AMBIGUOUS = "PASS", "FAIL", "AMBIGUOUS"
@@ -164,7 +164,7 @@ def _check_step(i: int, gstep: Step, token: int, row: np.ndarray, tol: Tolerance
     worst_order = np.argsort(-diffs, kind="stable")[:5]
     worst = [LogprobDiff(int(ids[j]), float(golden_lp[j]), float(run_lp[j])) for j in worst_order]
     k = len(ids)
-    run_topk = np.argsort(-row, kind="stable")[:k]
+    run_topk = top_k_ids(row, k)
     overlap = len(set(run_topk.tolist()) & set(ids.tolist())) / k
     # The run's tail is summed directly: 1 - sum(top-k) would cancel to noise when it is small.
     outside = np.ones(row.size, dtype=bool)

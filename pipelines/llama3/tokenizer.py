@@ -6,10 +6,12 @@ the file's `tokenizer.ggml.pre`, and control tokens kept whole.
 BOS is added by this class (never by the backend's post-processor), as the checkpoint says.
 """
 
+import collections
 import json
 import os
 import pathlib
 import re
+import threading
 from collections.abc import Iterable
 
 import numpy as np
@@ -138,40 +140,8 @@ class Tokenizer:
                 f"tokenizer.ggml.tokens {len(tokens)}",
             )
 
-        # One regex pass over all tokens instead of a set per token (128k of them).
-        if _OUTSIDE_BYTE_ALPHABET.search("".join(tokens)) is None:
-            vocab = dict(zip(tokens, range(len(tokens)), strict=True))
-        else:  # a few converters store a token in plain UTF-8; respell it in the byte alphabet
-            vocab = {_respelled(token): index for index, token in enumerate(tokens)}
-        # Byte-level merges hold exactly one space ("Ġ" spells a space inside a token).
-        parts = " ".join(merges).split(" ")
-        if len(parts) == 2 * len(merges):
-            pairs = list(zip(parts[0::2], parts[1::2], strict=True))
-        else:
-            pairs = [tuple(merge.split(" ", 1)) for merge in merges]
         pre_type = metadata_value(reader, "tokenizer.ggml.pre", "default")
-        backend = BackendTokenizer(
-            models.BPE(
-                vocab, pairs, ignore_merges=pre_type in LLAMA3_PRE_TYPES
-            )  # llama.cpp does the same
-        )
-        backend.pre_tokenizer = _pre_tokenizer(pre_type, path)
-        backend.decoder = decoders.ByteLevel()
-        # Control tokens (<|begin_of_text|>, <|im_start|>...) match whole in text, never split.
-        control = [tokens[i] for i in np.flatnonzero(token_types == TOKEN_TYPE_CONTROL)]
-        backend.add_special_tokens(
-            [
-                AddedToken(token, special=True, normalized=False)
-                for token in control
-                if _OUTSIDE_BYTE_ALPHABET.search(token) is None
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(tokens[i], special=False, normalized=False)
-                for i in np.flatnonzero(token_types == TOKEN_TYPE_USER_DEFINED)
-            ]
-        )
+        backend = _backend(tokens, merges, np.asarray(token_types), pre_type, path)
         bos_id = metadata_value(reader, "tokenizer.ggml.bos_token_id")
         eos_id = metadata_value(reader, "tokenizer.ggml.eos_token_id")
         eot_id = metadata_value(
@@ -214,3 +184,65 @@ class Tokenizer:
             # Llama 3's tokenizer.json adds BOS in its post-processor rather than saying so.
             add_bos = backend.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
         return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=bool(add_bos))
+
+
+# Built backends by their GGUF inputs: the tiny checkpoints of every encoding share Llama 3's
+# 128k-token vocabulary, and building its BPE model takes ~0.3 s. Backends are never mutated
+# after the build (Tokenizer.copy shares one), so a cached one is handed out as is.
+_BACKENDS: collections.OrderedDict[tuple, BackendTokenizer] = collections.OrderedDict()
+_BACKENDS_SIZE = 4
+_BACKENDS_LOCK = threading.Lock()
+
+
+def _backend(
+    tokens: tuple[str, ...],
+    merges: tuple[str, ...],
+    token_types: np.ndarray,
+    pre_type: str,
+    path: pathlib.Path,
+) -> BackendTokenizer:
+    """The byte-level BPE backend of a GGUF vocabulary, built once per distinct vocabulary."""
+    key = (tokens, merges, token_types.tobytes(), pre_type)
+    with _BACKENDS_LOCK:
+        backend = _BACKENDS.get(key)
+        if backend is not None:
+            _BACKENDS.move_to_end(key)
+            return backend
+    # One regex pass over all tokens instead of a set per token (128k of them).
+    if _OUTSIDE_BYTE_ALPHABET.search("".join(tokens)) is None:
+        vocab = dict(zip(tokens, range(len(tokens)), strict=True))
+    else:  # a few converters store a token in plain UTF-8; respell it in the byte alphabet
+        vocab = {_respelled(token): index for index, token in enumerate(tokens)}
+    # Byte-level merges hold exactly one space ("Ġ" spells a space inside a token).
+    parts = " ".join(merges).split(" ")
+    if len(parts) == 2 * len(merges):
+        pairs = list(zip(parts[0::2], parts[1::2], strict=True))
+    else:
+        pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = BackendTokenizer(
+        models.BPE(
+            vocab, pairs, ignore_merges=pre_type in LLAMA3_PRE_TYPES
+        )  # llama.cpp does the same
+    )
+    backend.pre_tokenizer = _pre_tokenizer(pre_type, path)
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|begin_of_text|>, <|im_start|>...) match whole in text, never split.
+    control = [tokens[i] for i in np.flatnonzero(token_types == TOKEN_TYPE_CONTROL)]
+    backend.add_special_tokens(
+        [
+            AddedToken(token, special=True, normalized=False)
+            for token in control
+            if _OUTSIDE_BYTE_ALPHABET.search(token) is None
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i in np.flatnonzero(token_types == TOKEN_TYPE_USER_DEFINED)
+        ]
+    )
+    with _BACKENDS_LOCK:
+        _BACKENDS[key] = backend
+        while len(_BACKENDS) > _BACKENDS_SIZE:
+            _BACKENDS.popitem(last=False)
+    return backend

@@ -37,6 +37,7 @@ import __future__
 
 import dataclasses
 import inspect
+import sys
 import textwrap
 from collections.abc import Callable
 
@@ -45,7 +46,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from max_tests.goldens import compare
+from max_tests.goldens import compare, schema
 from max_tests.goldens.record import CaseSpec, record_case
 from max_tests.goldens.schema import Case
 from max_tests.goldens.tolerances import Tolerance, entries
@@ -280,14 +281,31 @@ def test_a_constant_shift_of_the_logits_changes_nothing(
     _assert_same_report(report, shifted, atol=ROUNDING)
 
 
+@fuzz_settings(FUZZ_EXAMPLES)
+@given(
+    # Few distinct values, so ties at the k-th place are common; NaN and infinities included.
+    row=st.lists(
+        st.sampled_from([-np.inf, -1.5, 0.0, 0.25, 0.25, 2.0, np.inf, np.nan]), min_size=1
+    ).map(lambda values: np.asarray(values, dtype=np.float32)),
+    k=st.integers(1, 12),
+)
+def test_top_k_ids_equals_a_stable_full_sort(row: np.ndarray, k: int) -> None:
+    expected = np.argsort(-row, kind="stable")[:k]
+    np.testing.assert_array_equal(schema.top_k_ids(row, k), expected)
+
+
 def _plant(monkeypatch: pytest.MonkeyPatch, function: Callable, old: str, new: str) -> None:
-    """Replace `function` in compare.py by a copy of its source with `old` edited to `new`."""
+    """Replace `function` in its module (and where compare.py imported it) by a copy of its
+    source with `old` edited to `new`."""
     source = textwrap.dedent(inspect.getsource(function))
     assert source.count(old) == 1, f"{old!r} is not in {function.__name__} once: update the plant"
     flags = __future__.annotations.compiler_flag
-    namespace = dict(vars(compare))
-    exec(compile(source.replace(old, new), compare.__file__, "exec", flags=flags), namespace)
-    monkeypatch.setattr(compare, function.__name__, namespace[function.__name__])
+    module = sys.modules[function.__module__]
+    namespace = dict(vars(module))
+    exec(compile(source.replace(old, new), module.__file__, "exec", flags=flags), namespace)
+    for owner in {module, compare}:
+        if getattr(owner, function.__name__, None) is function:
+            monkeypatch.setattr(owner, function.__name__, namespace[function.__name__])
 
 
 def test_planted_step_misalignment_fails_the_identical_run_property(monkeypatch):
@@ -336,4 +354,11 @@ def test_planted_run_normalized_by_the_goldens_logsumexp_fails_the_shift_propert
     planted = first_failure(
         monkeypatch, test_a_constant_shift_of_the_logits_changes_nothing, match="differ"
     )
+    assert planted.first <= FUZZ_EXAMPLES
+
+
+def test_planted_top_k_without_the_kth_ties_fails_the_sort_property(monkeypatch):
+    # Candidates strictly above the k-th value: the k-th and its ties are lost.
+    _plant(monkeypatch, schema.top_k_ids, "negated <= kth", "negated < kth")
+    planted = first_failure(monkeypatch, test_top_k_ids_equals_a_stable_full_sort)
     assert planted.first <= FUZZ_EXAMPLES

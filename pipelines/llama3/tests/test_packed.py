@@ -101,6 +101,25 @@ def test_every_code_path_of_the_kernels_agrees(flags, simd, monkeypatch) -> None
         assert (y - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
+def test_threads_split_the_rows_without_changing_a_bit(qtype, monkeypatch) -> None:
+    """Each output row is one thread's whole dot product, so any thread count gives the same
+    bits. (Tests run on one thread under Bazel, OMP_NUM_THREADS=1: this one asks for more.)"""
+    monkeypatch.setattr(packed, "PARALLEL_BYTES", 0)  # thread even a small product
+    raw = _gguf_py_tensor(qtype, 72, 320, 4)
+    linear = packed.PackedLinear(packed.pack(raw, qtype, (72, 320)))
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x)
+        torch.set_num_threads(3)
+        three = linear(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
+
+
 def test_fused_projection_splits_into_its_parts() -> None:
     parts = [_raw(GGMLQuantizationType.Q4_1, 32, 64, 3), _raw(GGMLQuantizationType.Q4_0, 16, 64, 4)]
     fused = packed.PackedLinear(packed.pack_rows(parts), (32, 16))

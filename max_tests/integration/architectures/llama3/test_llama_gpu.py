@@ -56,12 +56,14 @@ def test_llama_gpu(
         pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
     gpu = golden_run.hardware(str(device))
     engine = golden_run.load_engine(variant, str(device))
-    failures, ambiguous = [], 0
+    failures, ambiguous, memo = [], 0, {}  # memo: a token sequence both goldens hold runs once
     reports = golden_run.report_directory(tmp_path)
     for reference in ("own", "torch"):
         golden, name, tol, note = _golden_for_this_gpu(goldens, reference, variant, gpu)
         record_property(f"{reference}_golden", f"{name} ({note})")
-        verdict = golden_run.check(engine, golden, name, reference, tol, variant, device.type)
+        verdict = golden_run.check(
+            engine, golden, name, reference, tol, variant, device.type, memo=memo
+        )
         print(f"{variant.test_id} on {gpu} ({note}): {verdict.summary()}")
         failures += golden_run.failures_with_report(
             verdict,
