@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import gc
 import os
 import pathlib
 import threading
@@ -93,6 +94,19 @@ def clear_checkpoint_cache() -> None:
     """Forget every parsed file (the next from_gguf parses again)."""
     with _PARSED_CACHE_LOCK:
         _PARSED_CACHE.clear()
+
+
+def freeze_imported_objects() -> None:
+    """Exempt every object alive now from garbage collection (gc.freeze), for a program's main.
+
+    Importing torch leaves about a million objects for the collector, and a fresh process is
+    due a full collection within its next few hundred allocations: it landed in the first
+    from_gguf, 90 ms of SmolLM2's 0.26 s load. Frozen right after the imports, those objects
+    are never scanned again (they live as long as the process anyway), so that collection
+    and every later one only scan what the program made since. The command-line tools call
+    this first; a library never should, as it is the host program's decision.
+    """
+    gc.freeze()
 
 
 # Execution modes, all held to the same goldens and tolerances (the goldens come from eager):
@@ -311,4 +325,10 @@ class Llama3Engine:
         )
 
 
-__all__ = ["CheckpointError", "GenerationOutput", "Llama3Engine", "clear_checkpoint_cache"]
+__all__ = [
+    "CheckpointError",
+    "GenerationOutput",
+    "Llama3Engine",
+    "clear_checkpoint_cache",
+    "freeze_imported_objects",
+]

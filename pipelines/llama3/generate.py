@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from pipelines.llama3.engine import MODES, Llama3Engine
+from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
 from tools.cli_files import user_path
 
@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_imported_objects()  # before the first load: see its docstring
     parser = _parser()
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:

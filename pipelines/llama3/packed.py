@@ -183,10 +183,16 @@ class RawMatrix:
 
     def scales_finite(self) -> bool:
         """Whether every float16 scale (and min) in the blocks is finite."""
+        # Read as the fields' bit patterns in place (every block size is even, every offset
+        # too): a float16 is inf or NaN exactly when its 5 exponent bits are all ones.
         block_bytes = GGML_QUANT_SIZES[self.qtype][1]
-        blocks = np.asarray(self.raw).view(np.uint8).reshape(-1, block_bytes)
-        fields = [blocks[:, o : o + 2].copy().view(np.float16) for o in _SCALE_OFFSETS[self.qtype]]
-        return all(bool(np.isfinite(f).all()) for f in fields)
+        words = np.asarray(self.raw).view(np.uint8).reshape(-1).view(np.uint16)
+        blocks = words.reshape(-1, block_bytes // 2)
+        exponent = np.uint16(0x7C00)
+        return not any(
+            bool(((blocks[:, o // 2] & exponent) == exponent).any())
+            for o in _SCALE_OFFSETS[self.qtype]
+        )
 
 
 _SCALE_OFFSETS = {  # byte offsets of each block's float16 scale fields

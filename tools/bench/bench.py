@@ -35,7 +35,7 @@ import torch
 
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import CheckpointError, Llama3Engine, LlamaConfig
-from pipelines.llama3.engine import MODES
+from pipelines.llama3.engine import MODES, freeze_imported_objects
 from pipelines.llama3.gguf_file import GGUFFile
 from tools.bench import llama_cpp_peer
 from tools.bench.record import (
@@ -308,6 +308,7 @@ def _write_json(
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_imported_objects()  # before the first load: see its docstring
     parser = _parser()
     args = parser.parse_args(argv)
     if args.new_tokens < 2:

@@ -29,10 +29,12 @@ that it raises, and that the first failing example came within the FUZZ_EXAMPLES
 only while shrinking).
 """
 
+import collections
 import dataclasses
 import os
 import pathlib
 import types
+from unittest import mock
 
 import pytest
 from hypothesis import given
@@ -166,8 +168,10 @@ def test_transformers_gguf_loader_drops_smollm2s_digit_split(
 
 
 def _rebuilt(subject: Subject) -> Subject:
-    """`subject` with our tokenizer read again from its GGUF (with whatever is patched)."""
-    return dataclasses.replace(subject, ours=Tokenizer.from_gguf(subject.gguf))
+    """`subject` with our tokenizer built again from its GGUF (with whatever is patched), not
+    taken from the cache of built backends."""
+    with mock.patch.object(tokenizer_module, "_BACKENDS", collections.OrderedDict()):
+        return dataclasses.replace(subject, ours=Tokenizer.from_gguf(subject.gguf))
 
 
 def test_planted_lost_merge_fails_the_encode_property(

@@ -144,12 +144,17 @@ def test_int4_and_int8_parts_are_not_fused() -> None:
         packed.pack_rows(parts)
 
 
-def test_a_non_finite_scale_is_found() -> None:
-    matrix = _raw(GGMLQuantizationType.Q4_1, 4, 64, 8)
+@pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
+def test_a_non_finite_scale_is_found(qtype: GGMLQuantizationType) -> None:
+    matrix = _raw(qtype, 4, 64, 8)
     assert matrix.scales_finite()
-    blocks = matrix.raw.view(np.uint8).reshape(-1, 20).copy()
-    blocks[5, 2:4] = np.array([np.inf], dtype=np.float16).view(np.uint8)  # block 5's min
-    assert not dataclasses.replace(matrix, raw=blocks).scales_finite()
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    for offset in packed._SCALE_OFFSETS[qtype]:
+        for value, finite in ((np.inf, False), (-np.inf, False), (np.nan, False), (-65504, True)):
+            blocks = matrix.raw.view(np.uint8).reshape(-1, block_bytes).copy()
+            blocks[5, offset : offset + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+            changed = dataclasses.replace(matrix, raw=blocks)
+            assert changed.scales_finite() == finite, (offset, value)
 
 
 @pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
