@@ -7,6 +7,7 @@ on the meta device and given its weights by `load_state_dict(assign=True)`.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,10 @@ class Attention(nn.Module):
         # A fused projection, output [..., (n_heads + 2 n_kv_heads) * head_dim] as q, k, v, set
         # instead of wq/wk/wv by the quantized mode.
         self.wqkv: nn.Module | None = None
+        # With wqkv, the quantized mode's kernel for one new position of one sequence
+        # (packed.DecodeAttention): (self, x, start_pos, cos, sin) -> output before wo, or None
+        # where it does not apply.
+        self.decode_step: Callable | None = None
         self.cache_k: torch.Tensor | None = None  # [max_batch, n_kv_heads, max_seq_len, head_dim]
         self.cache_v: torch.Tensor | None = None
 
@@ -120,6 +125,10 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
+        if self.decode_step is not None and bsz == seqlen == 1:
+            output = self.decode_step(self, x, start_pos, cos, sin)
+            if output is not None:
+                return self.wo(output)
         # [bsz, seq, heads * head_dim] -> [bsz, heads, seq, head_dim]
         if self.wqkv is None:
             xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)

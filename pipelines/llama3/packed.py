@@ -106,7 +106,7 @@ def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
             target = directory / target.name
         fd, temporary = tempfile.mkstemp(dir=directory, prefix=target.name, suffix=".tmp")
         os.close(fd)
-        command = [compiler, *flags, str(SOURCE), "-o", temporary]
+        command = [compiler, *flags, str(SOURCE), "-o", temporary, "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             os.unlink(temporary)
@@ -116,23 +116,31 @@ def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         os.replace(temporary, target)  # atomic: a concurrent build gives the same bytes
     # torch is imported first, so the kernels' libgomp.so.1 is torch's: one thread pool.
     lib = ctypes.CDLL(str(target))
-    f32, i64 = ctypes.POINTER(ctypes.c_float), ctypes.c_int64
-    u8, i8 = ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(ctypes.c_int8)
-    lib.q4_gemm.argtypes = [f32, i64, i64, u8, f32, i64, f32, f32, ctypes.c_int]
-    lib.q8_gemm.argtypes = [f32, i64, i64, i8, f32, i64, f32, ctypes.c_int]
-    lib.q4_dequantize.argtypes = [u8, f32, i64, i64, f32]
-    lib.q8_dequantize.argtypes = [i8, f32, i64, i64, f32]
-    rows = ctypes.POINTER(ctypes.c_int64)
+    # Arrays go as plain addresses (tensor.data_ptr()): converting an int is a tenth of the
+    # cost of a typed ctypes pointer, and a decode step makes a few hundred calls. Every
+    # caller checks dtype and contiguity first.
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.q4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.q8_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.q4_dequantize.argtypes = [ptr, ptr, i64, i64, ptr]
+    lib.q8_dequantize.argtypes = [ptr, ptr, i64, i64, ptr]
     for name in ("pack_q4_0", "pack_q4_1", "pack_q4_k", "pack_q8_0"):
-        getattr(lib, name).argtypes = [u8, i64, rows, i64, i64, u8, f32]
-    functions = ("q4_gemm", "q8_gemm", "q4_dequantize", "q8_dequantize", *_PACKERS.values())
+        getattr(lib, name).argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr]
+    lib.rms_norm.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
+    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.decode_attention.argtypes += [ctypes.c_float, ptr, ptr]
+    functions = (
+        "q4_gemm",
+        "q8_gemm",
+        "q4_dequantize",
+        "q8_dequantize",
+        "rms_norm",
+        "decode_attention",
+        *_PACKERS.values(),
+    )
     for name in functions:
         getattr(lib, name).restype = None
     return lib
-
-
-def _pointer(tensor: torch.Tensor, ctype: type) -> ctypes._Pointer:
-    return ctypes.cast(tensor.data_ptr(), ctypes.POINTER(ctype))
 
 
 # --- packing GGUF blocks ----------------------------------------------------------------------
@@ -228,13 +236,13 @@ def pack_rows(parts: list[RawMatrix]) -> PackedWeight:
         raw = torch.from_numpy(np.ascontiguousarray(part.raw).view(np.uint8).reshape(-1))
         order = None if part.row_order is None else part.row_order.to(torch.int64).contiguous()
         getattr(lib, _PACKERS[part.qtype])(
-            _pointer(raw, ctypes.c_uint8),
+            raw.data_ptr(),
             raw.numel() // part.rows,
-            None if order is None else _pointer(order, ctypes.c_int64),
+            None if order is None else order.data_ptr(),
             part.rows,
             cols,
-            _pointer(q[start], ctypes.c_uint8),
-            _pointer(scales[start], ctypes.c_float),
+            q[start].data_ptr(),
+            scales[start].data_ptr(),
         )
         start += part.rows
     return PackedWeight(kind, q, scales, rows, cols)
@@ -253,19 +261,19 @@ def dequantize(weight: PackedWeight) -> torch.Tensor:
     lib = library()
     if weight.kind == "int4":
         lib.q4_dequantize(
-            _pointer(weight.q, ctypes.c_uint8),
-            _pointer(weight.scales, ctypes.c_float),
+            weight.q.data_ptr(),
+            weight.scales.data_ptr(),
             weight.rows,
             weight.cols,
-            _pointer(out, ctypes.c_float),
+            out.data_ptr(),
         )
     else:
         lib.q8_dequantize(
-            _pointer(weight.q, ctypes.c_int8),
-            _pointer(weight.scales, ctypes.c_float),
+            weight.q.data_ptr(),
+            weight.scales.data_ptr(),
             weight.rows,
             weight.cols,
-            _pointer(out, ctypes.c_float),
+            out.data_ptr(),
         )
     return out
 
@@ -283,8 +291,8 @@ class PackedLinear(nn.Module):
         self.splits = splits
         self.in_features, self.out_features = weight.cols, weight.rows
         self._lib = library()
-        self._q = _pointer(weight.q, ctypes.c_uint8 if weight.kind == "int4" else ctypes.c_int8)
-        self._scales = _pointer(weight.scales, ctypes.c_float)
+        self._q = weight.q.data_ptr()
+        self._scales = weight.scales.data_ptr()
         self._sums = torch.empty(0, dtype=torch.float32)  # the kernel's scratch, kept
 
     def _scratch(self, size: int) -> torch.Tensor:
@@ -305,25 +313,25 @@ class PackedLinear(nn.Module):
         if self.weight.kind == "int4":
             sums = self._scratch(rows * (self.in_features // GROUP))
             self._lib.q4_gemm(
-                _pointer(x, ctypes.c_float),
+                x.data_ptr(),
                 rows,
                 self.in_features,
                 self._q,
                 self._scales,
                 self.out_features,
-                _pointer(y, ctypes.c_float),
-                _pointer(sums, ctypes.c_float),
+                y.data_ptr(),
+                sums.data_ptr(),
                 threads,
             )
         else:
             self._lib.q8_gemm(
-                _pointer(x, ctypes.c_float),
+                x.data_ptr(),
                 rows,
                 self.in_features,
                 self._q,
                 self._scales,
                 self.out_features,
-                _pointer(y, ctypes.c_float),
+                y.data_ptr(),
                 threads,
             )
         y = y.reshape(*leading, self.out_features)
@@ -345,6 +353,87 @@ class PackedEmbedding(nn.Module):
         values = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # [..., groups, 32]
         out = torch.addcmul(scales[..., 1:], scales[..., :1], values)
         return out.reshape(*tokens.shape, w.cols)
+
+
+class KernelRMSNorm(nn.Module):
+    """RMSNorm in one kernel call for float32 CPU rows; anything else as model.RMSNorm does.
+
+    The quantized mode's norms: same weight and eps, same arithmetic as torch's float32
+    rms_norm up to the summation order of the mean of squares.
+    """
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.eps = norm.eps
+        self.weight = norm.weight
+        self._fallback = norm
+        self._lib = library()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        usable = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
+        if not (usable and x.is_contiguous() and self.weight.is_contiguous()):
+            return self._fallback(x)
+        y = torch.empty_like(x)
+        dim = x.shape[-1]
+        self._lib.rms_norm(
+            x.data_ptr(),
+            self.weight.data_ptr(),
+            x.numel() // dim,
+            dim,
+            self.eps,
+            y.data_ptr(),
+        )
+        return y
+
+
+class DecodeAttention:
+    """One decode step of an Attention whose q, k and v come from one packed product: the
+    rotation, the cache writes and grouped-query attention over the cache in one kernel call
+    (`decode_attention` in the kernels) instead of about ten torch operators per layer.
+
+    Set as `Attention.decode_step` by `install`; the attention calls it for one new position of
+    one sequence and keeps the general path (SDPA) for prefill, batches and anything else.
+    The result differs from SDPA's in summation order only; the rotation is bit-identical.
+    """
+
+    def __init__(self) -> None:
+        self._lib = library()
+        self._scores = torch.empty(0, dtype=torch.float32)
+
+    def __call__(
+        self,
+        attention: nn.Module,
+        x: torch.Tensor,
+        start_pos: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor | None:
+        cache_k, cache_v = attention.cache_k, attention.cache_v
+        tables = cos.dtype == sin.dtype == cache_k.dtype == cache_v.dtype == torch.float32
+        if not (tables and cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        if not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+            return None
+        qkv = attention.wqkv(x)  # [1, 1, (n_heads + 2 n_kv_heads) * head_dim], our own tensor
+        if self._scores.numel() < start_pos + 1:
+            self._scores = torch.empty(cache_k.shape[2], dtype=torch.float32)
+        out = torch.empty(1, 1, attention.n_heads * attention.head_dim, dtype=torch.float32)
+        self._lib.decode_attention(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cache_k.data_ptr(),
+            cache_v.data_ptr(),
+            attention.n_heads,
+            attention.n_kv_heads,
+            attention.head_dim,
+            cache_k.shape[2],
+            start_pos,
+            attention.scale,
+            self._scores.data_ptr(),
+            out.data_ptr(),
+        )
+        return out
 
 
 def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
@@ -369,8 +458,20 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
             if matrix is not None:
                 setattr(owner, part, PackedLinear(pack_rows([matrix])))
 
+    if not matrices:
+        return  # nothing packed (a float file): the model stays exactly the eager one
+    float_norms = (
+        model.norm.weight.dtype == torch.float32 and model.norm.weight.device.type == "cpu"
+    )
+    if float_norms:
+        model.norm = KernelRMSNorm(model.norm)
     for i, layer in enumerate(model.layers):
+        if float_norms:
+            layer.attention_norm = KernelRMSNorm(layer.attention_norm)
+            layer.ffn_norm = KernelRMSNorm(layer.ffn_norm)
         fuse(layer.attention, f"layers.{i}.attention", ("wq", "wk", "wv"), "wqkv")
+        if layer.attention.wqkv is not None:
+            layer.attention.decode_step = DecodeAttention()
         fuse(layer.feed_forward, f"layers.{i}.feed_forward", ("w1", "w3"), "w13")
         fuse(layer.attention, f"layers.{i}.attention", ("wo",))
         fuse(layer.feed_forward, f"layers.{i}.feed_forward", ("w2",))

@@ -356,3 +356,80 @@ void q8_dequantize(const int8_t *q8, const float *scale, int64_t N, int64_t K, f
   for (int64_t n = 0; n < N; n++)
     for (int64_t k = 0; k < K; k++) w[n * K + k] = scale[n * G + k / GROUP] * (float)q8[n * K + k];
 }
+
+/* Dot product of two float32 vectors over 8 lanes (vectorized without reassociating). */
+static inline float dot8(const float *a, const float *b, int64_t n) {
+    float lanes[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) lanes[j] += a[i + j] * b[i + j];
+    float sum = 0.0f;
+    for (; i < n; i++) sum += a[i] * b[i];
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+    return sum;
+}
+
+/* RMSNorm of each row, as torch's float32 rms_norm computes it: y = (x * r) * w with
+ * r = 1 / sqrt(mean(x^2) + eps), the sum of squares in float32 over 8 lanes. Quantized mode's
+ * norms run here: torch's CPU rms_norm is a chain of eight small operators (14 us a call,
+ * 61 calls per SmolLM2 token); this is one call. Summation order aside, the same arithmetic. */
+void rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *yr = y + r * dim;
+        const float scale = 1.0f / __builtin_sqrtf(dot8(xr, xr, dim) / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) yr[i] = (xr[i] * scale) * w[i];
+    }
+}
+
+/* One decode step of grouped-query attention for one sequence, after the fused QKV product.
+ *
+ * qkv: [n_heads + 2 n_kv_heads, head_dim], the q, k and v heads of the new position `pos`;
+ * the q and k heads are rotated in place (RoPE, "rotate half" layout with the cos/sin rows
+ * of `pos`, the same roundings as model.apply_rotary_emb: each product rounded, then the sum;
+ * -std=c11 keeps the compiler from fusing them). k and v are written to the caches
+ * ([n_kv_heads, max_seq, head_dim] each, batch row 0), then every q head attends over
+ * positions 0..pos of its KV head (n_heads / n_kv_heads q heads per KV head):
+ * out[h] = softmax(q_h . K^T * scale) V, float32. scores: scratch of pos + 1 floats.
+ * Replaces ten torch operators per layer (rotation, cache writes, SDPA, reshapes). */
+void decode_attention(float *qkv, const float *cos, const float *sin, float *cache_k,
+                      float *cache_v, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                      int64_t max_seq, int64_t pos, float scale, float *scores, float *out) {
+    const int64_t half = head_dim / 2, group = n_heads / n_kv_heads, T = pos + 1;
+    for (int64_t h = 0; h < n_heads + n_kv_heads; h++) {
+        float *x = qkv + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = x[i], b = x[i + half];
+            const float low_cos = a * cos[i], low_sin = -b * sin[i];
+            const float high_cos = b * cos[i + half], high_sin = a * sin[i + half];
+            x[i] = low_cos + low_sin;
+            x[i + half] = high_cos + high_sin;
+        }
+    }
+    const float *k = qkv + n_heads * head_dim, *v = k + n_kv_heads * head_dim;
+    for (int64_t j = 0; j < n_kv_heads; j++) {
+        memcpy(cache_k + (j * max_seq + pos) * head_dim, k + j * head_dim, head_dim * 4);
+        memcpy(cache_v + (j * max_seq + pos) * head_dim, v + j * head_dim, head_dim * 4);
+    }
+    for (int64_t h = 0; h < n_heads; h++) {
+        const float *q = qkv + h * head_dim;
+        const float *keys = cache_k + (h / group) * max_seq * head_dim;
+        const float *values = cache_v + (h / group) * max_seq * head_dim;
+        float peak = -__builtin_inff();
+        for (int64_t t = 0; t < T; t++) {
+            scores[t] = dot8(q, keys + t * head_dim, head_dim) * scale;
+            if (scores[t] > peak) peak = scores[t];
+        }
+        float total = 0.0f;
+        for (int64_t t = 0; t < T; t++) {
+            scores[t] = __builtin_expf(scores[t] - peak);
+            total += scores[t];
+        }
+        float *o = out + h * head_dim;
+        for (int64_t i = 0; i < head_dim; i++) o[i] = 0.0f;
+        for (int64_t t = 0; t < T; t++) {
+            const float p = scores[t] / total, *vt = values + t * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) o[i] += p * vt[i];
+        }
+    }
+}

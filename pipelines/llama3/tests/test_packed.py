@@ -180,6 +180,39 @@ def test_quantized_engine_follows_eager_on_the_q4_k_file() -> None:
     assert (a.logits - b.logits).abs().max() <= 1e-3
 
 
+def test_decode_attention_follows_the_general_path() -> None:
+    """The quantized mode's decode step (one kernel for RoPE, cache writes and grouped-query
+    attention) against the same engine on torch's operators (SDPA): the caches hold the same
+    bits (the rotation rounds as apply_rotary_emb does), the logits differ by summation order
+    only, and the greedy tokens agree."""
+    kernels = Llama3Engine.from_gguf(Q4_K_FILE, mode="quantized")
+    general = Llama3Engine.from_gguf(Q4_K_FILE, mode="quantized")
+    model = general.model
+    assert model.config.n_heads > model.config.n_kv_heads  # grouped-query attention
+    for layer in model.layers:
+        assert isinstance(layer.attention.decode_step, packed.DecodeAttention)
+        layer.attention.decode_step = None
+    prompt = [1, 17, 99, 5, 42, 7]
+    a = kernels.generate(prompt, 24, stop_on_eos=False)
+    b = general.generate(prompt, 24, stop_on_eos=False)
+    assert a.tokens == b.tokens
+    assert (a.logits - b.logits).abs().max() <= 1e-5 * b.logits.abs().max()
+    used = len(prompt) + 23  # positions written (the last token is never fed back)
+    for mine, theirs in zip(kernels.model.layers, model.layers, strict=True):
+        for cache in ("cache_k", "cache_v"):
+            written = getattr(mine.attention, cache)[:, :, :used]
+            assert torch.equal(written, getattr(theirs.attention, cache)[:, :, :used])
+
+
+def test_kernel_rms_norm_equals_torch_up_to_summation_order() -> None:
+    norm = torch.nn.Module()
+    norm.eps, norm.weight = 1e-5, torch.randn(576, generator=torch.Generator().manual_seed(6))
+    kernel = packed.KernelRMSNorm(norm)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(7)) * 40
+    expected = torch.nn.functional.rms_norm(x, (576,), norm.weight, norm.eps)
+    assert (kernel(x) - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
 def test_quantized_mode_keeps_float_files_dense(tmp_path) -> None:
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path)
