@@ -6,12 +6,11 @@ the file's `tokenizer.ggml.pre`, and control tokens kept whole.
 BOS is added by this class (never by the backend's post-processor), as the checkpoint says.
 """
 
-import collections
+import functools
 import json
 import os
 import pathlib
 import re
-import threading
 from collections.abc import Iterable
 
 import numpy as np
@@ -32,6 +31,7 @@ DIGITS_THEN_GPT2_PRE_TYPES = frozenset(
     {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone"}
 )
 GPT2_PRE_TYPES = frozenset({"gpt2", "default"})
+KNOWN_PRE_TYPES = LLAMA3_PRE_TYPES | DIGITS_THEN_GPT2_PRE_TYPES | GPT2_PRE_TYPES
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -62,7 +62,8 @@ def _respelled(token: str) -> str:
     return "".join(_BYTE_ALPHABET[b] for b in token.encode())
 
 
-def _pre_tokenizer(pre_type: str, path: pathlib.Path) -> pre_tokenizers.PreTokenizer:
+def _pre_tokenizer(pre_type: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of a `tokenizer.ggml.pre` in KNOWN_PRE_TYPES."""
     if pre_type in LLAMA3_PRE_TYPES:
         return pre_tokenizers.Sequence(
             [
@@ -77,12 +78,7 @@ def _pre_tokenizer(pre_type: str, path: pathlib.Path) -> pre_tokenizers.PreToken
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
             ]
         )
-    if pre_type in GPT2_PRE_TYPES:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    known = sorted(LLAMA3_PRE_TYPES | DIGITS_THEN_GPT2_PRE_TYPES | GPT2_PRE_TYPES)
-    raise CheckpointError(
-        path, f"tokenizer.ggml.pre {pre_type!r} is not supported (known: {', '.join(known)})"
-    )
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT2_PRE_TYPES
 
 
 class Tokenizer:
@@ -141,7 +137,14 @@ class Tokenizer:
             )
 
         pre_type = metadata_value(reader, "tokenizer.ggml.pre", "default")
-        backend = _backend(tokens, merges, np.asarray(token_types), pre_type, path)
+        if pre_type not in KNOWN_PRE_TYPES:
+            raise CheckpointError(
+                path,
+                f"tokenizer.ggml.pre {pre_type!r} is not supported "
+                f"(known: {', '.join(sorted(KNOWN_PRE_TYPES))})",
+            )
+        types = np.asarray(token_types, dtype=np.int32).tobytes()
+        backend = _backend(tokens, merges, types, pre_type)
         bos_id = metadata_value(reader, "tokenizer.ggml.bos_token_id")
         eos_id = metadata_value(reader, "tokenizer.ggml.eos_token_id")
         eot_id = metadata_value(
@@ -186,28 +189,17 @@ class Tokenizer:
         return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=bool(add_bos))
 
 
-# Built backends by their GGUF inputs: the tiny checkpoints of every encoding share Llama 3's
-# 128k-token vocabulary, and building its BPE model takes ~0.3 s. Backends are never mutated
-# after the build (Tokenizer.copy shares one), so a cached one is handed out as is.
-_BACKENDS: collections.OrderedDict[tuple, BackendTokenizer] = collections.OrderedDict()
-_BACKENDS_SIZE = 4
-_BACKENDS_LOCK = threading.Lock()
-
-
+# Built backends by their GGUF inputs (an LRU of a few): the tiny checkpoints of every
+# encoding share Llama 3's 128k-token vocabulary, and building its BPE model takes ~0.3 s.
+# Backends are never mutated after the build (Tokenizer.copy shares one), so a cached one is
+# handed out as is.
+@functools.lru_cache(maxsize=4)
 def _backend(
-    tokens: tuple[str, ...],
-    merges: tuple[str, ...],
-    token_types: np.ndarray,
-    pre_type: str,
-    path: pathlib.Path,
+    tokens: tuple[str, ...], merges: tuple[str, ...], types: bytes, pre_type: str
 ) -> BackendTokenizer:
-    """The byte-level BPE backend of a GGUF vocabulary, built once per distinct vocabulary."""
-    key = (tokens, merges, token_types.tobytes(), pre_type)
-    with _BACKENDS_LOCK:
-        backend = _BACKENDS.get(key)
-        if backend is not None:
-            _BACKENDS.move_to_end(key)
-            return backend
+    """The byte-level BPE backend of a GGUF vocabulary (`types`: token types as int32 bytes,
+    `pre_type` one of KNOWN_PRE_TYPES), built once per distinct vocabulary."""
+    token_types = np.frombuffer(types, dtype=np.int32)
     # One regex pass over all tokens instead of a set per token (128k of them).
     if _OUTSIDE_BYTE_ALPHABET.search("".join(tokens)) is None:
         vocab = dict(zip(tokens, range(len(tokens)), strict=True))
@@ -224,7 +216,7 @@ def _backend(
             vocab, pairs, ignore_merges=pre_type in LLAMA3_PRE_TYPES
         )  # llama.cpp does the same
     )
-    backend.pre_tokenizer = _pre_tokenizer(pre_type, path)
+    backend.pre_tokenizer = _pre_tokenizer(pre_type)
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|begin_of_text|>, <|im_start|>...) match whole in text, never split.
     control = [tokens[i] for i in np.flatnonzero(token_types == TOKEN_TYPE_CONTROL)]
@@ -241,8 +233,4 @@ def _backend(
             for i in np.flatnonzero(token_types == TOKEN_TYPE_USER_DEFINED)
         ]
     )
-    with _BACKENDS_LOCK:
-        _BACKENDS[key] = backend
-        while len(_BACKENDS) > _BACKENDS_SIZE:
-            _BACKENDS.popitem(last=False)
     return backend

@@ -29,7 +29,6 @@ that it raises, and that the first failing example came within the FUZZ_EXAMPLES
 only while shrinking).
 """
 
-import collections
 import dataclasses
 import os
 import pathlib
@@ -170,7 +169,7 @@ def test_transformers_gguf_loader_drops_smollm2s_digit_split(
 def _rebuilt(subject: Subject) -> Subject:
     """`subject` with our tokenizer built again from its GGUF (with whatever is patched), not
     taken from the cache of built backends."""
-    with mock.patch.object(tokenizer_module, "_BACKENDS", collections.OrderedDict()):
+    with mock.patch.object(tokenizer_module, "_backend", tokenizer_module._backend.__wrapped__):
         return dataclasses.replace(subject, ours=Tokenizer.from_gguf(subject.gguf))
 
 

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
 
-from pipelines.llama3 import Tokenizer
+from pipelines.llama3 import CheckpointError, Tokenizer
 from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
 
 
@@ -34,6 +34,14 @@ def test_gguf_control_tokens_stay_whole(gguf_tokenizer: Tokenizer) -> None:
 def test_gguf_tokenizer_round_trips_arbitrary_bytes(gguf_tokenizer: Tokenizer) -> None:
     text = "Grüße, 東京! 123\n\ttabs"
     assert gguf_tokenizer.decode(gguf_tokenizer.encode(text, add_bos=False)) == text
+
+
+def test_an_unknown_pre_tokenizer_is_refused_naming_the_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "odd.gguf"
+    write_tiny_llama(path, tokenizer_pre="qwen9")
+    expected = r"odd\.gguf: tokenizer\.ggml\.pre 'qwen9' is not supported \(known: .*llama-bpe"
+    with pytest.raises(CheckpointError, match=expected):
+        Tokenizer.from_gguf(path)
 
 
 def test_folder_tokenizer_reads_bos_and_eos_from_config(tmp_path: pathlib.Path) -> None:

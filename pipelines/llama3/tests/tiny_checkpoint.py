@@ -49,6 +49,7 @@ def write_tiny_llama(
     weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     architecture: str = "llama",
     with_tokenizer: bool = True,
+    tokenizer_pre: str = "llama-bpe",
 ) -> dict[str, np.ndarray]:
     """Write the file; returns the unpermuted float32 weights by GGUF tensor name."""
     rng = np.random.default_rng(seed)
@@ -91,7 +92,7 @@ def write_tiny_llama(
     writer.add_vocab_size(vocab)
     if with_tokenizer:
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("llama-bpe")
+        writer.add_tokenizer_pre(tokenizer_pre)
         writer.add_token_list(tokens)
         writer.add_token_merges(merges)
         writer.add_token_types(token_types)
