@@ -34,6 +34,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from pipelines.llama3.model import RMSNorm
+
 GROUP = 32
 SOURCE = pathlib.Path(__file__).with_name("kernels") / "packed_gemm.c"
 # -mno-avx512f: the AVX2 path, measured faster on this project's AMD EPYC machines (6.7 vs 7.4
@@ -355,24 +357,28 @@ class PackedEmbedding(nn.Module):
         return out.reshape(*tokens.shape, w.cols)
 
 
-class KernelRMSNorm(nn.Module):
-    """RMSNorm in one kernel call for float32 CPU rows; anything else as model.RMSNorm does.
+class KernelRMSNorm(RMSNorm):
+    """RMSNorm in one kernel call for float32 CPU rows; anything else as RMSNorm does.
 
     The quantized mode's norms: same weight and eps, same arithmetic as torch's float32
     rms_norm up to the summation order of the mean of squares.
     """
 
-    def __init__(self, norm: nn.Module) -> None:
-        super().__init__()
-        self.eps = norm.eps
-        self.weight = norm.weight
-        self._fallback = norm
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
         self._lib = library()
+
+    @classmethod
+    def of(cls, norm: RMSNorm) -> KernelRMSNorm:
+        """`norm` with this forward, sharing its weight."""
+        kernel = cls(norm.weight.shape[0], norm.eps)
+        kernel.weight = norm.weight
+        return kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         usable = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
         if not (usable and x.is_contiguous() and self.weight.is_contiguous()):
-            return self._fallback(x)
+            return super().forward(x)
         y = torch.empty_like(x)
         dim = x.shape[-1]
         self._lib.rms_norm(
@@ -464,11 +470,11 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
         model.norm.weight.dtype == torch.float32 and model.norm.weight.device.type == "cpu"
     )
     if float_norms:
-        model.norm = KernelRMSNorm(model.norm)
+        model.norm = KernelRMSNorm.of(model.norm)
     for i, layer in enumerate(model.layers):
         if float_norms:
-            layer.attention_norm = KernelRMSNorm(layer.attention_norm)
-            layer.ffn_norm = KernelRMSNorm(layer.ffn_norm)
+            layer.attention_norm = KernelRMSNorm.of(layer.attention_norm)
+            layer.ffn_norm = KernelRMSNorm.of(layer.ffn_norm)
         fuse(layer.attention, f"layers.{i}.attention", ("wq", "wk", "wv"), "wqkv")
         if layer.attention.wqkv is not None:
             layer.attention.decode_step = DecodeAttention()

@@ -205,11 +205,10 @@ def test_decode_attention_follows_the_general_path() -> None:
 
 
 def test_kernel_rms_norm_equals_torch_up_to_summation_order() -> None:
-    norm = torch.nn.Module()
-    norm.eps, norm.weight = 1e-5, torch.randn(576, generator=torch.Generator().manual_seed(6))
-    kernel = packed.KernelRMSNorm(norm)
+    kernel = packed.KernelRMSNorm(576, 1e-5)
+    kernel.weight.data = torch.randn(576, generator=torch.Generator().manual_seed(6))
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(7)) * 40
-    expected = torch.nn.functional.rms_norm(x, (576,), norm.weight, norm.eps)
+    expected = torch.nn.functional.rms_norm(x, (576,), kernel.weight, kernel.eps)
     assert (kernel(x) - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
