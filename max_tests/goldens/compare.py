@@ -13,8 +13,11 @@ step records the run's greedy choice and its full next-token logits. At every st
      top-1, the golden's top-1 is within the margin of the run's top-1 in the run's logits,
      and checks 1-3 pass at that step. Anything else is a FAIL.
 
-A case fails on any failing step or when the run's own tokenization of the prompt differs
-from the golden's input ids. Ambiguous steps are counted and reported, never hidden.
+The golden's recorded prompt positions (long prompts: a spread of thousands of positions from
+one prefill) are checked by the same rules 1-4, the greedy token being the argmax there.
+
+A case fails on any failing step or prompt position, or when the run's own tokenization of
+the prompt differs from the golden's input ids. Ambiguous steps are counted and reported, never hidden.
 Free-running greedy agreement is reported too: the run, fed the golden's prefix, chose the
 golden's token up to `greedy_agreement`; a free-running generation would diverge there.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,7 +49,7 @@ class LogprobDiff:
 
 @dataclasses.dataclass(frozen=True)
 class StepCheck:
-    step: int
+    step: int  # the generated step; for a prompt position, its index among the recorded ones
     status: str
     metric: str  # what decided: token, logprob, topk_overlap, kl, missing; "" for PASS
     detail: str  # the measured value against its threshold
@@ -57,6 +60,15 @@ class StepCheck:
     kl: float
     topk_overlap: float
     worst: list[LogprobDiff]
+    position: int = -1  # the sequence position whose next-token logits these are
+    in_prompt: bool = False  # a recorded prompt position, not a generated step
+
+    @property
+    def where(self) -> str:
+        """'prompt position 4097' or 'step 3 (position 8419)'."""
+        if self.in_prompt:
+            return f"prompt position {self.position}"
+        return f"step {self.step} (position {self.position})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +79,26 @@ class CaseReport:
     steps: list[StepCheck]  # every step of the golden
     input_ids_match: bool
     tolerance: Tolerance
+    prompt_checks: list[StepCheck] = dataclasses.field(default_factory=list)  # its positions
 
     @property
     def first_failing(self) -> StepCheck | None:
+        """The first failing generated step."""
         return next((s for s in self.steps if s.status == FAIL), None)
 
     @property
+    def first_failing_check(self) -> StepCheck | None:
+        """The failing check of the lowest sequence position, prompt positions included."""
+        return next((s for s in self.checks if s.status == FAIL), None)
+
+    @property
+    def checks(self) -> list[StepCheck]:
+        """Prompt positions, then the generated steps: in sequence order."""
+        return [*self.prompt_checks, *self.steps]
+
+    @property
     def ambiguous_steps(self) -> list[StepCheck]:
-        return [s for s in self.steps if s.status == AMBIGUOUS]
+        return [s for s in self.checks if s.status == AMBIGUOUS]
 
     @property
     def greedy_agreement(self) -> int:
@@ -87,15 +111,15 @@ class CaseReport:
     @property
     def failing_metrics(self) -> list[str]:
         metrics = [] if self.input_ids_match else ["input_ids"]
-        return metrics + sorted({s.metric for s in self.steps if s.status == FAIL})
+        return metrics + sorted({s.metric for s in self.checks if s.status == FAIL})
 
     @property
     def max_logprob_diff(self) -> float:
-        return max((s.max_logprob_diff for s in self.steps), default=0.0)
+        return max((s.max_logprob_diff for s in self.checks), default=0.0)
 
     @property
     def max_kl(self) -> float:
-        return max((s.kl for s in self.steps), default=0.0)
+        return max((s.kl for s in self.checks), default=0.0)
 
 
 def bucket_kl(golden_lp: np.ndarray, run_lp_topk: np.ndarray, run_tail: float) -> float:
@@ -117,18 +141,33 @@ def compare_case(
     tokens: Sequence[int],
     logits: np.ndarray,
     tolerance: Tolerance,
+    prompt_logits: Mapping[int, np.ndarray] | None = None,
 ) -> CaseReport:
     """Compare a teacher-forced run (its input ids, its greedy choice at each step and the
-    per-step full logits, row i after the golden's first i tokens) with a golden case."""
+    per-step full logits, row i after the golden's first i tokens) with a golden case.
+    `prompt_logits` maps a prompt position to the run's logits there (the golden's recorded
+    positions; one the run lacks fails as missing)."""
     logits = np.asarray(logits, dtype=np.float32)
+    prompt_logits = prompt_logits or {}
+    last_prompt = len(golden.input_ids) - 1
     checks = []
     for i, gstep in enumerate(golden.steps):
         if i < len(tokens):
-            checks.append(_check_step(i, gstep, int(tokens[i]), logits[i], tolerance))
+            check = _check_step(i, gstep, int(tokens[i]), logits[i], tolerance)
         else:
-            checks.append(_missing_step(i, gstep))
+            check = _missing_step(i, gstep, "the run has no logits for this step (it ended early)")
+        checks.append(dataclasses.replace(check, position=last_prompt + i))
+    prompt_checks = []
+    for j, (position, gstep) in enumerate(zip(golden.positions, golden.position_steps, strict=True)):
+        row = prompt_logits.get(position)
+        if row is None:
+            check = _missing_step(j, gstep, "the run has no logits at this prompt position")
+        else:
+            row = np.asarray(row, dtype=np.float32)
+            check = _check_step(j, gstep, int(np.argmax(row)), row, tolerance)
+        prompt_checks.append(dataclasses.replace(check, position=position, in_prompt=True))
     input_ids_match = list(input_ids) == list(golden.input_ids)
-    failed = not input_ids_match or any(c.status == FAIL for c in checks)
+    failed = not input_ids_match or any(c.status == FAIL for c in [*prompt_checks, *checks])
     return CaseReport(
         case_id=golden.id,
         prompt=golden.prompt,
@@ -136,15 +175,16 @@ def compare_case(
         steps=checks,
         input_ids_match=input_ids_match,
         tolerance=tolerance,
+        prompt_checks=prompt_checks,
     )
 
 
-def _missing_step(i: int, gstep: Step) -> StepCheck:
+def _missing_step(i: int, gstep: Step, detail: str) -> StepCheck:
     return StepCheck(
         step=i,
         status=FAIL,
         metric="missing",
-        detail="the run has no logits for this step (it ended early)",
+        detail=detail,
         expected_token=gstep.token_id,
         actual_token=None,
         golden_gap=gstep.top_gap,
@@ -248,8 +288,10 @@ def format_failure(
     tol = report.tolerance
     n = len(golden_case.steps)
     failing = [s for s in report.steps if s.status == FAIL]
+    prompt_text = report.prompt if len(report.prompt) <= 80 else report.prompt[:60] + "..."
     lines = [
-        f"golden mismatch in case {report.case_id!r} ({report.prompt!r}) against {golden_name}",
+        f"golden mismatch in case {report.case_id!r} ({prompt_text!r}, "
+        f"{len(golden_case.input_ids)} prompt tokens) against {golden_name}",
         f"  tolerance {tol.key}: |Δ log-prob| {tol.logprob_atol:g}, KL {tol.kl_max:g}, "
         f"top-k overlap {tol.topk_overlap_min:g}, near-tie margin {tol.near_tie_margin:g}",
         f"  teacher-forced: {len(failing)} of {n} steps fail "
@@ -258,26 +300,47 @@ def format_failure(
         f"{report.max_logprob_diff:.3g}, max KL {report.max_kl:.3g}",
         f"  free-running greedy agreement: {report.greedy_agreement} of {n} steps",
     ]
+    if report.prompt_checks:
+        prompt_failing = [s for s in report.prompt_checks if s.status == FAIL]
+        first_bad = f", the first at position {prompt_failing[0].position}" if prompt_failing else ""
+        lines.append(
+            f"  prompt positions: {len(prompt_failing)} of {len(report.prompt_checks)} fail"
+            f"{first_bad} (recorded up to position {report.prompt_checks[-1].position})"
+        )
     if not report.input_ids_match:
         lines.append(
             f"  input ids differ (tokenizer or BOS changed?): expected {golden_case.input_ids}, "
             f"got {list(actual_input_ids)}"
         )
-    step = report.first_failing
+    step = report.first_failing_check
     if step is not None:
-        gstep = golden_case.steps[step.step]
+        gsteps = golden_case.position_steps if step.in_prompt else golden_case.steps
+        gstep = gsteps[step.step]
         got = (
             "nothing (run ended)"
             if step.actual_token is None
             else f"{step.actual_token} {decode([step.actual_token])!r}"
         )
-        lines += [
-            f"  first failing step: {step.step} of {n} (metric {step.metric})",
-            f"  golden token {step.expected_token} {gstep.token_text!r} "
-            f"(golden top-1/top-2 gap {step.golden_gap:.4g}), run's greedy choice {got}",
-            f"  {step.detail}",
-            f"  golden text so far: {decode(golden_case.token_ids[: step.step + 1])!r}",
-        ]
+        if step.in_prompt:
+            start = max(step.position - 7, 0)
+            context = decode(golden_case.input_ids[start : step.position + 1])
+            lines += [
+                f"  first failing check: {step.where} of {len(golden_case.input_ids)} "
+                f"(metric {step.metric}); the next prompt token is "
+                f"{golden_case.input_ids[step.position + 1]}",
+                f"  golden greedy choice there {step.expected_token} {gstep.token_text!r} "
+                f"(golden top-1/top-2 gap {step.golden_gap:.4g}), run's {got}",
+                f"  {step.detail}",
+                f"  prompt text before it: {'...' if start else ''}{context!r}",
+            ]
+        else:
+            lines += [
+                f"  first failing step: {step.step} of {n} (metric {step.metric})",
+                f"  golden token {step.expected_token} {gstep.token_text!r} "
+                f"(golden top-1/top-2 gap {step.golden_gap:.4g}), run's greedy choice {got}",
+                f"  {step.detail}",
+                f"  golden text so far: {decode(golden_case.token_ids[: step.step + 1])!r}",
+            ]
         if step.worst:
             lines.append("  worst log-probability differences at this step:")
             lines.append(f"    {'id':>8}  {'token':<16} {'golden':>12} {'run':>12} {'|Δ|':>10}")

@@ -59,6 +59,10 @@ class CaseView:
     kl_max: float | None = None
     notes: tuple[str, ...] = ()  # extra lines shown with the case
     step_status: tuple[str, ...] = ()  # per step PASS, FAIL or AMBIGUOUS, when known
+    # Recorded prompt positions (long prompts) and their metrics, drawn on a position axis.
+    positions: tuple[int, ...] = ()
+    position_logprob_delta: tuple[float, ...] = ()
+    position_kl: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -85,7 +89,14 @@ def case_view(
         derived.append("the run's tokenization of the prompt differs from the golden's input ids")
     if first is not None:
         derived.append(f"first failing step {first.step} ({first.metric}): {first.detail}")
-    derived += [f"ambiguous step {s.step}: {s.detail}" for s in report.ambiguous_steps]
+    prompt_failing = [c for c in report.prompt_checks if c.status == "FAIL"]
+    if prompt_failing:
+        c = prompt_failing[0]
+        derived.append(
+            f"{len(prompt_failing)} of {len(report.prompt_checks)} prompt positions fail; the "
+            f"first, {c.where} ({c.metric}): {c.detail}"
+        )
+    derived += [f"ambiguous {s.where}: {s.detail}" for s in report.ambiguous_steps]
     return CaseView(
         title=title,
         prompt=report.prompt,
@@ -100,6 +111,9 @@ def case_view(
         kl_max=tol.kl_max,
         notes=(*derived, *notes),
         step_status=tuple(s.status for s in report.steps),
+        positions=tuple(c.position for c in report.prompt_checks),
+        position_logprob_delta=tuple(c.max_logprob_diff for c in report.prompt_checks),
+        position_kl=tuple(c.kl for c in report.prompt_checks),
     )
 
 
@@ -156,14 +170,24 @@ def _case(index: int, case: CaseView) -> str:
         f'<section class="case" id="case-{index}" data-status="{case.status}" '
         f'data-first-failing-step="{_first_failing(case)}">'
         f"<h2>{_badge(case.status)} {_esc(case.title)}</h2>"
-        f'<p class="prompt">prompt <code>{_token_html(case.prompt)}</code></p>'
+        f'<p class="prompt">prompt <code>{_token_html(_shown_prompt(case.prompt))}</code></p>'
         f"{_tolerance(case)}"
         + (f'<ul class="notes">{notes}</ul>' if notes else "")
         + _token_strip(case)
         + '<div class="curves">'
         + "".join(_chart(metric, case) for metric in METRICS)
+        + "".join(_position_chart(metric, case) for metric in METRICS if case.positions)
         + "</div></section>"
     )
+
+
+PROMPT_SHOWN = 240  # characters of a long prompt shown on the page
+
+
+def _shown_prompt(prompt: str) -> str:
+    if len(prompt) <= PROMPT_SHOWN:
+        return prompt
+    return f"{prompt[:PROMPT_SHOWN]} … ({len(prompt)} characters)"
 
 
 def _first_failing(case: CaseView) -> str:
@@ -315,6 +339,41 @@ def _chart(metric: str, case: CaseView) -> str:
         parts.append(_points(scale, values, threshold))
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _position_chart(metric: str, case: CaseView) -> str:
+    """The metric at each recorded prompt position, on an axis of positions (not steps):
+    `svg.curve[data-axis=position]`, one `circle.point[data-position]` per position."""
+    label, tolerance_field = METRICS[metric]
+    values = list(getattr(case, f"position_{metric}"))
+    threshold = getattr(case, tolerance_field)
+    scale = _scale(max(case.positions) + 1, values, threshold)
+    points = " ".join(
+        f"{scale.x(p):.1f},{scale.y(v):.1f}" for p, v in zip(case.positions, values, strict=True)
+    )
+    circles = []
+    for position, value in zip(case.positions, values, strict=True):
+        above = threshold is not None and value > threshold
+        circles.append(
+            f'<circle data-position="{position}"'
+            f'{_classes(["point", *(["above"] if above else [])])} cx="{scale.x(position):.1f}" '
+            f'cy="{scale.y(value):.1f}" r="3"><title>position {position}: {_num(value)}</title>'
+            "</circle>"
+        )
+    return "".join(
+        [
+            f'<svg class="curve" data-metric="{metric}" data-axis="position" data-scale="log" '
+            f'width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" role="img">'
+            f"<title>{_esc(label)} per prompt position</title>",
+            f'<text class="chart-title" x="{LEFT}" y="15">{_esc(label)}, prompt positions'
+            "</text>",
+            _grid(scale, values),
+            _tolerance_line(scale, threshold) if threshold is not None else "",
+            f'<polyline class="series" data-series="{metric}" points="{points}"/>',
+            f'<g class="points">{"".join(circles)}</g>',
+            "</svg>",
+        ]
+    )
 
 
 def _grid(scale: _Scale, values: list[float]) -> str:

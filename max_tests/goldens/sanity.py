@@ -14,12 +14,19 @@ MIN_LOGIT_STD = 0.1  # spread of the full logits at each step
 def degeneracy_problems(golden: Golden, near_tie_margin: float) -> list[str]:
     """What makes `golden` useless as a regression check; empty when it discriminates."""
     problems = []
-    steps = [s for case in golden.cases for s in case.steps]
+    # Recorded prompt positions are checked like steps: a tie there is as arbitrary.
+    steps = [s for case in golden.cases for s in (*case.position_steps, *case.steps)]
     for case in golden.cases:
         distinct = len(set(case.token_ids))
         if distinct < min(MIN_DISTINCT_TOKENS, len(case.steps)):
             problems.append(f"case {case.id!r}: only {distinct} distinct tokens {case.token_ids}")
     ties = [(c.id, i) for c in golden.cases for i, s in enumerate(c.steps) if s.top_gap == 0.0]
+    ties += [
+        (c.id, f"prompt position {p}")
+        for c in golden.cases
+        for p, s in zip(c.positions, c.position_steps, strict=True)
+        if s.top_gap == 0.0
+    ]
     if ties:
         problems.append(
             f"{len(ties)} exact top-1 ties (gap 0.0) at {ties}: the greedy token there is "
@@ -28,7 +35,7 @@ def degeneracy_problems(golden: Golden, near_tie_margin: float) -> list[str]:
     near_ties = [s for s in steps if s.top_gap < near_tie_margin]
     if len(near_ties) > MAX_NEAR_TIE_SHARE * len(steps):
         problems.append(
-            f"{len(near_ties)}/{len(steps)} steps are near-ties (gap < {near_tie_margin:g}); "
+            f"{len(near_ties)}/{len(steps)} steps and prompt positions are near-ties (gap < {near_tie_margin:g}); "
             f"at most {MAX_NEAR_TIE_SHARE:.0%} allowed"
         )
     flat = [s for s in steps if s.stats["std"] < MIN_LOGIT_STD]

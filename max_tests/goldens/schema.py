@@ -22,7 +22,11 @@ import numpy as np
 from tools.cli_files import write_atomically
 
 # 2: logits_dtype in the provenance; bfloat16 goldens' logits computed in float32.
-SCHEMA_VERSION = 2
+# 3: cases carry `positions` and `position_steps`, the top-k log-probabilities at a spread of
+#    prompt positions from the same prefill (long prompts). Version 2 files still read, with
+#    no prompt positions (golden_diff compares old archives with new ones).
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +68,46 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
+    """One prompt: its generated steps, and the prompt positions recorded from its prefill.
+
+    `steps[i]` are the next-token logits after the prompt and the first i generated tokens
+    (sequence position len(input_ids) - 1 + i). `position_steps[j]` are the next-token logits
+    at prompt position `positions[j]` (0-based: they predict input_ids[positions[j] + 1]); their
+    token is the producer's greedy choice there. Prompt positions come before the last one,
+    which is steps[0].
+    """
+
     id: str
     prompt: str
     input_ids: list[int]
     steps: list[Step]
     stopped_on_eos: bool = False
+    positions: list[int] = dataclasses.field(default_factory=list)
+    position_steps: list[Step] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.positions) != len(self.position_steps):
+            raise ValueError(
+                f"case {self.id!r}: {len(self.positions)} prompt positions but "
+                f"{len(self.position_steps)} recorded steps for them"
+            )
+        last = len(self.input_ids) - 1
+        if any(not 0 <= p < last for p in self.positions) or self.positions != sorted(
+            set(self.positions)
+        ):
+            raise ValueError(
+                f"case {self.id!r}: prompt positions must be increasing and below the last "
+                f"prompt position {last} (steps[0] covers it), got {self.positions[:8]}..."
+            )
 
     @property
     def token_ids(self) -> list[int]:
         return [s.token_id for s in self.steps]
+
+    @property
+    def last_position(self) -> int:
+        """The sequence position of the last generated step."""
+        return len(self.input_ids) - 2 + len(self.steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,9 +220,10 @@ def from_json(text: str, source: str = "<golden>") -> Golden:
     except json.JSONDecodeError as e:
         raise ValueError(f"{source}: not valid JSON ({e})") from None
     version = body.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMA_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_SCHEMA_VERSIONS)
         raise ValueError(
-            f"{source}: golden schema version {version}, this library reads {SCHEMA_VERSION}; "
+            f"{source}: golden schema version {version}, this library reads {readable}; "
             "regenerate the golden with the current tools"
         )
     try:
@@ -201,13 +237,15 @@ def from_json(text: str, source: str = "<golden>") -> Golden:
 
 
 def case_from_json(body: dict) -> Case:
-    """One case of a golden file's JSON (the same in schema versions 1 and 2)."""
+    """One case of a golden file's JSON (versions 1 and 2 have no prompt positions)."""
     return Case(
         id=body["id"],
         prompt=body["prompt"],
         input_ids=body["input_ids"],
         stopped_on_eos=body.get("stopped_on_eos", False),
         steps=[Step(**s) for s in body["steps"]],
+        positions=body.get("positions", []),
+        position_steps=[Step(**s) for s in body.get("position_steps", [])],
     )
 
 

@@ -7,6 +7,7 @@ import os
 import pathlib
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -32,6 +33,9 @@ class GenerationOutput:
     )  # [steps, vocab] float32 cpu; row i chose tokens[i] (row 0: last prompt position)
     prefill_seconds: float
     decode_seconds: float  # the forward passes after prefill (one per token but the first)
+    # [len(prompt_positions), vocab] float32 cpu: the prefill's next-token logits at the
+    # prompt positions asked for (row j after input_ids[: prompt_positions[j] + 1])
+    prompt_logits: torch.Tensor | None = None
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -275,6 +279,7 @@ class Llama3Engine:
         max_new_tokens: int,
         stop_on_eos: bool = True,
         forced_tokens: list[int] | None = None,
+        prompt_positions: Sequence[int] = (),
     ) -> GenerationOutput:
         """Prefill, then greedy decode, each step reading the keys and values of the KV cache.
 
@@ -282,6 +287,8 @@ class Llama3Engine:
         instead of the greedy choice, for len(forced_tokens) steps and no EOS stop: every
         step's logits then follow the same prefix as the sequence being checked, and
         `tokens` still holds the model's own greedy choice at each step.
+        `prompt_positions` (0-based, before the last prompt position) also returns the same
+        prefill's logits at those positions (`prompt_logits`); the LM head runs on them only.
         """
         if forced_tokens is not None:
             max_new_tokens, stop_on_eos = len(forced_tokens), False
@@ -291,6 +298,12 @@ class Llama3Engine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
         prompt = self._tensor(input_ids)
+        positions = [int(p) for p in prompt_positions]
+        if any(not 0 <= p < len(input_ids) - 1 for p in positions):
+            raise ValueError(
+                f"prompt positions {positions[:5]}... must lie in 0..{len(input_ids) - 2} "
+                f"(a {len(input_ids)}-token prompt; its last position is the first step)"
+            )
         self.model.setup_caches(len(input_ids) + max_new_tokens)
         eos_ids = set()
         if stop_on_eos:
@@ -303,7 +316,8 @@ class Llama3Engine:
 
         _synchronize(self.device)
         start = time.perf_counter()
-        logits = self.model(prompt, 0, last_only=True)[0, -1]  # [vocab]
+        prefill = self.model(prompt, 0, outputs=[*positions, len(input_ids) - 1])[0]
+        logits = prefill[-1]  # [vocab]
         _synchronize(self.device)
         prefill_seconds = time.perf_counter() - start
 
@@ -321,7 +335,11 @@ class Llama3Engine:
         _synchronize(self.device)
         decode_seconds = time.perf_counter() - start
         return GenerationOutput(
-            tokens, step_logits[: len(tokens)].clone(), prefill_seconds, decode_seconds
+            tokens,
+            step_logits[: len(tokens)].clone(),
+            prefill_seconds,
+            decode_seconds,
+            prefill[:-1].cpu() if positions else None,
         )
 
 

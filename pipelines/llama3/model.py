@@ -7,7 +7,7 @@ on the meta device and given its weights by `load_state_dict(assign=True)`.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,17 @@ def causal_mask(seqlen: int, start_pos: int, device: torch.device) -> torch.Tens
     )
 
 
+def attention_mask(seqlen: int, start_pos: int, device: torch.device) -> torch.Tensor | None:
+    """The mask of `seqlen` queries from `start_pos`, or None where none is needed: one query
+    sees every cached key, and a prefill from position 0 is causal, which SDPA computes
+    without materializing a [seq, seq] mask (bit-identical to the explicit one; a 8k-token
+    prompt would otherwise allocate its square). Only a chunk after cached positions needs
+    the explicit `causal_mask`."""
+    if seqlen == 1 or start_pos == 0:
+        return None
+    return causal_mask(seqlen, start_pos, device)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -145,18 +156,33 @@ class Attention(nn.Module):
             xq, xk = qk[:, : self.n_heads], qk[:, self.n_heads :]
             xv = qkv[:, :, qk_heads:].transpose(1, 2)
 
-        end_pos = start_pos + seqlen
-        self.cache_k[:bsz, :, start_pos:end_pos] = xk
-        self.cache_v[:bsz, :, start_pos:end_pos] = xv
-        keys = self.cache_k[:bsz, :, :end_pos]  # [bsz, n_kv_heads, end_pos, head_dim]
-        values = self.cache_v[:bsz, :, :end_pos]
+        keys, values = self.update_cache(xk, xv, start_pos)
 
         # Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
+        # No mask: one query sees every key, several from position 0 are causal.
         output = F.scaled_dot_product_attention(
-            xq, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+            xq,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None and seqlen > 1,
+            scale=self.scale,
+            enable_gqa=True,
         )
         output = output.transpose(1, 2).reshape(bsz, seqlen, -1)  # [bsz, seq, heads * head_dim]
         return self.wo(output)
+
+
+    def update_cache(
+        self, xk: torch.Tensor, xv: torch.Tensor, start_pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write keys and values [bsz, n_kv_heads, seq, head_dim] at start_pos..; return every
+        cached key and value up to the last of them, [bsz, n_kv_heads, end_pos, head_dim]."""
+        bsz, _, seqlen, _ = xk.shape
+        end_pos = start_pos + seqlen
+        self.cache_k[:bsz, :, start_pos:end_pos] = xk
+        self.cache_v[:bsz, :, start_pos:end_pos] = xv
+        return self.cache_k[:bsz, :, :end_pos], self.cache_v[:bsz, :, :end_pos]
 
 
 class FeedForward(nn.Module):
@@ -232,12 +258,14 @@ class Transformer(nn.Module):
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
 
     def forward(
-        self, tokens: torch.Tensor, start_pos: int, last_only: bool = False
+        self, tokens: torch.Tensor, start_pos: int, outputs: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """tokens [bsz, seq] at positions start_pos.. -> logits [bsz, seq or 1, vocab] float32.
+        """tokens [bsz, seq] at positions start_pos.. -> logits [bsz, seq, vocab] float32.
 
         Keys and values of these positions are written to the cache; attention reads every
-        cached position before them. `last_only` runs the LM head on the last position only.
+        cached position before them. `outputs` (indices into the seq axis) runs the final
+        norm and LM head on those rows only, [bsz, len(outputs), vocab]: a long prompt's
+        head over every position would be [seq, vocab] (8k x 128k floats, 4 GiB).
         """
         bsz, seqlen = tokens.shape
         end_pos = start_pos + seqlen
@@ -249,12 +277,19 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)  # [bsz, seq, dim]
         cos, sin = self.rope_cos[start_pos:end_pos], self.rope_sin[start_pos:end_pos]
 
-        mask = causal_mask(seqlen, start_pos, tokens.device) if seqlen > 1 else None
+        mask = self.attention_mask(seqlen, start_pos, tokens.device)
         for layer in self.layers:
             h = layer(h, start_pos, cos, sin, mask)
-        if last_only:
-            h = h[:, -1:]
+        if outputs is not None:
+            h = h[:, list(outputs)]
         return self._logits(h)
+
+    def attention_mask(
+        self, seqlen: int, start_pos: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """The mask every layer's attention gets (`attention_mask`; a model that windows its
+        attention would differ here)."""
+        return attention_mask(seqlen, start_pos, device)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head in the head's dtype (float32 for bfloat16 engines: bfloat16

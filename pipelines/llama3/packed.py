@@ -31,6 +31,7 @@ import tempfile
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
@@ -52,6 +53,9 @@ PACKABLE_TYPES = frozenset(INT4_TYPES + INT8_TYPES)
 # Weight bytes x activation rows from which a product uses threads. Measured on SmolLM2 with
 # 2 threads: 1 << 17 gives 117 tok/s, 1 << 19 105, 1 << 15 114 (the pool wakes for nothing).
 PARALLEL_BYTES = 1 << 17
+# From this many rows (prompt tokens) a product runs dense on the dequantized weights: the
+# kernels are made for decode's one row. Short golden prompts (<= 16 tokens) stay packed.
+DENSE_ROWS = 64
 
 
 class KernelUnavailable(RuntimeError):
@@ -309,6 +313,12 @@ class PackedLinear(nn.Module):
         leading = x.shape[:-1]
         x = x.reshape(-1, self.in_features).contiguous()
         rows = x.shape[0]
+        if rows >= DENSE_ROWS:
+            # A long prefill: the kernels stream the packed weights once per row, so at M rows
+            # they read M times the weights (a 2k-token SmolLM2 prompt took 40 s against 6 s in
+            # eager). Dequantized once (bit-identical to eager's weights), BLAS reads them once.
+            y = F.linear(x, dequantize(self.weight)).reshape(*leading, self.out_features)
+            return y if self.splits is None else y.split(self.splits, dim=-1)
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         # Small products run on one thread: waking the pool costs more than it saves there.
         threads = torch.get_num_threads() if rows * self.weight.nbytes >= PARALLEL_BYTES else 1

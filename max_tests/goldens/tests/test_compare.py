@@ -269,3 +269,50 @@ def test_every_tolerance_sits_between_its_noise_floor_and_its_mutation_floor():
         assert tol.noise_floor and tol.mutation_floor, f"{tol.key}: floors not recorded"
         assert tol.noise_floor.logprob < tol.logprob_atol < tol.mutation_floor.logprob, tol
         assert tol.noise_floor.kl < tol.kl_max, tol
+
+
+def _case_with_positions(logits: np.ndarray, prompt_rows: np.ndarray, positions: list[int]):
+    tokens = _greedy(logits)
+    spec = CaseSpec("long", "a long prompt", len(tokens), 20, positions_every=256, long=True)
+    input_ids = list(range(1, max(positions) + 3))
+    case = record_case(
+        spec,
+        input_ids,
+        tokens,
+        logits,
+        lambda ids: f"<{ids[0]}>",
+        set(),
+        positions=positions,
+        prompt_logits=prompt_rows,
+    )
+    return case, tokens, input_ids
+
+
+def test_prompt_positions_are_compared_by_the_step_rules_and_named_by_position():
+    logits, prompt_rows = _logits(), _logits(steps=3, seed=1)
+    positions = [0, 255, 4097]
+    case, tokens, input_ids = _case_with_positions(logits, prompt_rows, positions)
+    rows = dict(zip(positions, prompt_rows, strict=True))
+    same = compare.compare_case(case, input_ids, tokens, logits, TOL, rows)
+    assert same.status == compare.PASS and len(same.prompt_checks) == 3
+    moved = {**rows, 4097: rows[4097] + np.eye(VOCAB, dtype=np.float32)[case.position_steps[2].topk_ids[3]] * 1e-3}
+    report = compare.compare_case(case, input_ids, tokens, logits, TOL, moved)
+    assert report.status == compare.FAIL
+    assert report.first_failing is None  # every generated step passes
+    check = report.first_failing_check
+    assert (check.in_prompt, check.position, check.metric) == (True, 4097, "logprob")
+    assert check.where == "prompt position 4097"
+    assert report.steps[0].position == len(input_ids) - 1  # the last prompt position
+    text = compare.format_failure(report, case, "g.json", lambda ids: "x", "regen")
+    assert "prompt positions: 1 of 3 fail, the first at position 4097" in text
+    assert "first failing check: prompt position 4097 of 4099 (metric logprob)" in text
+
+
+def test_a_prompt_position_the_run_lacks_fails_as_missing():
+    logits, prompt_rows = _logits(), _logits(steps=2, seed=1)
+    case, tokens, input_ids = _case_with_positions(logits, prompt_rows, [3, 9])
+    report = compare.compare_case(case, input_ids, tokens, logits, TOL, {3: prompt_rows[0]})
+    assert report.status == compare.FAIL
+    assert [(c.position, c.metric) for c in report.prompt_checks if c.status == "FAIL"] == [
+        (9, "missing")
+    ]

@@ -68,7 +68,7 @@ def test_topk_is_sorted_by_logit_with_ties_broken_by_id():
 
 def test_newer_schema_version_is_refused_with_the_fix():
     text = schema.to_json(_golden(vocab=50, cases=1)).replace(
-        '"schema_version": 2', '"schema_version": 99'
+        '"schema_version": 3', '"schema_version": 99'
     )
     with pytest.raises(ValueError, match="regenerate the golden"):
         schema.from_json(text, "x.json")

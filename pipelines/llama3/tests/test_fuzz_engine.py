@@ -5,7 +5,8 @@ shapes (one KV head per query head, head dim 2, three layers, a one-token prompt
 past some position) can slip between them. Here hypothesis draws the model shape (1-3 layers,
 hidden size a multiple of 8, query heads dividing it with an even head dim, KV heads dividing
 the query heads, MLP width, RoPE theta, Llama 3.1 RoPE scaling on or off, float32 or bfloat16
-storage), the weights' seed, and random token sequences, and checks three properties:
+storage), the weights' seed, and random token sequences (up to 300 drawn tokens after a
+filler of up to 5000 positions), and checks three properties:
 
 - the KV-cache decode equals greedy decoding that recomputes every step from scratch
   (recompute.py), tokens and logits within 1e-5 as in test_engine.py;
@@ -93,7 +94,17 @@ def model_specs(draw: st.DrawFn) -> tuple[TinyLlamaConfig, str, int, bool]:
 
 
 token_ids = st.integers(0, len(TOKENS) - 1)
-prompts = st.lists(token_ids, min_size=1, max_size=12)
+# Prompts of up to 300 drawn tokens after a filler of up to 5000 positions, so that the
+# properties reach positions where rope bands, cache blocks and buffers turn (the filler is
+# a fixed token pattern: drawing thousands of tokens would make hypothesis slow).
+MAX_OFFSET = 5000
+
+
+@st.composite
+def prompts(draw: st.DrawFn) -> list[int]:
+    offset = draw(st.one_of(st.just(0), st.integers(0, MAX_OFFSET)))
+    drawn = draw(st.lists(token_ids, min_size=1, max_size=300))
+    return [(7 * i + 3) % len(TOKENS) for i in range(offset)] + drawn
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -166,7 +177,7 @@ def check_logits_are_finite(engine: Llama3Engine, prompt: list[int], max_new_tok
 
 
 @fuzz_settings(FUZZ_EXAMPLES)
-@given(spec=model_specs(), prompt=prompts, max_new_tokens=st.integers(1, 12))
+@given(spec=model_specs(), prompt=prompts(), max_new_tokens=st.integers(1, 12))
 def test_kv_cache_decode_equals_recomputation(
     engines: Callable[..., Llama3Engine],
     spec: tuple[TinyLlamaConfig, str, int, bool],
@@ -177,7 +188,7 @@ def test_kv_cache_decode_equals_recomputation(
 
 
 @fuzz_settings(FUZZ_EXAMPLES)
-@given(spec=model_specs(), prompt=prompts, forced=st.lists(token_ids, min_size=1, max_size=12))
+@given(spec=model_specs(), prompt=prompts(), forced=st.lists(token_ids, min_size=1, max_size=12))
 def test_full_forward_equals_teacher_forced_steps(
     engines: Callable[..., Llama3Engine],
     spec: tuple[TinyLlamaConfig, str, int, bool],
@@ -188,7 +199,7 @@ def test_full_forward_equals_teacher_forced_steps(
 
 
 @fuzz_settings(FUZZ_EXAMPLES)
-@given(spec=model_specs(), prompt=prompts, max_new_tokens=st.integers(1, 12))
+@given(spec=model_specs(), prompt=prompts(), max_new_tokens=st.integers(1, 12))
 def test_logits_are_finite(
     engines: Callable[..., Llama3Engine],
     spec: tuple[TinyLlamaConfig, str, int, bool],
@@ -228,6 +239,25 @@ def test_planted_kv_cache_shift_fails_decode_property(
     )
 
 
+def test_planted_kv_cache_late_from_position_1000_fails_decode_property(
+    engines: Callable[..., Llama3Engine],
+    monkeypatch: pytest.MonkeyPatch,
+    record_property: Callable[[str, object], None],
+) -> None:
+    """Decode steps from position 1000 on write and read the KV cache one slot late: only
+    sequences past position 1000 see it (the long positions the prompts reach)."""
+    forward = Transformer.forward
+
+    def late(self: Transformer, tokens: torch.Tensor, start_pos: int, **kwargs: Any):
+        shift = tokens.shape[1] == 1 and start_pos >= 1000
+        return forward(self, tokens, start_pos + shift, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", late)
+    _assert_property_fails(
+        monkeypatch, record_property, test_kv_cache_decode_equals_recomputation, engines
+    )
+
+
 def test_planted_non_causal_prefill_fails_forward_property(
     engines: Callable[..., Llama3Engine],
     monkeypatch: pytest.MonkeyPatch,
@@ -238,7 +268,7 @@ def test_planted_non_causal_prefill_fails_forward_property(
     def see_everything(seqlen: int, start_pos: int, device: torch.device) -> torch.Tensor:
         return torch.ones(seqlen, start_pos + seqlen, dtype=torch.bool, device=device)
 
-    monkeypatch.setattr(model_module, "causal_mask", see_everything)
+    monkeypatch.setattr(model_module, "attention_mask", see_everything)
     _assert_property_fails(
         monkeypatch, record_property, test_full_forward_equals_teacher_forced_steps, engines
     )

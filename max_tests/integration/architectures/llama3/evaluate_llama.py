@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         output_dir = golden_run.output_folder(args.output_dir, testdata)
     except PathError as error:
         _usage_error(parser, str(error))
+    torch.set_num_threads(golden_run.GOLDEN_THREADS)
     rows, unavailable = [], []
     for variant in selected:
         if variant.path is None:

@@ -31,6 +31,10 @@ from tools.cli_files import output_directory, user_path
 ENGINE_PRODUCER_VERSION = "llama3-engine/2"
 EVALUATE = "./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama"
 RUN_TORCH = "./bazelw run //max_tests/integration/architectures/llama3/testdata:run_torch_llama"
+# Goldens are computed on one torch thread, as every golden test runs (bazel/pytest.bzl):
+# float32 sums split over a machine's threads round differently (3.5e-5 in log-probability at
+# 8k positions between 1 and 2 threads), and a golden must not depend on the machine's cores.
+GOLDEN_THREADS = 1
 # Bazel's folder for a test's extra outputs; it zips them into bazel-testlogs after the test.
 UNDECLARED_OUTPUTS_ENV = "TEST_UNDECLARED_OUTPUTS_DIR"
 
@@ -44,6 +48,8 @@ class Run:
     tokens: list[int]
     logits: np.ndarray  # [steps, vocab] float32
     seconds: float
+    positions: list[int] = dataclasses.field(default_factory=list)  # prompt positions
+    prompt_logits: np.ndarray | None = None  # [len(positions), vocab] float32, same prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,15 @@ class Verdict:
         return sum(len(r.steps) for r in self.reports)
 
     @property
+    def prompt_positions(self) -> int:
+        return sum(len(r.prompt_checks) for r in self.reports)
+
+    @property
+    def last_position(self) -> int:
+        """The highest sequence position compared (a generated step or a prompt position)."""
+        return max((c.position for r in self.reports for c in r.checks), default=0)
+
+    @property
     def max_logprob_diff(self) -> float:
         return max((r.max_logprob_diff for r in self.reports), default=0.0)
 
@@ -79,7 +94,9 @@ class Verdict:
         )
         return (
             f"{self.reference} {self.golden_name} [{self.tolerance.key}]: "
-            f"{'FAIL' if self.failures else 'PASS'}, {self.steps} steps teacher-forced, "
+            f"{'FAIL' if self.failures else 'PASS'}, {self.steps} steps teacher-forced "
+            f"and {self.prompt_positions} prompt positions, up to position "
+            f"{self.last_position}, "
             f"max |Δ log-prob| {self.max_logprob_diff:.3g}, max KL {self.max_kl:.3g}, "
             f"greedy agreement {agreement}/{self.steps}, "
             f"ambiguous steps {self.ambiguous_steps}" + (f" ({ambiguous})" if ambiguous else "")
@@ -103,12 +120,18 @@ def load_engine(
     )
 
 
+def _run(spec: CaseSpec, input_ids: list[int], out, seconds: float, positions) -> Run:
+    prompt_logits = None if out.prompt_logits is None else out.prompt_logits.float().numpy()
+    logits = out.logits.float().numpy()
+    return Run(spec, input_ids, list(out.tokens), logits, seconds, list(positions), prompt_logits)
+
+
 def run_case(engine: Llama3Engine, spec: CaseSpec) -> Run:
     input_ids = engine.tokenizer.encode(spec.prompt)
+    positions = spec.positions(len(input_ids))
     start = time.perf_counter()
-    out = engine.generate(input_ids, max_new_tokens=spec.steps)
-    seconds = time.perf_counter() - start
-    return Run(spec, input_ids, list(out.tokens), out.logits.float().numpy(), seconds)
+    out = engine.generate(input_ids, max_new_tokens=spec.steps, prompt_positions=positions)
+    return _run(spec, input_ids, out, time.perf_counter() - start, positions)
 
 
 def run_cases(engine: Llama3Engine, model: str) -> list[Run]:
@@ -120,10 +143,14 @@ def forced_run(engine: Llama3Engine, case: schema.Case) -> Run:
     golden's greedy tokens; row i of the logits follows the golden's first i tokens."""
     spec = CaseSpec(case.id, case.prompt, len(case.steps), len(case.steps[0].topk_ids))
     input_ids = engine.tokenizer.encode(case.prompt)
+    # The golden's prompt positions, where the run's prompt has them (a tokenizer that
+    # changed fails on input ids anyway; its positions past the run's prompt go missing).
+    positions = [p for p in case.positions if p < len(input_ids) - 1]
     start = time.perf_counter()
-    out = engine.generate(input_ids, len(case.steps), forced_tokens=case.token_ids)
-    seconds = time.perf_counter() - start
-    return Run(spec, input_ids, list(out.tokens), out.logits.float().numpy(), seconds)
+    out = engine.generate(
+        input_ids, len(case.steps), forced_tokens=case.token_ids, prompt_positions=positions
+    )
+    return _run(spec, input_ids, out, time.perf_counter() - start, positions)
 
 
 def forced_runs(engine: Llama3Engine, golden: schema.Golden, memo: dict | None = None) -> list[Run]:
@@ -134,7 +161,7 @@ def forced_runs(engine: Llama3Engine, golden: schema.Golden, memo: dict | None =
         return [forced_run(engine, case) for case in golden.cases]
     runs = []
     for case in golden.cases:
-        key = (case.prompt, tuple(case.token_ids), len(case.steps[0].topk_ids))
+        key = (case.prompt, tuple(case.token_ids), len(case.steps[0].topk_ids), tuple(case.positions))
         if key not in memo:
             memo[key] = forced_run(engine, case)
         runs.append(
@@ -184,6 +211,8 @@ def engine_golden(
             tokenizer.decode,
             tokenizer.eos_ids,
             full_logits=full_logits,
+            positions=r.positions,
+            prompt_logits=r.prompt_logits,
         )
         for r in runs
     ]
@@ -218,6 +247,24 @@ def regenerate_command(variant: Variant, producer: str, device: str = "cpu") -> 
     return f"{tool} -- --model={variant.model} --encoding={variant.encoding} --device={device}"
 
 
+# Golden lanes: the short cases run in the edit loop's suite, the long ones (cases.yaml
+# `generate:`, thousands of positions) in a target of their own; "all" is both.
+LANES = ("all", "short", "long")
+
+
+def _in_lane(spec: CaseSpec, lane: str) -> bool:
+    return lane == "all" or spec.long == (lane == "long")
+
+
+def in_lane(golden: schema.Golden, model: str, lane: str) -> schema.Golden:
+    """`golden` with the cases of one lane only. A case that cases.yaml does not list stays
+    in every lane (compare_runs reports it)."""
+    if lane not in LANES:
+        raise ValueError(f"lane {lane!r} is not one of {', '.join(LANES)}")
+    elsewhere = {spec.id for spec in case_specs(model) if not _in_lane(spec, lane)}
+    return dataclasses.replace(golden, cases=[c for c in golden.cases if c.id not in elsewhere])
+
+
 def compare_runs(
     runs: list[Run],
     golden: schema.Golden,
@@ -227,30 +274,45 @@ def compare_runs(
     variant: Variant,
     decode,
     device: str = "cpu",
+    lane: str = "all",
 ) -> Verdict:
-    """Teacher-forced runs (`forced_runs` of this golden) against the golden, case by case."""
+    """Teacher-forced runs (`forced_runs` of this golden) against the golden, case by case;
+    with a `lane`, only that lane's cases (and cases.yaml's cases of that lane)."""
+    golden = in_lane(golden, variant.model, lane)
     by_id = {run.spec.id: run for run in runs}
     failures, reports = [], []
     regenerate = regenerate_command(variant, reference, device)
-    listed = [(spec.id, spec.prompt) for spec in case_specs(variant.model)]
+    listed = [(s.id, s.prompt) for s in case_specs(variant.model) if _in_lane(s, lane)]
     recorded = [(case.id, case.prompt) for case in golden.cases]
     if listed != recorded:
         failures.append(
-            f"golden {golden_name} has cases {recorded}, cases.yaml lists {listed}: "
-            f"regenerate with {regenerate}"
+            f"golden {golden_name} has cases {_short(recorded)}, cases.yaml lists "
+            f"{_short(listed)}: regenerate with {regenerate}"
         )
     for case in golden.cases:
         run = by_id.get(case.id)
         if run is None:
             failures.append(f"no run of case {case.id!r} of golden {golden_name}")
             continue
-        report = compare.compare_case(case, run.input_ids, run.tokens, run.logits, tolerance)
+        report = compare.compare_case(
+            case,
+            run.input_ids,
+            run.tokens,
+            run.logits,
+            tolerance,
+            dict(zip(run.positions, run.prompt_logits, strict=True)) if run.positions else {},
+        )
         reports.append(report)
         if report.status == compare.FAIL:
             failures.append(
                 compare.format_failure(report, case, golden_name, decode, regenerate, run.input_ids)
             )
     return Verdict(golden_name, reference, tolerance, reports, failures)
+
+
+def _short(cases: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Case ids and prompts for a message, long prompts cut to their first words."""
+    return [(i, p if len(p) <= 80 else f"{p[:40]}... ({len(p)} characters)") for i, p in cases]
 
 
 def check(
@@ -262,12 +324,15 @@ def check(
     variant: Variant,
     device: str = "cpu",
     memo: dict | None = None,
+    lane: str = "all",
 ) -> Verdict:
-    """The engine teacher-forced on `golden` and compared with it under `tolerance` (`memo`:
-    see `forced_runs`)."""
-    runs = forced_runs(engine, golden, memo)
+    """The engine teacher-forced on `golden` (the cases of `lane`) and compared with it
+    under `tolerance` (`memo`: see `forced_runs`)."""
+    runs = forced_runs(engine, in_lane(golden, variant.model, lane), memo)
     decode = engine.tokenizer.decode
-    return compare_runs(runs, golden, golden_name, reference, tolerance, variant, decode, device)
+    return compare_runs(
+        runs, golden, golden_name, reference, tolerance, variant, decode, device, lane
+    )
 
 
 def report_directory(fallback: Path) -> Path:

@@ -15,6 +15,7 @@ import torch
 from max_tests.integration.architectures.llama3 import golden_run
 from max_tests.integration.architectures.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
+from pipelines.llama3.config import LlamaConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,13 @@ class Mutation:
     what: str
     overrides: dict  # LlamaConfig fields replaced at load
     patch: Callable[[Llama3Engine], None] | None = None  # applied to the loaded engine (`load`)
+    # Whether the bug exists for a checkpoint of this config whose goldens reach this sequence
+    # position (a bug from position 4096 on does not exist in a 2k-token golden; dropping rope
+    # scaling changes nothing in a file without it). None: always.
+    applies: Callable[[LlamaConfig, int], bool] | None = None
+
+    def applies_to(self, config: LlamaConfig, last_position: int) -> bool:
+        return self.applies is None or self.applies(config, last_position)
 
 
 def _nudge_q_weight(engine: Llama3Engine) -> None:
@@ -71,6 +79,79 @@ def _flip_bos(engine: Llama3Engine) -> None:
     tokenizer.add_bos = not tokenizer.add_bos and tokenizer.bos_id is not None
 
 
+def _rope_late_from(position: int) -> Callable[[Llama3Engine], None]:
+    """RoPE one position late from `position` on: positions p >= position rotate by p - 1
+    (an off-by-one that only a table rebuilt past a buffer boundary would make)."""
+
+    def patch(engine: Llama3Engine) -> None:
+        model = engine.model
+        setup = model.setup_caches
+
+        def late_tables(*args, **kwargs) -> None:
+            before = model.rope_cos
+            setup(*args, **kwargs)
+            if model.rope_cos is not before and model.max_seq_len > position:
+                for table in (model.rope_cos, model.rope_sin):
+                    table[position:] = table[position - 1 : -1].clone()
+
+        model.setup_caches = late_tables
+
+    return patch
+
+
+def _kv_cache_late_from(position: int) -> Callable[[Llama3Engine], None]:
+    """Keys and values of positions >= `position` written one slot late (slot `position`
+    never written, the newest key not read), in prefill and decode alike: a paging or
+    block-table bug at a block boundary."""
+
+    def patch(engine: Llama3Engine) -> None:
+        for layer in engine.model.layers:
+            attention = layer.attention
+
+            def late(xk, xv, start_pos, attention=attention):
+                bsz, _, seqlen, _ = xk.shape
+                end_pos = start_pos + seqlen
+                on_time = min(max(position - start_pos, 0), seqlen)  # rows before `position`
+                slots = attention.cache_k.shape[2]
+                for cache, rows in ((attention.cache_k, xk), (attention.cache_v, xv)):
+                    cache[:bsz, :, start_pos : start_pos + on_time] = rows[:, :, :on_time]
+                    first = start_pos + on_time + 1
+                    n = min(seqlen - on_time, slots - first)
+                    cache[:bsz, :, first : first + n] = rows[:, :, on_time : on_time + n]
+                return attention.cache_k[:bsz, :, :end_pos], attention.cache_v[:bsz, :, :end_pos]
+
+            attention.update_cache = late
+
+    return patch
+
+
+def _attention_window(keys: int) -> Callable[[Llama3Engine], None]:
+    """Each query sees only the last `keys` keys (itself included): sliding-window attention
+    code, right for Mistral, applied to a Llama."""
+
+    def patch(engine: Llama3Engine) -> None:
+        def windowed(seqlen: int, start_pos: int, device: torch.device) -> torch.Tensor:
+            queries = torch.arange(start_pos, start_pos + seqlen, device=device)[:, None]
+            positions = torch.arange(start_pos + seqlen, device=device)[None, :]
+            return (positions <= queries) & (positions > queries - keys)
+
+        engine.model.attention_mask = windowed
+
+    return patch
+
+
+def _scaled_rope(config: LlamaConfig, last_position: int) -> bool:
+    return config.rope_freq_factors is not None or config.rope_scaling_type is not None
+
+
+def _reaches(position: int) -> Callable[[LlamaConfig, int], bool]:
+    return lambda config, last_position: last_position >= position
+
+
+# Llama 3.1's scaling with another factor, computed as Meta's apply_scaling does (the file's
+# rope_freqs tensor, which holds factor 8's result, is set aside).
+_ROPE_FACTOR_4 = {"rope_freq_factors": None, "rope_scaling_type": "llama3", "rope_scaling_factor": 4.0}
+
 MUTATIONS = [
     Mutation("q_weight", "one Q-projection weight +0.05 (layer 0)", {}, _nudge_q_weight),
     Mutation("rope_theta", "rope theta -> 1e4 (Llama 3: 5e5)", {"rope_theta": 1.0e4}),
@@ -79,6 +160,41 @@ MUTATIONS = [
     Mutation("attn_scale", "attention scale x1.01", {}, _scale_attention),
     Mutation("qk_permute", "Q/K unpermute skipped, head 0", {}, _skip_qk_unpermute_for_one_head),
     Mutation("bos", "BOS not added (added where the file has none)", {}, _flip_bos),
+    # Bugs only long contexts show (cases.yaml's long cases; test_mutations shows which of
+    # them the short cases let through).
+    Mutation(
+        "rope_late_4096",
+        "RoPE one position late from position 4096 on",
+        {},
+        _rope_late_from(4096),
+        _reaches(4097),
+    ),
+    Mutation(
+        "window_1024",
+        "attention limited to the last 1024 keys",
+        {},
+        _attention_window(1024),
+        _reaches(1025),
+    ),
+    Mutation(
+        "rope_factor_4",
+        "Llama 3.1 rope scaling factor 8 -> 4",
+        _ROPE_FACTOR_4,
+        applies=_scaled_rope,
+    ),
+    Mutation(
+        "kv_late_2048",
+        "KV cache written one slot late from position 2048 on",
+        {},
+        _kv_cache_late_from(2048),
+        _reaches(2049),
+    ),
+    Mutation(
+        "rope_scaling_dropped",
+        "Llama 3.1 rope scaling dropped (rope_freqs ignored)",
+        {"rope_freq_factors": None, "rope_scaling_type": None},
+        applies=_scaled_rope,
+    ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}
 

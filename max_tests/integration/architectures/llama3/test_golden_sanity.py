@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from max_tests.goldens import compare
+from max_tests.goldens import compare, record
 from max_tests.goldens.sanity import degeneracy_problems
 from max_tests.goldens.tolerances import entries, tolerance
+from max_tests.integration.architectures.llama3 import golden_run
 from max_tests.integration.architectures.llama3.variants import Variant, variants
 
 VARIANTS = [v for v in variants() if v.path is not None]
@@ -28,10 +29,32 @@ def test_golden_is_not_degenerate(variant: Variant, reference: str, goldens) -> 
     assert not problems, f"degenerate golden {name}:\n  " + "\n  ".join(problems)
 
 
+# How far each model's long cases reach (cases.yaml): past Llama 3.1's original context on
+# the tiny checkpoints, about 2k positions on SmolLM2 (context 8192).
+LONG_REACH = {"tinyllama": 8192, "smollm2": 2000}
+
+
+@pytest.mark.parametrize("reference", REFERENCES)
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.test_id for v in VARIANTS])
+def test_long_cases_reach_far_and_record_prompt_positions(variant, reference, goldens) -> None:
+    golden, name = goldens.load(reference, variant)
+    if variant.model not in LONG_REACH:
+        pytest.skip(f"{variant.model} has no long cases (cases.yaml)")
+    long_cases = golden_run.in_lane(golden, variant.model, "long").cases
+    assert long_cases, f"{name} has no long case"
+    reach = max(max(c.positions) for c in long_cases)
+    assert reach >= LONG_REACH[variant.model], f"{name}: prompt positions end at {reach}"
+    specs = {spec.id: spec for spec in record.case_specs(variant.model)}
+    for case in golden.cases:
+        spread = specs[case.id].positions(len(case.input_ids))
+        assert case.positions == spread, f"{name} {case.id}: positions {case.positions[:9]}..."
+
+
 @pytest.mark.parametrize("reference", REFERENCES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.test_id for v in VARIANTS])
 def test_readme_claims_hold_for_the_published_golden(variant, reference, goldens) -> None:
     golden, name = goldens.load(reference, variant)
+    golden = golden_run.in_lane(golden, variant.model, "short")  # the claims' cases
     gaps = {(c.id, i): s.top_gap for c in golden.cases for i, s in enumerate(c.steps)}
     narrowest = min(gaps, key=gaps.get)
     assert gaps[narrowest] >= README_MIN_GAP, f"{name}: gap {gaps[narrowest]} at {narrowest}"

@@ -10,7 +10,9 @@ A failing golden writes an HTML report of all its cases, named on the failure's 
       --test_arg=-k --test_arg='test_llama[tiny-float32-llama3_1]'
 Bazel runs the `compiled` mode in its own target, test_llama_compiled (torch.compile takes
 tens of seconds on a cold cache); $LLAMA_TEST_MODES (comma-separated) picks the modes, all of
-them by default.
+them by default. $LLAMA_TEST_LANE picks the cases (golden_run.LANES): `short` in test_llama
+(the edit loop), `long` (cases.yaml's long prompts, thousands of positions) in
+test_llama_long, `all` by default; the same -k ids select one variant in either target.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pipelines.llama3.engine import MODES
 
 VARIANTS = variants()
 MODES_ENV = "LLAMA_TEST_MODES"
+LANE_ENV = "LLAMA_TEST_LANE"
 # Set (by .ci/run) to the value it gave LLAMA3_1_GGUF, to prove Bazel passes it through.
 EXPECTED_LLAMA3_1_ENV = "EXPECTED_LLAMA3_1_GGUF"
 
@@ -54,20 +57,23 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
         pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
     references = [(*goldens.load(reference, variant), reference) for reference in ("own", "torch")]
 
+    lane = os.environ.get(LANE_ENV, "all")
     start = time.perf_counter()
     engine = golden_run.load_engine(variant, "cpu", mode=mode)
     loaded = time.perf_counter()
     verdicts, memo = [], {}  # memo: a token sequence both goldens hold runs once
     for golden, name, reference in references:
         tol = tolerance(reference, variant.encoding, "cpu")
-        verdicts.append(golden_run.check(engine, golden, name, reference, tol, variant, memo=memo))
+        verdicts.append(
+            golden_run.check(engine, golden, name, reference, tol, variant, memo=memo, lane=lane)
+        )
     model_seconds = time.perf_counter() - loaded
     record_property("load_seconds", round(loaded - start, 4))
     record_property("model_seconds", round(model_seconds, 4))
     # .ci/run adds these up from the JUnit XML into its closing line.
     record_property("ambiguous_steps", sum(v.ambiguous_steps for v in verdicts))
     print(
-        f"{variant.test_id} ({mode}): load {(loaded - start) * 1000:.1f} ms, "
+        f"{variant.test_id} ({mode}, {lane} cases): load {(loaded - start) * 1000:.1f} ms, "
         f"model {model_seconds:.3f} s"
     )
     for verdict in verdicts:

@@ -37,53 +37,78 @@ def _variant(encoding: str):
 
 
 def _cell(verdict: golden_run.Verdict) -> str:
-    """`metric@step` of the first failing step of the first failing case, or PASS."""
+    """`metric@step` (or `metric@pPOSITION` for a prompt position) of the first failing check
+    of the first failing case, or PASS."""
     for report in verdict.reports:
         if report.status == compare.FAIL:
-            step = report.first_failing
-            where = f"@{step.step}" if step is not None else ""
+            check = report.first_failing_check
+            if check is None:
+                where = ""
+            elif check.in_prompt:
+                where = f"@p{check.position}"
+            else:
+                where = f"@{check.step}"
             return f"{report.failing_metrics[0]}{where}"
     return "PASS" if not verdict.failures else "cases"
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) -> None:
+    """Each cell is `short lane / all cases`: a mutation must fail with all cases (short and
+    long) under every entry; the short column shows which bugs only the long cases catch."""
     variant = _variant(encoding)
     if variant.path is None:
         pytest.fail(f"the mutation matrix needs {variant.unavailable_reason}")
     tolerances = entries(encoding=encoding)
     keys = [tol.key for tol in tolerances]
     golden_of = {ref: goldens.load(ref, variant) for ref in ("own", "torch")}
-    matrix: dict[str, dict[str, str]] = {key: {} for key in keys}
+    last_position = min(
+        golden_run.in_lane(g, variant.model, "long").cases[-1].last_position
+        for g, _ in golden_of.values()
+    )
+    config = mutations.load(variant, None).config
+    applicable = [m for m in mutations.MUTATIONS if m.applies_to(config, last_position)]
+    matrix: dict[tuple[str, str], str] = {}
     numbers: dict[tuple[str, str], str] = {}
-    for mutation in [None, *mutations.MUTATIONS]:
+    failed_all: dict[tuple[str, str], bool] = {}
+    for mutation in [None, *applicable]:
         engine = mutations.load(variant, mutation)
-        runs = {ref: golden_run.forced_runs(engine, g) for ref, (g, _) in golden_of.items()}
+        memo: dict = {}  # the own and torch goldens mostly hold the same token sequences
+        runs = {ref: golden_run.forced_runs(engine, g, memo) for ref, (g, _) in golden_of.items()}
         column = mutation.name if mutation else "unmutated"
         for tol in tolerances:
             golden, name = golden_of[tol.reference]
-            verdict = golden_run.compare_runs(
-                runs[tol.reference], golden, name, tol.reference, tol, variant, str
-            )
-            matrix[tol.key][column] = _cell(verdict)
-            numbers[tol.key, column] = verdict.summary()
+            verdicts = {
+                lane: golden_run.compare_runs(
+                    runs[tol.reference], golden, name, tol.reference, tol, variant, str, lane=lane
+                )
+                for lane in ("short", "all")
+            }
+            matrix[tol.key, column] = " / ".join(_cell(v) for v in verdicts.values())
+            numbers[tol.key, column] = verdicts["all"].summary()
+            failed_all[tol.key, column] = bool(verdicts["all"].failures)
 
-    columns = ["unmutated", *(m.name for m in mutations.MUTATIONS)]
+    columns = ["unmutated", *(m.name for m in applicable)]
+    skipped = [m.name for m in mutations.MUTATIONS if m not in applicable]
     with capsys.disabled():
-        print(f"\nmutation matrix, {variant.test_id} (cells: failing metric@first failing step)")
-        print(f"  {'tolerance':<28}" + "".join(f"{c:>16}" for c in columns))
-        for key in keys:
-            print(f"  {key:<28}" + "".join(f"{matrix[key][c]:>16}" for c in columns))
+        print(
+            f"\nmutation matrix, {variant.test_id}, goldens to position {last_position} "
+            "(cells: short cases / all cases; failing metric@step or @pPOSITION)"
+            + (f"; not applicable here: {', '.join(skipped)}" if skipped else "")
+        )
+        for column in columns:
+            print(f"  {column:<22}" + "".join(f"{matrix[k, column]:>34}" for k in keys))
+        print(f"  {'':<22}" + "".join(f"{k:>34}" for k in keys))
     let_through = [
         f"{key} lets {m} through: {numbers[key, m]}"
         for key in keys
         for m in columns[1:]
-        if matrix[key][m] == "PASS"
+        if not failed_all[key, m]
     ]
     unmutated = [
         f"{key}: the unmutated engine fails: {numbers[key, 'unmutated']}"
         for key in keys
-        if matrix[key]["unmutated"] != "PASS"
+        if failed_all[key, "unmutated"]
     ]
     assert not let_through + unmutated, "\n".join(let_through + unmutated)
 

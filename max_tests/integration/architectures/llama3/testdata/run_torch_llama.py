@@ -64,8 +64,11 @@ def _parser(default_device: str) -> argparse.ArgumentParser:
 
 
 @torch.inference_mode()
-def greedy(model, input_ids: list[int], steps: int, eos_ids: set[int], device: str):
-    """Greedy decoding with transformers' KV cache; returns tokens and per-step logits.
+def greedy(
+    model, input_ids: list[int], steps: int, eos_ids: set[int], device: str, positions=()
+):
+    """Greedy decoding with transformers' KV cache; returns tokens, per-step logits and the
+    prefill's logits at the prompt `positions` (None without positions).
 
     The final norm and the LM head run in float32 whatever the model's dtype, as the
     engine's do: bfloat16 logits of ~40 sit on a 0.25 grid and make exact ties.
@@ -80,14 +83,17 @@ def greedy(model, input_ids: list[int], steps: int, eos_ids: set[int], device: s
 
     hook = norm.register_forward_hook(float32_norm)
     try:
-        return _greedy(model, head, input_ids, steps, eos_ids, device)
+        return _greedy(model, head, input_ids, steps, eos_ids, device, list(positions))
     finally:
         hook.remove()
 
 
-def _greedy(model, head, input_ids, steps, eos_ids, device):
+def _greedy(model, head, input_ids, steps, eos_ids, device, positions):
     ids = torch.tensor([input_ids], device=device)
     out = model.model(ids, use_cache=True)
+    prompt_rows = None
+    if positions:  # the LM head on those rows only ([seq, vocab] would be GiBs at 8k)
+        prompt_rows = (out.last_hidden_state[0, positions].float() @ head.T).cpu().numpy()
     tokens, rows = [], []
     for _ in range(steps):
         logits = out.last_hidden_state[0, -1].float() @ head.T
@@ -101,7 +107,7 @@ def _greedy(model, head, input_ids, steps, eos_ids, device):
             past_key_values=out.past_key_values,
             use_cache=True,
         )
-    return tokens, np.stack(rows)
+    return tokens, np.stack(rows), prompt_rows
 
 
 def torch_golden(variant: Variant, device: str, verbose: bool = False) -> schema.Golden:
@@ -112,10 +118,28 @@ def torch_golden(variant: Variant, device: str, verbose: bool = False) -> schema
     cases = []
     for spec in case_specs(variant.model):
         input_ids = tokenizer.encode(spec.prompt)
-        tokens, logits = greedy(model, input_ids, spec.steps, eos_ids, device)
-        cases.append(record_case(spec, input_ids, tokens, logits, tokenizer.decode, eos_ids))
+        positions = spec.positions(len(input_ids))
+        tokens, logits, prompt_logits = greedy(
+            model, input_ids, spec.steps, eos_ids, device, positions
+        )
+        cases.append(
+            record_case(
+                spec,
+                input_ids,
+                tokens,
+                logits,
+                tokenizer.decode,
+                eos_ids,
+                positions=positions,
+                prompt_logits=prompt_logits,
+            )
+        )
         if verbose:
-            print(f"  {spec.id}: {spec.prompt!r} -> {tokenizer.decode(tokens)!r}", file=sys.stderr)
+            shown = spec.prompt if len(spec.prompt) < 80 else f"{spec.prompt[:60]}..."
+            print(
+                f"  {spec.id} ({len(input_ids)} tokens): {shown!r} -> {tokenizer.decode(tokens)!r}",
+                file=sys.stderr,
+            )
     prov = golden_run.provenance(
         variant, "torch", PRODUCER_VERSION.format(transformers.__version__), device
     )
@@ -160,6 +184,7 @@ def main(argv: list[str] | None = None, default_device: str = "cpu") -> int:
     except PathError as error:
         print(f"run_torch_llama: error: {error}", file=sys.stderr)
         return 2
+    torch.set_num_threads(golden_run.GOLDEN_THREADS)
     for variant in selected:
         if variant.path is None:
             print(
