@@ -17,7 +17,8 @@ The golden's recorded prompt positions (long prompts: a spread of thousands of p
 one prefill) are checked by the same rules 1-4, the greedy token being the argmax there.
 
 A case fails on any failing step or prompt position, or when the run's own tokenization of
-the prompt differs from the golden's input ids. Ambiguous steps are counted and reported, never hidden.
+the prompt differs from the golden's input ids. Ambiguous steps are counted and reported,
+never hidden.
 Free-running greedy agreement is reported too: the run, fed the golden's prefix, chose the
 golden's token up to `greedy_agreement`; a free-running generation would diverge there.
 """
@@ -158,7 +159,8 @@ def compare_case(
             check = _missing_step(i, gstep, "the run has no logits for this step (it ended early)")
         checks.append(dataclasses.replace(check, position=last_prompt + i))
     prompt_checks = []
-    for j, (position, gstep) in enumerate(zip(golden.positions, golden.position_steps, strict=True)):
+    recorded = zip(golden.positions, golden.position_steps, strict=True)
+    for j, (position, gstep) in enumerate(recorded):
         row = prompt_logits.get(position)
         if row is None:
             check = _missing_step(j, gstep, "the run has no logits at this prompt position")
@@ -302,7 +304,9 @@ def format_failure(
     ]
     if report.prompt_checks:
         prompt_failing = [s for s in report.prompt_checks if s.status == FAIL]
-        first_bad = f", the first at position {prompt_failing[0].position}" if prompt_failing else ""
+        first_bad = ""
+        if prompt_failing:
+            first_bad = f", the first at position {prompt_failing[0].position}"
         lines.append(
             f"  prompt positions: {len(prompt_failing)} of {len(report.prompt_checks)} fail"
             f"{first_bad} (recorded up to position {report.prompt_checks[-1].position})"

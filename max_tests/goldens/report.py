@@ -365,8 +365,7 @@ def _position_chart(metric: str, case: CaseView) -> str:
             f'<svg class="curve" data-metric="{metric}" data-axis="position" data-scale="log" '
             f'width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" role="img">'
             f"<title>{_esc(label)} per prompt position</title>",
-            f'<text class="chart-title" x="{LEFT}" y="15">{_esc(label)}, prompt positions'
-            "</text>",
+            f'<text class="chart-title" x="{LEFT}" y="15">{_esc(label)}, prompt positions</text>',
             _grid(scale, values),
             _tolerance_line(scale, threshold) if threshold is not None else "",
             f'<polyline class="series" data-series="{metric}" points="{points}"/>',

@@ -35,7 +35,8 @@ def degeneracy_problems(golden: Golden, near_tie_margin: float) -> list[str]:
     near_ties = [s for s in steps if s.top_gap < near_tie_margin]
     if len(near_ties) > MAX_NEAR_TIE_SHARE * len(steps):
         problems.append(
-            f"{len(near_ties)}/{len(steps)} steps and prompt positions are near-ties (gap < {near_tie_margin:g}); "
+            f"{len(near_ties)}/{len(steps)} steps and prompt positions are near-ties "
+            f"(gap < {near_tie_margin:g}); "
             f"at most {MAX_NEAR_TIE_SHARE:.0%} allowed"
         )
     flat = [s for s in steps if s.stats["std"] < MIN_LOGIT_STD]

@@ -172,7 +172,6 @@ class Attention(nn.Module):
         output = output.transpose(1, 2).reshape(bsz, seqlen, -1)  # [bsz, seq, heads * head_dim]
         return self.wo(output)
 
-
     def update_cache(
         self, xk: torch.Tensor, xv: torch.Tensor, start_pos: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -333,6 +333,8 @@ class CaseDiff:
     before: Case | None
     after: Case | None
     deltas: list[StepDelta]  # over the steps both sides have, when their inputs are equal
+    # over the prompt positions both sides record, when their inputs are equal
+    position_deltas: dict[int, StepDelta] = dataclasses.field(default_factory=dict)
 
     @property
     def status(self) -> str:
@@ -350,11 +352,17 @@ class CaseDiff:
 
 def diff_case(before: Case | None, after: Case | None) -> CaseDiff:
     case_id = before.id if before is not None else after.id if after is not None else ""
-    deltas = []
+    deltas, position_deltas = [], {}
     same_inputs = before is not None and after is not None
     if same_inputs and (before.prompt, before.input_ids) == (after.prompt, after.input_ids):
         deltas = [step_delta(b, a) for b, a in zip(before.steps, after.steps, strict=False)]
-    return CaseDiff(case_id, before, after, deltas)
+        theirs = dict(zip(after.positions, after.position_steps, strict=True))
+        position_deltas = {
+            p: step_delta(step, theirs[p])
+            for p, step in zip(before.positions, before.position_steps, strict=True)
+            if p in theirs
+        }
+    return CaseDiff(case_id, before, after, deltas, position_deltas)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,13 +433,18 @@ def case_line(diff: CaseDiff) -> str:
         return f"case {diff.case_id}: prompt differs: {before.prompt!r} -> {after.prompt!r}"
     if diff.status == "input ids differ":
         return f"case {diff.case_id}: {input_ids_difference(before.input_ids, after.input_ids)}"
-    return f"case {diff.case_id}: " + "; ".join(changed_parts(diff.deltas, before, after))
+    return f"case {diff.case_id}: " + "; ".join(changed_parts(diff, before, after))
 
 
-def changed_parts(deltas: list[StepDelta], before: Case, after: Case) -> list[str]:
-    """The first changed step and its tokens, the worst numbers, and what the tokens did."""
+def changed_parts(diff: CaseDiff, before: Case, after: Case) -> list[str]:
+    """The first changed step and its tokens, the worst numbers, and what the tokens did;
+    then what changed at the recorded prompt positions."""
+    deltas = diff.deltas
+    positions = position_parts(diff, before, after)
     step = first_difference(before.steps, after.steps)
     if step is None:
+        if positions:
+            return ["steps identical", *positions]
         return [f"stopped_on_eos {before.stopped_on_eos} -> {after.stopped_on_eos}"]
     divergence = first_difference(before.token_ids, after.token_ids)
     parts = [f"first changed step {step}: {token_change(before, after, step)}"]
@@ -442,6 +455,29 @@ def changed_parts(deltas: list[StepDelta], before: Case, after: Case) -> list[st
     )
     if len(before.steps) != len(after.steps):
         parts.append(f"{len(before.steps)} -> {len(after.steps)} steps")
+    return parts + positions
+
+
+def position_parts(diff: CaseDiff, before: Case, after: Case) -> list[str]:
+    """Prompt positions recorded on one side only, and the worst change at those both
+    record (the position, not a step, names it)."""
+    parts = []
+    if before.positions != after.positions:
+        added = sorted(set(after.positions) - set(before.positions))
+        removed = sorted(set(before.positions) - set(after.positions))
+        reach = f" (up to position {max(after.positions)})" if after.positions else ""
+        parts.append(
+            f"prompt positions {len(before.positions)} -> {len(after.positions)} recorded"
+            f"{reach}: {len(added)} added, {len(removed)} removed"
+        )
+    moved = {p: d for p, d in diff.position_deltas.items() if d != IDENTICAL_STEP}
+    if moved:
+        worst = max(moved, key=lambda p: moved[p].max_logprob_diff)
+        parts.append(
+            f"{len(moved)} of {len(diff.position_deltas)} prompt positions moved: max "
+            f"|Δ log-prob| {number(moved[worst].max_logprob_diff)} (position {worst}), "
+            f"max KL {number(max(d.kl for d in moved.values()))}"
+        )
     return parts
 
 
@@ -553,6 +589,9 @@ def case_view(file: FileDiff, diff: CaseDiff) -> CaseView:
         status="IDENTICAL" if diff.status == "identical" else "CHANGED",
         first_failing_step=first_difference(before.steps, after.steps),
         notes=(*notes, *file.header_differences),
+        positions=tuple(diff.position_deltas),
+        position_logprob_delta=tuple(d.max_logprob_diff for d in diff.position_deltas.values()),
+        position_kl=tuple(d.kl for d in diff.position_deltas.values()),
     )
 
 

@@ -161,7 +161,8 @@ def forced_runs(engine: Llama3Engine, golden: schema.Golden, memo: dict | None =
         return [forced_run(engine, case) for case in golden.cases]
     runs = []
     for case in golden.cases:
-        key = (case.prompt, tuple(case.token_ids), len(case.steps[0].topk_ids), tuple(case.positions))
+        top_k = len(case.steps[0].topk_ids)
+        key = (case.prompt, tuple(case.token_ids), top_k, tuple(case.positions))
         if key not in memo:
             memo[key] = forced_run(engine, case)
         runs.append(

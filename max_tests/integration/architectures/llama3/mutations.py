@@ -150,7 +150,11 @@ def _reaches(position: int) -> Callable[[LlamaConfig, int], bool]:
 
 # Llama 3.1's scaling with another factor, computed as Meta's apply_scaling does (the file's
 # rope_freqs tensor, which holds factor 8's result, is set aside).
-_ROPE_FACTOR_4 = {"rope_freq_factors": None, "rope_scaling_type": "llama3", "rope_scaling_factor": 4.0}
+_ROPE_FACTOR_4 = {
+    "rope_freq_factors": None,
+    "rope_scaling_type": "llama3",
+    "rope_scaling_factor": 4.0,
+}
 
 MUTATIONS = [
     Mutation("q_weight", "one Q-projection weight +0.05 (layer 0)", {}, _nudge_q_weight),

@@ -42,7 +42,7 @@ def _cell(verdict: golden_run.Verdict) -> str:
     for report in verdict.reports:
         if report.status == compare.FAIL:
             check = report.first_failing_check
-            if check is None:
+            if not report.input_ids_match or check is None:
                 where = ""
             elif check.in_prompt:
                 where = f"@p{check.position}"
@@ -63,8 +63,7 @@ def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) 
     keys = [tol.key for tol in tolerances]
     golden_of = {ref: goldens.load(ref, variant) for ref in ("own", "torch")}
     last_position = min(
-        golden_run.in_lane(g, variant.model, "long").cases[-1].last_position
-        for g, _ in golden_of.values()
+        max(case.last_position for case in g.cases) for g, _ in golden_of.values()
     )
     config = mutations.load(variant, None).config
     applicable = [m for m in mutations.MUTATIONS if m.applies_to(config, last_position)]

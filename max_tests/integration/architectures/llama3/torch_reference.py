@@ -8,7 +8,11 @@ testdata/run_torch_llama.py (the torch goldens) and localize.py (the first diver
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: everything is local files
@@ -19,6 +23,7 @@ import numpy as np
 import torch
 
 from max_tests.integration.architectures.llama3.variants import Variant
+from pipelines.llama3.gguf_file import GGUFFile
 
 # Llama 3.1's published rope scaling; checked against the file's rope_freqs before use.
 LLAMA3_ROPE = {
@@ -44,13 +49,67 @@ def _read_metadata(path: Path) -> tuple[float, np.ndarray | None]:
     return theta, freqs
 
 
+def model_only_copy(path: Path) -> Path:
+    """A copy of the GGUF without its vocabulary (same tensor bytes, same model metadata),
+    made once per file and process in a temporary folder.
+
+    gguf-py's reader, which transformers uses, builds a numpy view per array element: the
+    Llama 3 vocabulary's 128256 tokens and 280147 merges took 50 s of each tiny checkpoint's
+    load (three reads of 10-20 s), SmolLM2's 25 s. The model needs none of them. The copy is
+    read with the engine's parser (pipelines/llama3/gguf_file.py, checked against gguf-py by
+    its tests) and written with gguf-py's writer; transformers then loads, dequantizes and
+    unpermutes the weights itself, so the reference stays independent where it matters.
+    """
+    stat = path.stat()
+    return _model_only_copy(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+# Vocabulary arrays the model does not need (their parse is the slow part).
+_VOCABULARY_KEYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+)
+
+
+@functools.cache
+def _model_only_copy(path: Path, size: int, mtime_ns: int) -> Path:
+    source = GGUFFile(path)
+    folder = Path(tempfile.mkdtemp(prefix="model_only_gguf_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    copy = folder / path.name
+    writer = gguf.GGUFWriter(str(copy), source.fields["general.architecture"])
+    for key, value in source.fields.items():
+        # GGUFWriter writes the architecture (and the header) itself.
+        if key in _VOCABULARY_KEYS or key == "general.architecture":
+            continue
+        kind, *sub_type = source.field_types[key]
+        writer.add_key_value(key, value, kind, sub_type=sub_type[-1] if sub_type else None)
+    for info in source.tensors.values():
+        block, type_size = gguf.GGML_QUANT_SIZES[info.tensor_type]
+        byte_shape = (*info.shape[:-1], info.shape[-1] // block * type_size)
+        writer.add_tensor_info(
+            info.name, byte_shape, np.dtype(np.uint8), info.n_bytes, raw_dtype=info.tensor_type
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for info in source.tensors.values():
+        writer.write_tensor_data(source.tensor_data(info.name))
+    writer.close()
+    return copy
+
+
 def load_model(path: Path, dtype: torch.dtype, device: str = "cpu"):
-    """transformers' LlamaForCausalLM for one GGUF file, rope scaling restored, in eval mode."""
+    """transformers' LlamaForCausalLM for one GGUF file, rope scaling restored, in eval mode
+    (read from `model_only_copy`: the same weights, without the slow vocabulary parse)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder, name = str(path.parent), path.name
+    source = model_only_copy(path)
+    folder, name = str(source.parent), source.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    theta, rope_freqs = _read_metadata(path)
+    theta, rope_freqs = _read_metadata(source)
     if rope_freqs is not None:
         config.rope_parameters = {"rope_type": "llama3", "rope_theta": theta, **LLAMA3_ROPE}
     model = AutoModelForCausalLM.from_pretrained(

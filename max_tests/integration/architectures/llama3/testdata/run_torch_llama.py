@@ -64,9 +64,7 @@ def _parser(default_device: str) -> argparse.ArgumentParser:
 
 
 @torch.inference_mode()
-def greedy(
-    model, input_ids: list[int], steps: int, eos_ids: set[int], device: str, positions=()
-):
+def greedy(model, input_ids: list[int], steps: int, eos_ids: set[int], device: str, positions=()):
     """Greedy decoding with transformers' KV cache; returns tokens, per-step logits and the
     prefill's logits at the prompt `positions` (None without positions).
 
