@@ -79,7 +79,8 @@ def measure(side: str, model: str, encoding: str, threads: int, repeats: int) ->
         prefill()
         seconds.append(time.perf_counter() - start)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return {"seconds": min(seconds), "tokens": len(ids), "case": spec.id, "rss_mib": peak_kib / 1024}
+    rss_mib = peak_kib / 1024
+    return {"seconds": min(seconds), "tokens": len(ids), "case": spec.id, "rss_mib": rss_mib}
 
 
 def _variants(models: list[str]) -> list[tuple[str, str]]:
@@ -112,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                 results[side] = job.result()
         rows.append((model, encoding, results))
 
-    print(f"longest golden case per checkpoint, prefill on {args.threads} thread(s), fastest of "
-          f"{args.repeats}; peak RSS of a fresh process (load included)")
+    print(
+        f"longest golden case per checkpoint, prefill on {args.threads} thread(s), fastest of "
+        f"{args.repeats}; peak RSS of a fresh process (load included)"
+    )
     header = f"{'model':<10} {'encoding':<9} {'case':<8} {'tokens':>6}"
     header += "".join(f" {side + ' s':>15} {'RSS MiB':>8}" for side in SIDES)
     print(header + f" {'eager/tf':>9} {'quant/tf':>9}")
