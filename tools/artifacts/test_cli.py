@@ -4,7 +4,6 @@ import difflib
 import os
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -340,13 +339,14 @@ def test_missing_credentials_are_exit_1_with_a_clear_message(
     assert err.splitlines()[-1].startswith("error: no AWS credentials for s3://goldens/artifacts")
 
 
-def test_an_unreachable_endpoint_is_exit_1_quickly(
+def test_an_unreachable_endpoint_is_exit_1_naming_the_connection(
     closed_port: int,
     fake_aws_credentials: None,
     goldens: list[Path],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    started = time.monotonic()
+    # How long it may wait is the client's configuration (test_s3_store checks it), not a
+    # wall-clock bound here: a loaded machine must not fail a correct program.
     code, _, err = _run(
         capsys,
         "g",
@@ -357,7 +357,6 @@ def test_an_unreachable_endpoint_is_exit_1_quickly(
     )
     assert code == 1
     assert "Could not connect to the endpoint URL" in err.splitlines()[-1]
-    assert time.monotonic() - started < 5
 
 
 @pytest.mark.skipif(
