@@ -11,6 +11,7 @@ part ways (`diverging_layer`, localize.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import time
@@ -353,7 +354,7 @@ def diverging_layer(
     if verdict.reference != "torch" or failing is None:
         return None
     case = golden.case(failing.case_id)
-    model = torch_reference.load_model(variant.path, variant.dtype, engine.device)
+    model = _reference_model(variant.path, variant.dtype, str(engine.device))
     divergence = localize.first_divergence(engine, model, case.input_ids, case.token_ids)
     if divergence is None:
         where = (
@@ -363,6 +364,14 @@ def diverging_layer(
     else:
         where = divergence.describe()
     return case.id, where
+
+
+@functools.lru_cache(maxsize=8)
+def _reference_model(path: Path, dtype: torch.dtype, device: str):
+    """transformers' model of a checkpoint, loaded once per process for the diagnosis: a
+    broken engine fails every variant and mode, and each would load it again (SmolLM2: 7 s).
+    The diagnosis only reads it (its hooks are removed after each run)."""
+    return torch_reference.load_model(path, dtype, device)
 
 
 def failures_with_report(

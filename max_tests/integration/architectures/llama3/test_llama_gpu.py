@@ -16,7 +16,8 @@ tolerance, which a CPU run passes with room to spare. That adds no engine covera
 test_llama (same runs, tighter `cpu` tolerance) and takes as long as test_llama; what it buys is
 that this file's own code (golden selection, hardware keys, reports) is run on every change
 instead of only when someone has a GPU. Rule 2 (`cuda_fallback`) is reached only on a GPU
-without its own goldens.
+without its own goldens. On a GPU every case runs, the long ones included; the CPU twin runs
+the short cases only (test_llama_long holds the CPU to the long ones).
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ def test_llama_gpu(
     gpu = golden_run.hardware(str(device))
     engine = golden_run.load_engine(variant, str(device))
     failures, ambiguous, memo = [], 0, {}  # memo: a token sequence both goldens hold runs once
+    lane = "short" if device.type == "cpu" else "all"
     reports = golden_run.report_directory(tmp_path)
     for reference in ("own", "torch"):
         golden, name, tol, note = _golden_for_this_gpu(goldens, reference, variant, gpu)
         record_property(f"{reference}_golden", f"{name} ({note})")
         verdict = golden_run.check(
-            engine, golden, name, reference, tol, variant, device.type, memo=memo
+            engine, golden, name, reference, tol, variant, device.type, memo=memo, lane=lane
         )
         print(f"{variant.test_id} on {gpu} ({note}): {verdict.summary()}")
         failures += golden_run.failures_with_report(
