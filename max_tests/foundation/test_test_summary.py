@@ -38,3 +38,31 @@ def test_counts_passed_failed_skipped_and_ambiguous_steps(tmp_path, capsys):
 def test_no_test_run_at_all_is_an_error(tmp_path):
     assert test_summary.main([str(tmp_path)]) == 1
     assert test_summary.main([str(tmp_path / "missing")]) == 2
+
+
+def _headroom(entry: str, share: float, test: str, where: str) -> str:
+    return f'<property name="headroom" value="{entry}|{share}|{test}|{where}|logprob"/>'
+
+
+def test_the_three_entries_closest_to_their_thresholds_are_named(tmp_path, capsys):
+    props = [
+        _headroom("own/bfloat16/cpu", 0.95, "tiny-bfloat16-llama3_1", "prose, step 7 (position 12)"),
+        _headroom("own/bfloat16/cpu", 0.2, "tiny-bfloat16-llama3_1-quantized", "code, step 1"),
+        _headroom("own/float32/cpu", 0.35, "tiny-float32-llama3_1", "long_8k, prompt position 4097"),
+        _headroom("torch/q4_k/cpu", 0.5, "tiny-q4_k-llama3_1", "prose, step 0 (position 5)"),
+        _headroom("torch/float32/cpu", 1e-5, "tiny-float32-llama3_1", "prose, step 0 (position 5)"),
+    ]
+    xml = XML.replace(
+        '<property name="ambiguous_steps" value="2"/>',
+        '<property name="ambiguous_steps" value="2"/>' + "".join(props),
+    )
+    (tmp_path / "test.xml").write_text(xml)
+    assert test_summary.closest(tmp_path) == [
+        "own/bfloat16/cpu 95% (tiny-bfloat16-llama3_1, prose, step 7 (position 12), logprob)",
+        "torch/q4_k/cpu 50% (tiny-q4_k-llama3_1, prose, step 0 (position 5), logprob)",
+        "own/float32/cpu 35% (tiny-float32-llama3_1, long_8k, prompt position 4097, logprob)",
+    ]
+    assert test_summary.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        "closest to tolerance: own/bfloat16/cpu 95% (tiny-bfloat16-llama3_1, prose, step 7"
+    )

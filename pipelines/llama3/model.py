@@ -160,15 +160,19 @@ class Attention(nn.Module):
 
         # Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
         # No mask: one query sees every key, several from position 0 are causal.
+        # In float32 whatever the compute dtype, rounded once at the end: SDPA's bfloat16
+        # kernels round the softmax probabilities to bfloat16, and which way each rounds
+        # depends on the vectorized exp of the CPU's kernel level (portable kernels moved
+        # bfloat16 log-probabilities by 0.151); the transformers reference does the same.
         output = F.scaled_dot_product_attention(
-            xq,
-            keys,
-            values,
+            xq.float(),
+            keys.float(),
+            values.float(),
             attn_mask=mask,
             is_causal=mask is None and seqlen > 1,
             scale=self.scale,
             enable_gqa=True,
-        )
+        ).to(xq.dtype)
         output = output.transpose(1, 2).reshape(bsz, seqlen, -1)  # [bsz, seq, heads * head_dim]
         return self.wo(output)
 

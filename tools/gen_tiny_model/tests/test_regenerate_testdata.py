@@ -20,7 +20,7 @@ COMMANDS = {
 # mismatch with files that might have been regenerated in the same change.
 PINNED_SHA256 = {
     "tiny_llama.gguf": "aa8d9e29ad19536d51dac436612f189576200250945e652ea260f404431aecd4",
-    "tiny_llama_bf16.gguf": "93badda9f856ecdef1261baeac26d441feeaa4087a00edc84606a2fe7134974a",
+    "tiny_llama_bf16.gguf": "396647168e5b1be2ea2fb5738bddbff20f6b0c6cdb7aa76c8bde1f4491197e5d",
     "tiny_llama_q4_k.gguf": "d91958e577829c325e82a8a87be5904373086e03cfce4d9bcebc6bbd27621ffa",
     "tiny_llama_nvfp4.gguf": "804cfe84aabe1251b4d34586091ee966e9251c47d18025ac31a0d6d5a4e8c2a0",
 }

@@ -88,6 +88,20 @@ class Verdict:
     def max_kl(self) -> float:
         return max((r.max_kl for r in self.reports), default=0.0)
 
+    def headroom(self) -> tuple[float, str, str]:
+        """(share, metric, where): the worst check's |Δ log-prob| or KL as a share of this
+        tolerance's threshold (1.0 is at the threshold), and where it was."""
+        worst = (0.0, "logprob", "")
+        for report in self.reports:
+            for check in report.checks:
+                for metric, value, limit in (
+                    ("logprob", check.max_logprob_diff, self.tolerance.logprob_atol),
+                    ("kl", check.kl, self.tolerance.kl_max),
+                ):
+                    if value / limit > worst[0]:
+                        worst = (value / limit, metric, f"{report.case_id}, {check.where}")
+        return worst
+
     def summary(self) -> str:
         agreement = sum(r.greedy_agreement for r in self.reports)
         ambiguous = ", ".join(

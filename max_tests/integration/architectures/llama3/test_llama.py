@@ -70,8 +70,14 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
     model_seconds = time.perf_counter() - loaded
     record_property("load_seconds", round(loaded - start, 4))
     record_property("model_seconds", round(model_seconds, 4))
-    # .ci/run adds these up from the JUnit XML into its closing line.
+    # .ci/run adds these up from the JUnit XML into its closing line, and names the three
+    # entries closest to their thresholds (bazel/test_summary.py).
     record_property("ambiguous_steps", sum(v.ambiguous_steps for v in verdicts))
+    for verdict in verdicts:
+        share, metric, where = verdict.headroom()
+        record_property(
+            "headroom", f"{verdict.tolerance.key}|{share:.6g}|{_case_id(variant, mode)}|{where}|{metric}"
+        )
     print(
         f"{variant.test_id} ({mode}, {lane} cases): load {(loaded - start) * 1000:.1f} ms, "
         f"model {model_seconds:.3f} s"

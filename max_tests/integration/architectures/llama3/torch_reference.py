@@ -101,6 +101,30 @@ def _model_only_copy(path: Path, size: int, mtime_ns: int) -> Path:
     return copy
 
 
+FLOAT32_SDPA = "sdpa_float32"
+
+
+@functools.cache
+def _float32_sdpa() -> str:
+    """Register transformers' SDPA attention computed in float32 and rounded once to the
+    compute dtype, as the engine computes it (pipelines/llama3/model.py, Attention): in
+    bfloat16 SDPA rounds its softmax probabilities to bfloat16, which way depending on the
+    CPU's kernel level. The mask is SDPA's."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def float32_sdpa(module, query, key, value, attention_mask, **kwargs):
+        output, weights = sdpa_attention_forward(
+            module, query.float(), key.float(), value.float(), attention_mask, **kwargs
+        )
+        return output.to(query.dtype), weights
+
+    AttentionInterface.register(FLOAT32_SDPA, float32_sdpa)
+    AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)
+    return FLOAT32_SDPA
+
+
 def load_model(path: Path, dtype: torch.dtype, device: str = "cpu"):
     """transformers' LlamaForCausalLM for one GGUF file, rope scaling restored, in eval mode
     (read from `model_only_copy`: the same weights, without the slow vocabulary parse)."""
@@ -112,6 +136,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str = "cpu"):
     theta, rope_freqs = _read_metadata(source)
     if rope_freqs is not None:
         config.rope_parameters = {"rope_type": "llama3", "rope_theta": theta, **LLAMA3_ROPE}
+    if dtype != torch.float32:
+        config._attn_implementation = _float32_sdpa()  # as the engine's attention
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, config=config, dtype=dtype
     ).to(device)
