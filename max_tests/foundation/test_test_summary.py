@@ -45,12 +45,13 @@ def _headroom(entry: str, share: float, test: str, where: str) -> str:
 
 
 def test_the_three_entries_closest_to_their_thresholds_are_named(tmp_path, capsys):
+    bf16, f32 = "tiny-bfloat16-llama3_1", "tiny-float32-llama3_1"
     props = [
-        _headroom("own/bfloat16/cpu", 0.95, "tiny-bfloat16-llama3_1", "prose, step 7 (position 12)"),
-        _headroom("own/bfloat16/cpu", 0.2, "tiny-bfloat16-llama3_1-quantized", "code, step 1"),
-        _headroom("own/float32/cpu", 0.35, "tiny-float32-llama3_1", "long_8k, prompt position 4097"),
+        _headroom("own/bfloat16/cpu", 0.95, bf16, "prose, step 7 (position 12)"),
+        _headroom("own/bfloat16/cpu", 0.2, f"{bf16}-quantized", "code, step 1"),
+        _headroom("own/float32/cpu", 0.35, f32, "long_8k, prompt position 4097"),
         _headroom("torch/q4_k/cpu", 0.5, "tiny-q4_k-llama3_1", "prose, step 0 (position 5)"),
-        _headroom("torch/float32/cpu", 1e-5, "tiny-float32-llama3_1", "prose, step 0 (position 5)"),
+        _headroom("torch/float32/cpu", 1e-5, f32, "prose, step 0 (position 5)"),
     ]
     xml = XML.replace(
         '<property name="ambiguous_steps" value="2"/>',

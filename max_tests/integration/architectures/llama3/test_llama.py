@@ -75,9 +75,8 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
     record_property("ambiguous_steps", sum(v.ambiguous_steps for v in verdicts))
     for verdict in verdicts:
         share, metric, where = verdict.headroom()
-        record_property(
-            "headroom", f"{verdict.tolerance.key}|{share:.6g}|{_case_id(variant, mode)}|{where}|{metric}"
-        )
+        test_id = _case_id(variant, mode)
+        record_property("headroom", f"{verdict.tolerance.key}|{share:.6g}|{test_id}|{where}|{metric}")
     print(
         f"{variant.test_id} ({mode}, {lane} cases): load {(loaded - start) * 1000:.1f} ms, "
         f"model {model_seconds:.3f} s"
