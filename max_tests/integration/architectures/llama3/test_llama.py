@@ -76,7 +76,8 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
     for verdict in verdicts:
         share, metric, where = verdict.headroom()
         test_id = _case_id(variant, mode)
-        record_property("headroom", f"{verdict.tolerance.key}|{share:.6g}|{test_id}|{where}|{metric}")
+        entry = verdict.tolerance.key
+        record_property("headroom", f"{entry}|{share:.6g}|{test_id}|{where}|{metric}")
     print(
         f"{variant.test_id} ({mode}, {lane} cases): load {(loaded - start) * 1000:.1f} ms, "
         f"model {model_seconds:.3f} s"
