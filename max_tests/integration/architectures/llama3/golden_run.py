@@ -92,14 +92,14 @@ class Verdict:
         """(share, metric, where): the worst check's |Δ log-prob| or KL as a share of this
         tolerance's threshold (1.0 is at the threshold), and where it was."""
         worst = (0.0, "logprob", "")
-        for report in self.reports:
-            for check in report.checks:
+        for case_report in self.reports:
+            for check in case_report.checks:
                 for metric, value, limit in (
                     ("logprob", check.max_logprob_diff, self.tolerance.logprob_atol),
                     ("kl", check.kl, self.tolerance.kl_max),
                 ):
                     if value / limit > worst[0]:
-                        worst = (value / limit, metric, f"{report.case_id}, {check.where}")
+                        worst = (value / limit, metric, f"{case_report.case_id}, {check.where}")
         return worst
 
     def summary(self) -> str:
