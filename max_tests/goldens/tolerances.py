@@ -10,6 +10,7 @@ import yaml
 
 TOLERANCES_FILE = Path(__file__).with_name("tolerances.yaml")
 REFERENCES = ("own", "torch")
+FLOORS = ("noise_floor", "isa_noise_floor", "mutation_floor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,8 @@ class Tolerance:
     near_tie_margin: float
     why: str
     noise_floor: Floor | None = None
+    # the noise across the kernel levels of one CPU (calibrate_tolerances --kernel-levels)
+    isa_noise_floor: Floor | None = None
     mutation_floor: Floor | None = None
 
     @property
@@ -60,7 +63,7 @@ def tolerance(reference: str, encoding: str, device: str, fallback: bool = False
             f"no tolerance {key} in {TOLERANCES_FILE.name}; add an entry with a measured why"
         ) from None
     entry = dict(entry)
-    floors = {f: Floor(**entry.pop(f)) for f in ("noise_floor", "mutation_floor") if f in entry}
+    floors = {f: Floor(**entry.pop(f)) for f in FLOORS if f in entry}
     return Tolerance(key=key, **entry, **floors)
 
 

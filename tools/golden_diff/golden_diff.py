@@ -20,7 +20,16 @@ Each golden feeds its own greedy tokens, so once the tokens differ, later steps 
 different prefixes. Golden files are read leniently (any schema_version, any provenance
 fields): comparing across a schema change is exactly what a reviewer needs.
 
-Exit status: 0 identical, 1 different, 2 bad input (one line on stderr).
+Each file and case is classified against its tolerance entry (tolerances.yaml, by the
+golden's producer, encoding and device), worst first: `cases changed` (cases, prompts, input
+ids or recorded positions added or removed), `tokens changed` (a greedy token differs),
+`over tolerance` (|Δ log-prob| or KL above the entry's threshold), `moved` (within the
+tolerance, above the noise), `noise` (within the entry's noise floor: the larger of its
+noise_floor and isa_noise_floor, what another CPU moves a correct run by), `identical`. The
+last line names the worst class.
+
+Exit status: 0 identical or noise only (nothing worth publishing), 1 anything worse, 2 bad
+input (one line on stderr).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from max_tests.goldens import locate
 from max_tests.goldens.compare import bucket_kl
 from max_tests.goldens.report import CaseView, write_report
 from max_tests.goldens.schema import Case, Step, case_from_json
+from max_tests.goldens.tolerances import Tolerance, tolerance
 from tools.artifacts import archive, stanza
 from tools.artifacts.extract import extract_pinned
 from tools.artifacts.stanza import GoldenPin
@@ -350,6 +360,66 @@ class CaseDiff:
         return "changed"
 
 
+# Classes of a difference, mildest first; a file's is its worst case's.
+CLASSES = ("identical", "noise", "moved", "over tolerance", "tokens changed", "cases changed")
+
+
+def file_tolerance(golden: GoldenFile | None) -> Tolerance | None:
+    """The tolerance entry a golden is held to (own for the engine's, torch for
+    transformers'), or None where tolerances.yaml has none."""
+    if golden is None:
+        return None
+    provenance = golden.provenance
+    reference = "torch" if provenance.get("producer") == "torch" else "own"
+    try:
+        return tolerance(reference, provenance.get("encoding", ""), provenance.get("device", ""))
+    except KeyError:
+        return None
+
+
+def noise_limits(tol: Tolerance) -> tuple[float, float]:
+    """(log-prob, KL) below which a difference is noise: the larger of the entry's floors."""
+    floors = [f for f in (tol.noise_floor, tol.isa_noise_floor) if f is not None]
+    return max((f.logprob for f in floors), default=0.0), max((f.kl for f in floors), default=0.0)
+
+
+def case_class(diff: CaseDiff, tol: Tolerance | None) -> tuple[str, str]:
+    """(class, why) of one case's difference under `tol` (None: noise cannot be told)."""
+    before, after = diff.before, diff.after
+    if diff.status == "identical":
+        return "identical", ""
+    if before is None or after is None or diff.status != "changed":
+        return "cases changed", diff.status
+    if before.positions != after.positions or len(before.steps) != len(after.steps):
+        return "cases changed", "recorded steps or prompt positions differ"
+    if before.token_ids != after.token_ids:
+        return "tokens changed", f"from step {first_difference(before.token_ids, after.token_ids)}"
+    deltas = [*diff.deltas, *diff.position_deltas.values()]
+    logprob = max((d.max_logprob_diff for d in deltas), default=0.0)
+    kl = max((d.kl for d in deltas), default=0.0)
+    numbers = f"|Δ log-prob| {number(logprob)}, KL {number(kl)}"
+    if tol is None:
+        return "moved", f"{numbers}; no tolerance entry to tell noise"
+    noise_logprob, noise_kl = noise_limits(tol)
+    if logprob <= noise_logprob and kl <= noise_kl:
+        return "noise", f"{numbers} within {tol.key}'s noise floor {number(noise_logprob)}"
+    if logprob <= tol.logprob_atol and kl <= tol.kl_max:
+        return "moved", f"{numbers} within {tol.key} ({tol.logprob_atol:g}, KL {tol.kl_max:g})"
+    return "over tolerance", f"{numbers} over {tol.key} ({tol.logprob_atol:g}, KL {tol.kl_max:g})"
+
+
+def file_class(diff: FileDiff) -> tuple[str, str]:
+    """(class, why) of a file: its worst case's; an added or removed file changes cases."""
+    if diff.status in ("added", "removed"):
+        return "cases changed", f"file {diff.status}"
+    tol = file_tolerance(diff.after)
+    classes = [(case_class(c, tol), c.case_id) for c in diff.cases]
+    (klass, why), case_id = max(classes, key=lambda c: CLASSES.index(c[0][0]))
+    if klass == "identical" and diff.status == "changed":
+        return "noise", "only the header changed"
+    return klass, f"case {case_id}: {why}" if why else ""
+
+
 def diff_case(before: Case | None, after: Case | None) -> CaseDiff:
     case_id = before.id if before is not None else after.id if after is not None else ""
     deltas, position_deltas = [], {}
@@ -532,6 +602,8 @@ def file_lines(diff: FileDiff) -> list[str]:
     if diff.status == "removed":
         return [f"{diff.name}: removed ({len(diff.cases)} cases)"]
     header = f"{diff.name}: {diff.status}"
+    if diff.status != "identical":
+        header += f" [{file_class(diff)[0]}]"
     if diff.header_differences:
         header += ": " + "; ".join(diff.header_differences)
     lines = [header]
@@ -551,13 +623,23 @@ def verdict(diffs: Iterable[FileDiff]) -> str:
     return f"different: {changed} of {common} files changed, {added} added, {removed} removed"
 
 
+def worst_class(diffs: list[FileDiff]) -> tuple[str, str]:
+    """The worst class over the files and where it is."""
+    classes = [(file_class(d), d.name) for d in diffs]
+    (klass, why), name = max(classes, key=lambda c: CLASSES.index(c[0][0]), default=(("identical", ""), ""))
+    return klass, f"{name}: {why}" if why else name
+
+
 def summary_lines(
     name: str, before: GoldenSet, after: GoldenSet, diffs: list[FileDiff]
 ) -> list[str]:
     lines = [f"golden diff {name}", f"from: {before.description}", f"to:   {after.description}"]
     for diff in diffs:
         lines += file_lines(diff)
-    return [*lines, verdict(diffs)]
+    klass, where = worst_class(diffs)
+    if klass == "identical":
+        return [*lines, verdict(diffs)]
+    return [*lines, verdict(diffs), f"worst: {klass} ({where})"]
 
 
 # --- the HTML report: max_tests/goldens/report.py's page, one section per case ------------
@@ -662,7 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if html is not None:
         write_report(html, f"golden diff {args.name}", summary, case_views(diffs))
         print(f"wrote {html}", file=sys.stderr)
-    return 0 if all(d.status == "identical" for d in diffs) else 1
+    return 0 if worst_class(diffs)[0] in ("identical", "noise") else 1
 
 
 if __name__ == "__main__":

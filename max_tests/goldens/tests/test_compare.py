@@ -269,6 +269,10 @@ def test_every_tolerance_sits_between_its_noise_floor_and_its_mutation_floor():
         assert tol.noise_floor and tol.mutation_floor, f"{tol.key}: floors not recorded"
         assert tol.noise_floor.logprob < tol.logprob_atol < tol.mutation_floor.logprob, tol
         assert tol.noise_floor.kl < tol.kl_max, tol
+        if tol.key.endswith("/cpu"):  # another CPU's kernels must pass too
+            assert tol.isa_noise_floor, f"{tol.key}: cross-ISA noise floor not recorded"
+            assert tol.isa_noise_floor.logprob < tol.logprob_atol, tol
+            assert tol.isa_noise_floor.kl < tol.kl_max, tol
 
 
 def _case_with_positions(logits: np.ndarray, prompt_rows: np.ndarray, positions: list[int]):

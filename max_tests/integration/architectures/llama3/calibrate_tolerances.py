@@ -5,19 +5,30 @@ For each checkpoint variant, teacher-forced against the pinned goldens (own and 
             default thread count), and the engine against transformers' golden;
   mutations each known bug of mutations.py against both goldens.
 It prints, per measurement, the worst step's max |Δ log-prob| over the golden top-k and KL.
+  kernels   with --kernel-levels, the unmutated engine against both goldens once per kernel
+            level this CPU reaches (KERNEL_LEVELS, each in a fresh process: the switches are
+            read at start-up): ATEN_CPU_CAPABILITY picks ATen's own kernels (elementwise ops,
+            reductions, SDPA), ONEDNN_MAX_CPU_ISA oneDNN's (bfloat16 matmuls), and
+            MKL_ENABLE_INSTRUCTIONS / MKL_CBWR MKL's (float32 matmuls). The worst is the
+            cross-ISA noise floor: what another CPU may move a correct run by.
 Every threshold in max_tests/goldens/tolerances.yaml must sit above the noise and below the
-smallest mutation; the numbers recorded there (noise_floor, mutation_floor) come from here.
+smallest mutation; the numbers recorded there (noise_floor, isa_noise_floor, mutation_floor)
+come from here.
 
 Example:
   ./bazelw run //max_tests/integration/architectures/llama3:calibrate_tolerances
   ./bazelw run //max_tests/integration/architectures/llama3:calibrate_tolerances -- \\
       --encoding=bfloat16 --goldens-dir=/tmp/goldens
+  ./bazelw run //max_tests/integration/architectures/llama3:calibrate_tolerances -- \\
+      --kernel-levels --encoding=float32
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +48,53 @@ from tools.cli_files import user_path
 MEASURE = Tolerance(
     "measure", logprob_atol=1e9, kl_max=1e9, topk_overlap_min=0.0, near_tie_margin=0.0, why=""
 )
+
+
+MODULE = "max_tests.integration.architectures.llama3.calibrate_tolerances"
+# Kernel settings one machine can switch between, each (name, environment, CPU flag it needs).
+KERNEL_LEVELS = (
+    ("aten avx512", {"ATEN_CPU_CAPABILITY": "avx512"}, "avx512f"),
+    ("aten avx2", {"ATEN_CPU_CAPABILITY": "avx2"}, "avx2"),
+    ("aten default", {"ATEN_CPU_CAPABILITY": "default"}, ""),
+    ("onednn+mkl avx2", {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}, "avx2"),
+    (
+        "all portable",
+        {
+            "ATEN_CPU_CAPABILITY": "default",
+            "ONEDNN_MAX_CPU_ISA": "SSE41",
+            "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        },
+        "",
+    ),
+    ("mkl cbwr compatible", {"MKL_CBWR": "COMPATIBLE"}, ""),
+)
+
+
+def reachable_kernel_levels() -> list[tuple[str, dict[str, str]]]:
+    """KERNEL_LEVELS whose CPU flag this machine has (from /proc/cpuinfo)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    return [(name, env) for name, env, flag in KERNEL_LEVELS if not flag or flag in flags]
+
+
+def kernel_noise(variant: Variant, goldens_dir: Path | None) -> list[tuple[str, str, float, float]]:
+    """Rows (kind, what, max |Δ log-prob|, max KL): the unmutated engine on one thread
+    against both goldens under each reachable kernel level, each in a fresh process."""
+    rows = []
+    for name, env in reachable_kernel_levels():
+        command = [sys.executable, "-m", MODULE, "--noise-json", f"--encoding={variant.encoding}"]
+        if goldens_dir is not None:
+            command.append(f"--goldens-dir={goldens_dir}")
+        done = subprocess.run(
+            command, env={**os.environ, **env}, capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{name}: {' '.join(command)} failed:\n{done.stderr[-2000:]}")
+        for reference, (logprob, kl) in json.loads(done.stdout.splitlines()[-1]).items():
+            rows.append(("kernels", f"{reference}: {name}", logprob, kl))
+    return rows
 
 
 def load_golden(reference: str, variant: Variant, goldens_dir: Path | None) -> schema.Golden:
@@ -92,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--encoding", default="all", help="an encoding (e.g. nvfp4) or all")
     parser.add_argument("--goldens-dir", help="read goldens here instead of the pinned archives")
+    parser.add_argument(
+        "--kernel-levels",
+        action="store_true",
+        help="also measure the noise under every kernel level this CPU reaches (KERNEL_LEVELS)",
+    )
+    # One process of --kernel-levels: the unmutated engine's worst numbers as one JSON line.
+    parser.add_argument("--noise-json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("PIPELINES_TESTDATA", str(checkout_testdata()))
     goldens_dir = user_path(args.goldens_dir).resolve() if args.goldens_dir else None
@@ -111,14 +176,33 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.noise_json:
+        torch.set_num_threads(1)  # as the tests run
+        (variant,) = selected
+        engine = mutations.load(variant, None)
+        measured = {
+            ref: worst(engine, load_golden(ref, variant, goldens_dir), variant)
+            for ref in ("own", "torch")
+        }
+        print(json.dumps(measured))
+        return 0
     for variant in selected:
         print(f"calibrate_tolerances: {variant.test_id} ...", file=sys.stderr, flush=True)
         print(f"\n{variant.encoding} ({variant.test_id})")
         print(f"  {'kind':<9} {'what':<34} {'max |Δ log-prob|':>17} {'max KL':>10}")
         rows = measure(variant, goldens_dir)
+        if args.kernel_levels:
+            rows += kernel_noise(variant, goldens_dir)
         for kind, what, logprob, kl in rows:
             print(f"  {kind:<9} {what:<34} {logprob:>17.3g} {kl:>10.3g}")
         for reference in ("own", "torch"):
+            levels = [r for r in rows if r[0] == "kernels" and r[1].startswith(reference)]
+            if levels:
+                high = max(levels, key=lambda r: r[2])
+                print(
+                    f"  cross-ISA noise floor ({reference}): {high[2]:.3g} log-prob "
+                    f"({high[1]}), KL {max(r[3] for r in levels):.3g}"
+                )
             floor = [r for r in rows if r[0] == "mutation" and r[1].startswith(reference)]
             low = min(floor, key=lambda r: r[2])
             print(
