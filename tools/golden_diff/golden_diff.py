@@ -626,7 +626,8 @@ def verdict(diffs: Iterable[FileDiff]) -> str:
 def worst_class(diffs: list[FileDiff]) -> tuple[str, str]:
     """The worst class over the files and where it is."""
     classes = [(file_class(d), d.name) for d in diffs]
-    (klass, why), name = max(classes, key=lambda c: CLASSES.index(c[0][0]), default=(("identical", ""), ""))
+    nothing = (("identical", ""), "")
+    (klass, why), name = max(classes, key=lambda c: CLASSES.index(c[0][0]), default=nothing)
     return klass, f"{name}: {why}" if why else name
 
 
