@@ -44,6 +44,13 @@ class Provenance:
     checkpoint_sha256: str
     torch_version: str
     logits_dtype: str  # the final norm and LM head's dtype: float32 for every producer
+    # The machine's share of the numbers (empty in goldens made before they were recorded):
+    # the CPU model, the kernel level torch ran (torch.backends.cpu.get_cpu_capability(),
+    # e.g. AVX512, AVX2, DEFAULT) and its thread count. Another CPU gives files that differ
+    # here and, within the tolerance's isa_noise_floor, in the numbers (golden_diff: noise).
+    cpu: str = ""
+    kernel_level: str = ""
+    threads: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import platform
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -189,7 +190,8 @@ def forced_runs(engine: Llama3Engine, golden: schema.Golden, memo: dict | None =
 def provenance(
     variant: Variant, producer: str, producer_version: str, device: str
 ) -> schema.Provenance:
-    """What made a golden: no paths, no clocks, so the file is the same on any machine."""
+    """What made a golden: no paths, no clocks; the machine's share is the CPU model, kernel
+    level and thread count, so a file is the same on any machine of that CPU."""
     return schema.Provenance(
         producer=producer,
         producer_version=producer_version,
@@ -202,7 +204,21 @@ def provenance(
         checkpoint_sha256=file_sha256(variant.path),
         torch_version=torch.__version__.split("+")[0],
         logits_dtype="float32",  # both producers run the final norm and LM head in float32
+        cpu=cpu_model(),
+        kernel_level=torch.backends.cpu.get_cpu_capability(),
+        threads=torch.get_num_threads(),
     )
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), e.g. "Intel(R) Xeon(R) Processor"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def engine_golden(
