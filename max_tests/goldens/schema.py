@@ -123,6 +123,11 @@ class Golden:
     cases: list[Case]
     schema_version: int = SCHEMA_VERSION
 
+    @property
+    def last_position(self) -> int:
+        """The highest sequence position any of its cases reaches."""
+        return max((c.last_position for c in self.cases), default=0)
+
     def case(self, case_id: str) -> Case:
         for case in self.cases:
             if case.id == case_id:

@@ -62,7 +62,7 @@ def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) 
     tolerances = entries(encoding=encoding)
     keys = [tol.key for tol in tolerances]
     golden_of = {ref: goldens.load(ref, variant) for ref in ("own", "torch")}
-    last_position = min(max(case.last_position for case in g.cases) for g, _ in golden_of.values())
+    last_position = min(golden.last_position for golden, _ in golden_of.values())
     config = mutations.load(variant, None).config
     applicable = [m for m in mutations.MUTATIONS if m.applies_to(config, last_position)]
     matrix: dict[tuple[str, str], str] = {}
