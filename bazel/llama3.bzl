@@ -3,7 +3,7 @@
 A target that reads checkpoints gets the tiny GGUF files (`PIPELINES_TESTDATA`) in its runfiles.
 One that reads goldens also gets the SmolLM2 checkpoint (`SMOLLM2_GGUF`) and the two pinned
 golden archives (`TEST_LLAMA_GOLDENS`, `TORCH_LLAMA_GOLDENS`), which
-max_tests/goldens/locate.py reads in preference to anything in the source tree.
+goldens/locate.py reads in preference to anything in the source tree.
 """
 
 load("@pip//:requirements.bzl", "requirement")
@@ -35,7 +35,7 @@ _GOLDEN_ARCHIVES_ENV = {
 # (bazel/pytest_runner.py), so each target must be able to import all of them.
 _TEST_IMPORTS = [
     ":evaluate_llama_lib",
-    ":golden_run",
+    ":harness",
     ":gpu_reference",
     "//max_tests:conftest",
     "//tools/gen_tiny_model:gen_tiny_model_lib",

@@ -13,7 +13,7 @@ import torch
 
 from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
-from tools.cli_files import user_path
+from goldens.cli_files import user_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -1,0 +1,1 @@
+"""The upload command over the golden library's store (goldens/artifacts)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.artifacts import archive, stanza
+from goldens.artifacts import archive, stanza
 from tools.artifacts.upload_artifact import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.artifacts import archive, stanza
-from tools.artifacts.sample_module import SAMPLE_MODULE
+from goldens.artifacts import archive, stanza
+from goldens.artifacts.sample_module import SAMPLE_MODULE
 from tools.artifacts.upload_artifact import main
 
 SCRIPT = Path(__file__).resolve().parents[1] / "upload-public-bazel-artifact.sh"

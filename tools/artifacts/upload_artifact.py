@@ -20,18 +20,15 @@ progress to stderr.
 import argparse
 import sys
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from tools.artifacts import archive, distdir, stanza
-from tools.artifacts.publish import publish
-from tools.artifacts.stanza import GoldenPin
-from tools.artifacts.store import (
-    DEFAULT_PREFIX,
-    LOCAL_PUBLIC_URL_TEMPLATE,
-    LocalStore,
+from goldens.artifacts import archive, distdir, stanza
+from goldens.artifacts.extract import download_pinned
+from goldens.artifacts.publish import publish
+from goldens.artifacts.stanza import GoldenPin
+from goldens.artifacts.store import (
     PublishRefused,
     S3Store,
     Store,
@@ -40,7 +37,14 @@ from tools.artifacts.store import (
     check_version,
     ref_from_url,
 )
-from tools.cli_files import OneLineParser, repo_root, user_path, write_atomically
+from goldens.artifacts.store_options import (
+    CheckFailed,
+    UsageError,
+    add_store_arguments,
+    local_store_from_args,
+    store_from_args,
+)
+from goldens.cli_files import OneLineParser, repo_root, user_path, write_atomically
 
 COMMANDS = ("upload", "fetch", "add", "distdir", "verify")
 
@@ -55,14 +59,6 @@ examples:
   python3 -m tools.artifacts.upload_artifact fetch test_llama_golden --output-dir=/tmp/goldens
   python3 -m tools.artifacts.upload_artifact add test_llama_golden new_golden.json --update-module
 """
-
-
-class UsageError(Exception):
-    """Bad input: exit 2."""
-
-
-class CheckFailed(Exception):
-    """A store, download or checksum failed: exit 1."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,22 +87,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     common = OneLineParser(add_help=False)
-    stores = common.add_argument_group("store (default: the repository's artifacts/ folder)")
-    stores.add_argument(
-        "--store", choices=["local", "s3"], help="local, or s3 (default when --bucket is given)"
-    )
-    stores.add_argument("--artifacts-dir", help="root of the local store (default: REPO/artifacts)")
-    stores.add_argument("--bucket", help="S3 bucket")
-    stores.add_argument(
-        "--prefix", default=DEFAULT_PREFIX, help="S3 key prefix (default: %(default)s)"
-    )
-    stores.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
-    stores.add_argument("--region", help="S3 region (default: boto3's configuration)")
-    stores.add_argument(
-        "--public-url-template",
-        help="URL pinned in MODULE.bazel; fields {name} {version} {sha256} {key} "
-        f"(local default: {LOCAL_PUBLIC_URL_TEMPLATE})",
-    )
+    add_store_arguments(common)
     files = common.add_argument_group("repository files")
     files.add_argument(
         "--module-file", help="MODULE.bazel to read or rewrite (default: REPO/MODULE.bazel)"
@@ -236,7 +217,7 @@ def _distdir(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     module_file = _module_file(args, must_exist=True)
-    local = _local_store(args)
+    local = local_store_from_args(args)
     problems = []
     pins = stanza.parse(module_file.read_text(encoding="utf-8"))
     checked = 0
@@ -336,37 +317,6 @@ def check_anonymous_get(pin: GoldenPin, store: Store) -> None:
     _progress(f"anonymous GET of {pin.url}: sha256 ok")
 
 
-def download_pinned(store: Store, pin: GoldenPin) -> bytes:
-    """The pinned archive's bytes from the store, else from its URL; sha256 checked."""
-    ref = ref_from_url(pin.url)
-    data = store.read(ref) if ref is not None else None
-    source = store.description
-    if data is None:
-        if not _fetchable(pin.url):
-            where = ref.relative_path if ref else pin.url
-            raise CheckFailed(f"{pin.name}: {where} is not in the {store.description}")
-        _progress(f"downloading {pin.url}")
-        try:
-            with urllib.request.urlopen(pin.url, timeout=30) as response:
-                data = response.read()
-        except (urllib.error.URLError, OSError) as error:
-            raise CheckFailed(f"{pin.name}: cannot download {pin.url}: {error}") from error
-        source = pin.url
-    actual = archive.sha256_hex(data)
-    if actual != pin.sha256:
-        raise CheckFailed(
-            f"{pin.name}: checksum mismatch: {source} gave sha256 {actual}, "
-            f"MODULE.bazel pins {pin.sha256}"
-        )
-    return data
-
-
-def _fetchable(url: str) -> bool:
-    parsed = urllib.parse.urlparse(url)
-    host = parsed.hostname or ""
-    return parsed.scheme in {"http", "https"} and not host.endswith(".invalid")
-
-
 def _pinned(args: argparse.Namespace, name: str) -> GoldenPin:
     module_file = _module_file(args, must_exist=True)
     pins = stanza.parse(module_file.read_text(encoding="utf-8"))
@@ -377,35 +327,6 @@ def _pinned(args: argparse.Namespace, name: str) -> GoldenPin:
             f"upload_artifact upload {name} 1 FILE... --update-module"
         )
     return pins[name]
-
-
-def store_from_args(args: argparse.Namespace) -> Store:
-    kind = args.store or ("s3" if args.bucket else "local")
-    public_read = getattr(args, "public_read", None)  # golden_diff's parser has no such flag
-    if kind == "local":
-        if args.bucket or args.endpoint_url:
-            raise UsageError("--bucket/--endpoint-url need --store=s3")
-        if public_read is not None:
-            raise UsageError("--public-read/--no-public-read need --store=s3")
-        return _local_store(args)
-    if not args.bucket:
-        raise UsageError("--store=s3 needs --bucket=NAME")
-    try:
-        return S3Store(
-            args.bucket,
-            prefix=args.prefix,
-            endpoint_url=args.endpoint_url,
-            public_url_template=args.public_url_template,
-            region=args.region,
-            public_read=public_read is not False,
-        )
-    except ImportError as error:
-        raise CheckFailed(f"--store=s3 needs boto3 ({error}); pip install boto3") from error
-
-
-def _local_store(args: argparse.Namespace) -> LocalStore:
-    root = user_path(args.artifacts_dir) if args.artifacts_dir else None
-    return LocalStore(root, args.public_url_template or LOCAL_PUBLIC_URL_TEMPLATE)
 
 
 def _module_file(args: argparse.Namespace, must_exist: bool) -> Path:

@@ -33,6 +33,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import torch
 
+from goldens.cli_files import PathError, output_directory, user_path
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import CheckpointError, Llama3Engine, LlamaConfig
 from pipelines.llama3.engine import MODES, freeze_imported_objects
@@ -46,7 +47,6 @@ from tools.bench.record import (
     machine_info,
     write_record,
 )
-from tools.cli_files import PathError, output_directory, user_path
 
 DEFAULT_PROMPT = "The capital of France is a city with a long history. Its most famous monument is"
 MIN_LOAD_SPEEDUP = 5.0  # eager: load at least 5x faster than transformers

@@ -1,6 +1,6 @@
 """Benchmark the prefill of each checkpoint's longest golden case against transformers.
 
-The long golden cases (max_tests/goldens/cases.yaml) prefill thousands of tokens in one call
+The long golden cases (goldens/cases.yaml) prefill thousands of tokens in one call
 and run the LM head at the recorded prompt positions only. This prints, per checkpoint, the
 prefill seconds, tokens/s and peak resident memory of the engine (eager and quantized) and of
 transformers on the same token ids (its own model on the same GGUF, the head at the same
@@ -45,7 +45,7 @@ def measure(side: str, model: str, encoding: str, threads: int, repeats: int) ->
     times; the fastest prefill, tokens and the process's peak RSS."""
     import torch
 
-    from max_tests.goldens.record import case_specs
+    from goldens.record import case_specs
     from max_tests.integration.architectures.llama3.variants import variants
     from pipelines.llama3 import Llama3Engine
 

@@ -42,8 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from goldens.cli_files import PathError, output_directory, user_path, write_atomically
 from tools.bench import record as bench_record
-from tools.cli_files import PathError, output_directory, user_path, write_atomically
 
 BASELINE_SCHEMA_VERSION = 1
 BASELINE_KIND = "perf_regression baseline"

@@ -29,11 +29,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
-from tools.cli_files import write_atomically
+from goldens.cli_files import write_atomically
+from goldens.machine import cpu_model
 
 SCHEMA_VERSION = 1
 PEER = "transformers"
@@ -56,18 +56,6 @@ class Timings:
             "prefill": self.prefill_tokens_per_second,
             "decode": self.decode_tokens_per_second,
         }[name]
-
-
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The first "model name" in /proc/cpuinfo; elsewhere whatever `platform` knows."""
-    try:
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def machine_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from goldens.machine import cpu_model
 from tools.bench import perf_regression
-from tools.bench.record import Timings, build_record, cpu_model, machine_info, write_record
+from tools.bench.record import Timings, build_record, machine_info, write_record
 
 ENGINE = Timings(load_seconds=1.0, prefill_tokens_per_second=200.0, decode_tokens_per_second=10.0)
 PEER = Timings(load_seconds=20.0, prefill_tokens_per_second=100.0, decode_tokens_per_second=25.0)

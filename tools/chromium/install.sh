@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's chromium, the headless browser that max_tests/goldens/tests/
+# Installs Debian's chromium, the headless browser that goldens/tests/
 # test_report_browser.py opens the golden report in. Idempotent:
 #
 #   tools/chromium/install.sh    prints chromium's path; installs it first when missing

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tools.cli_files import OneLineParser, PathError, atomic_path, output_directory, user_path
+from goldens.cli_files import OneLineParser, PathError, atomic_path, output_directory, user_path
 from tools.gen_tiny_model import llama3_tokenizer
 from tools.gen_tiny_model.tiny_llama import ENCODINGS, ROW_MULTIPLE, TinyLlamaConfig, write_gguf
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, processors
 
-from tools.cli_files import PathError, output_directory, user_path, write_atomically
+from goldens.cli_files import PathError, output_directory, user_path, write_atomically
 
 # The pre-tokenizer split of Llama 3 (llama_models.llama3.tokenizer.Tokenizer.pat_str).
 LLAMA3_PATTERN = (

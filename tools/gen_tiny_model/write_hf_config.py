@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tools.cli_files import write_atomically
+from goldens.cli_files import write_atomically
 from tools.gen_tiny_model.gen_tiny_model import UsageError, build_parser, validate
 from tools.gen_tiny_model.tiny_llama import hf_config_for
 

@@ -45,16 +45,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from max_tests.goldens import locate
-from max_tests.goldens.compare import bucket_kl
-from max_tests.goldens.report import CaseView, write_report
-from max_tests.goldens.schema import Case, Step, case_from_json
-from max_tests.goldens.tolerances import Tolerance, tolerance
-from tools.artifacts import archive, stanza
-from tools.artifacts.extract import extract_pinned
-from tools.artifacts.stanza import GoldenPin
-from tools.artifacts.store import (
-    DEFAULT_PREFIX,
+from goldens import locate
+from goldens.artifacts import archive, stanza
+from goldens.artifacts.extract import download_pinned, extract_pinned
+from goldens.artifacts.stanza import GoldenPin
+from goldens.artifacts.store import (
     SHA256_PATTERN,
     ArchiveRef,
     LocalStore,
@@ -62,13 +57,17 @@ from tools.artifacts.store import (
     StoreError,
     ref_from_url,
 )
-from tools.artifacts.upload_artifact import (
+from goldens.artifacts.store_options import (
     CheckFailed,
     UsageError,
-    download_pinned,
+    add_store_arguments,
     store_from_args,
 )
-from tools.cli_files import OneLineParser, output_directory, repo_root, user_path
+from goldens.cli_files import OneLineParser, output_directory, repo_root, user_path
+from goldens.compare import bucket_kl
+from goldens.report import CaseView, write_report
+from goldens.schema import Case, Step, case_from_json
+from goldens.tolerances import Tolerance, tolerance
 
 T = TypeVar("T")
 OWN_NAME = locate.ARCHIVES["own"][0]
@@ -643,7 +642,7 @@ def summary_lines(
     return [*lines, verdict(diffs), f"worst: {klass} ({where})"]
 
 
-# --- the HTML report: max_tests/goldens/report.py's page, one section per case ------------
+# --- the HTML report: goldens/report.py's page, one section per case ------------
 
 
 def case_views(diffs: list[FileDiff]) -> list[CaseView]:
@@ -699,15 +698,9 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument(
         "--module-file", help="MODULE.bazel whose pin 'pinned' means (default: REPO/MODULE.bazel)"
     )
-    stores = result.add_argument_group("store of versions and sha256s (default: REPO/artifacts)")
-    stores.add_argument("--store", choices=["local", "s3"], help="local, or s3 (with --bucket)")
-    stores.add_argument("--artifacts-dir", help="root of the local store")
-    stores.add_argument("--bucket", help="S3 bucket")
-    stores.add_argument("--prefix", default=DEFAULT_PREFIX, help="S3 key prefix (%(default)s)")
-    stores.add_argument("--endpoint-url", help="S3-compatible endpoint")
-    stores.add_argument("--region", help="S3 region")
-    # upload_artifact's store factory reads it; a diff only reads, so no URL is ever made.
-    result.set_defaults(public_url_template=None)
+    add_store_arguments(
+        result, "store of versions and sha256s (default: REPO/artifacts)", publishes=False
+    )
     return result
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from max_tests.goldens import schema
-from tools.artifacts import archive, stanza
-from tools.artifacts.store import ArchiveRef, LocalStore
+from goldens import schema
+from goldens.artifacts import archive, stanza
+from goldens.artifacts.store import ArchiveRef, LocalStore
 from tools.golden_diff import golden_diff
 from tools.golden_diff.golden_diff import main, step_delta
 

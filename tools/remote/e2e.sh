@@ -19,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-SUBSET=(//max_tests/integration:tests //tools/artifacts:archive_test)
+SUBSET=(//max_tests/integration:tests //goldens/artifacts:archive_test)
 full=0
 case "${1:-}" in
   "") ;;

@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.cli_files import OneLineParser, PathError, output_directory, user_path
+from goldens.cli_files import OneLineParser, PathError, output_directory, user_path
 from tools.remote import deps, processes
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama-goldens"

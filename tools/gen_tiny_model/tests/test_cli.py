@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tools.cli_files import user_path
+from goldens.cli_files import user_path
 from tools.gen_tiny_model import gen_tiny_model
 from tools.gen_tiny_model.gen_tiny_model import main
 

@@ -11,7 +11,7 @@ It prints, per measurement, the worst step's max |Δ log-prob| over the golden t
             reductions, SDPA), ONEDNN_MAX_CPU_ISA oneDNN's (bfloat16 matmuls), and
             MKL_ENABLE_INSTRUCTIONS / MKL_CBWR MKL's (float32 matmuls). The worst is the
             cross-ISA noise floor: what another CPU may move a correct run by.
-Every threshold in max_tests/goldens/tolerances.yaml must sit above the noise and below the
+Every threshold in goldens/tolerances.yaml must sit above the noise and below the
 smallest mutation; the numbers recorded there (noise_floor, isa_noise_floor, mutation_floor)
 come from here.
 
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import torch
 
-from max_tests.goldens import locate, schema
-from max_tests.goldens.tolerances import Tolerance
-from max_tests.integration.architectures.llama3 import golden_run, mutations
+from goldens import locate, schema
+from goldens.cli_files import user_path
+from goldens.tolerances import Tolerance
+from max_tests.integration.architectures.llama3 import golden_files, judge, mutations
 from max_tests.integration.architectures.llama3.variants import (
     Variant,
     checkout_testdata,
     variants,
 )
-from tools.cli_files import user_path
 
 # A tolerance that fails nothing: the measurements read the metrics, not a verdict.
 MEASURE = Tolerance(
@@ -99,10 +99,10 @@ def kernel_noise(variant: Variant, goldens_dir: Path | None) -> list[tuple[str, 
 
 def load_golden(reference: str, variant: Variant, goldens_dir: Path | None) -> schema.Golden:
     if goldens_dir is not None:
-        return schema.read(goldens_dir / golden_run.golden_file_name(reference, variant))
-    found = golden_run.find_golden(reference, variant, checkout_testdata())
+        return schema.read(goldens_dir / golden_files.golden_file_name(reference, variant))
+    found = golden_files.find_golden(reference, variant, checkout_testdata())
     if found is None:
-        name = golden_run.golden_file_name(reference, variant)
+        name = golden_files.golden_file_name(reference, variant)
         searched = [s.description for s in locate.golden_sources(reference, checkout_testdata())]
         raise FileNotFoundError(f"{name}: not in {searched}")
     return found[0]
@@ -110,7 +110,7 @@ def load_golden(reference: str, variant: Variant, goldens_dir: Path | None) -> s
 
 def worst(engine, golden: schema.Golden, variant: Variant) -> tuple[float, float]:
     """(max |Δ log-prob|, max KL) of the engine teacher-forced on `golden`."""
-    verdict = golden_run.check(engine, golden, "", "", MEASURE, variant)
+    verdict = judge.check(engine, golden, golden_files.GoldenSource(""), "", MEASURE, variant)
     return verdict.max_logprob_diff, verdict.max_kl
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from max_tests.goldens import locate, schema
-from max_tests.integration.architectures.llama3 import golden_run
+from goldens import locate, schema
+from max_tests.integration.architectures.llama3 import golden_files
 from max_tests.integration.architectures.llama3.variants import Variant
 from max_tests.integration.architectures.llama3.variants import testdata_directory as _testdata
 
@@ -33,19 +33,19 @@ class GoldenStore:
 
     def find(
         self, reference: str, variant: Variant, hardware: str = "all"
-    ) -> tuple[schema.Golden, str] | None:
-        return golden_run.find_golden(reference, variant, self.testdata, hardware)
+    ) -> tuple[schema.Golden, golden_files.GoldenSource] | None:
+        return golden_files.find_golden(reference, variant, self.testdata, hardware)
 
     def load(
         self, reference: str, variant: Variant, hardware: str = "all", device: str = "cpu"
-    ) -> tuple[schema.Golden, str]:
+    ) -> tuple[schema.Golden, golden_files.GoldenSource]:
         """The golden, or a skip naming the command that makes it (a failure under CI)."""
         found = self.find(reference, variant, hardware)
         if found is not None:
             return found
-        name = golden_run.golden_file_name(reference, variant, hardware)
+        name = golden_files.golden_file_name(reference, variant, hardware)
         searched = "; ".join(s.description for s in locate.golden_sources(reference, self.testdata))
-        command = golden_run.regenerate_command(variant, reference, device)
+        command = golden_files.regenerate_command(variant, reference, device)
         message = (
             f"missing golden {name} (searched: {searched}). Make it with:\n  {command}\n"
             "then publish it: tools/upload-public-bazel-artifact.sh (testdata/README.md)"

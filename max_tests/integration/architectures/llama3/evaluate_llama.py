@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from max_tests.goldens import schema
-from max_tests.integration.architectures.llama3 import golden_run
+from goldens import schema
+from goldens.cli_files import PathError, user_path
+from max_tests.integration.architectures.llama3 import engine_runs, golden_files
 from max_tests.integration.architectures.llama3.variants import (
     ENCODINGS,
     LLAMA3_1_ENV,
@@ -39,7 +40,6 @@ from max_tests.integration.architectures.llama3.variants import (
     variants,
 )
 from pipelines.llama3.engine import MODES
-from tools.cli_files import PathError, user_path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             "to write its run somewhere else than the testdata folder",
         )
     try:
-        output_dir = golden_run.output_folder(args.output_dir, testdata)
+        output_dir = golden_files.output_folder(args.output_dir, testdata)
     except PathError as error:
         _usage_error(parser, str(error))
-    torch.set_num_threads(golden_run.GOLDEN_THREADS)
+    torch.set_num_threads(engine_runs.GOLDEN_THREADS)
     rows, unavailable = [], []
     for variant in selected:
         if variant.path is None:
@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         start = time.perf_counter()
-        engine = golden_run.load_engine(variant, args.device, mode=args.mode)
+        engine = engine_runs.load_engine(variant, args.device, mode=args.mode)
         load_seconds = time.perf_counter() - start
-        runs = golden_run.run_cases(engine, variant.model)
-        golden = golden_run.engine_golden(
+        runs = engine_runs.run_cases(engine, variant.model)
+        golden = golden_files.engine_golden(
             variant, engine, runs, args.device, args.full_logits, args.mode
         )
         name = schema.golden_file_name(variant.model, variant.encoding, golden.provenance.hardware)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from max_tests.integration.architectures.llama3 import golden_run
+from max_tests.integration.architectures.llama3 import engine_runs
 from max_tests.integration.architectures.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.config import LlamaConfig
@@ -226,8 +226,8 @@ def load(variant: Variant, mutation: Mutation | None) -> Llama3Engine:
     """The variant's engine with `mutation` applied: loaded with its config overrides, then
     patched. None gives the unmutated engine."""
     if mutation is None:
-        return golden_run.load_engine(variant)
-    engine = golden_run.load_engine(variant, overrides=mutation.overrides)
+        return engine_runs.load_engine(variant)
+    engine = engine_runs.load_engine(variant, overrides=mutation.overrides)
     if mutation.patch is not None:
         mutation.patch(engine)
     return engine

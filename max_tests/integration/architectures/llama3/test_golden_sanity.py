@@ -1,4 +1,4 @@
-"""Every published golden discriminates (max_tests/goldens/sanity.py says what that means),
+"""Every published golden discriminates (goldens/sanity.py says what that means),
 the claims testdata/README.md makes about the goldens hold, and a degenerate engine fails
 against every published golden under every tolerance entry."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from max_tests.goldens import compare, record
-from max_tests.goldens.sanity import degeneracy_problems
-from max_tests.goldens.tolerances import entries, tolerance
-from max_tests.integration.architectures.llama3 import golden_run
+from goldens import compare, record
+from goldens.sanity import degeneracy_problems
+from goldens.tolerances import entries, tolerance
+from max_tests.integration.architectures.llama3 import judge
 from max_tests.integration.architectures.llama3.variants import Variant, variants
 
 VARIANTS = [v for v in variants() if v.path is not None]
@@ -40,7 +40,7 @@ def test_long_cases_reach_far_and_record_prompt_positions(variant, reference, go
     golden, name = goldens.load(reference, variant)
     if variant.model not in LONG_REACH:
         pytest.skip(f"{variant.model} has no long cases (cases.yaml)")
-    long_cases = golden_run.in_lane(golden, variant.model, "long").cases
+    long_cases = judge.in_lane(golden, variant.model, "long").cases
     assert long_cases, f"{name} has no long case"
     reach = max(max(c.positions) for c in long_cases)
     assert reach >= LONG_REACH[variant.model], f"{name}: prompt positions end at {reach}"
@@ -54,7 +54,7 @@ def test_long_cases_reach_far_and_record_prompt_positions(variant, reference, go
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.test_id for v in VARIANTS])
 def test_readme_claims_hold_for_the_published_golden(variant, reference, goldens) -> None:
     golden, name = goldens.load(reference, variant)
-    golden = golden_run.in_lane(golden, variant.model, "short")  # the claims' cases
+    golden = judge.in_lane(golden, variant.model, "short")  # the claims' cases
     gaps = {(c.id, i): s.top_gap for c in golden.cases for i, s in enumerate(c.steps)}
     narrowest = min(gaps, key=gaps.get)
     assert gaps[narrowest] >= README_MIN_GAP, f"{name}: gap {gaps[narrowest]} at {narrowest}"

@@ -1,16 +1,16 @@
 """The engine against its own goldens and against the torch (transformers) goldens, on the CPU.
 
 Teacher-forced: for each golden the engine is fed the golden's own tokens, so every step of
-every case is compared (max_tests/goldens/compare.py). One test per checkpoint variant and
+every case is compared (goldens/compare.py). One test per checkpoint variant and
 execution mode (engine.MODES), all held to the same goldens (made by `eager`) and tolerances:
 id `{size}-{encoding}-{arch}` for eager, `{size}-{encoding}-{arch}-{mode}` for the others.
 A failing golden writes an HTML report of all its cases, named on the failure's last line
-(golden_run.failures_with_report). One case alone:
+(failure_report.failures_with_report). One case alone:
   ./bazelw test //max_tests/integration/architectures/llama3:test_llama \\
       --test_arg=-k --test_arg='test_llama[tiny-float32-llama3_1]'
 Bazel runs the `compiled` mode in its own target, test_llama_compiled (torch.compile takes
 tens of seconds on a cold cache); $LLAMA_TEST_MODES (comma-separated) picks the modes, all of
-them by default. $LLAMA_TEST_LANE picks the cases (golden_run.LANES): `short` in test_llama
+them by default. $LLAMA_TEST_LANE picks the cases (judge.LANES): `short` in test_llama
 (the edit loop), `long` (cases.yaml's long prompts, thousands of positions) in
 test_llama_long, `all` by default; the same -k ids select one variant in either target.
 """
@@ -23,8 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from max_tests.goldens.tolerances import tolerance
-from max_tests.integration.architectures.llama3 import golden_run
+from goldens.tolerances import tolerance
+from max_tests.integration.architectures.llama3 import (
+    diagnosis,
+    engine_runs,
+    failure_report,
+    judge,
+)
 from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV, Variant, variants
 from pipelines.llama3.engine import MODES
 
@@ -59,13 +64,13 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
 
     lane = os.environ.get(LANE_ENV, "all")
     start = time.perf_counter()
-    engine = golden_run.load_engine(variant, "cpu", mode=mode)
+    engine = engine_runs.load_engine(variant, "cpu", mode=mode)
     loaded = time.perf_counter()
     verdicts, memo = [], {}  # memo: a token sequence both goldens hold runs once
     for golden, name, reference in references:
         tol = tolerance(reference, variant.encoding, "cpu")
         verdicts.append(
-            golden_run.check(engine, golden, name, reference, tol, variant, memo=memo, lane=lane)
+            judge.check(engine, golden, name, reference, tol, variant, memo=memo, lane=lane)
         )
     model_seconds = time.perf_counter() - loaded
     record_property("load_seconds", round(loaded - start, 4))
@@ -84,17 +89,17 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
     )
     for verdict in verdicts:
         print("  " + verdict.summary())
-    reports = golden_run.report_directory(tmp_path)
+    reports = failure_report.report_directory(tmp_path)
     failures = [
         failure
         for (golden, _, _), verdict in zip(references, verdicts, strict=True)
-        for failure in golden_run.failures_with_report(
+        for failure in failure_report.failures_with_report(
             verdict,
             golden,
             engine.tokenizer.decode,
             reports,
             _case_id(variant, mode),
-            golden_run.diverging_layer(engine, variant, golden, verdict),
+            diagnosis.diverging_layer(engine, variant, golden, verdict),
         )
     ]
     assert not failures, "\n\n".join(failures)

@@ -27,9 +27,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from max_tests.goldens import schema
-from max_tests.goldens.tolerances import tolerance
-from max_tests.integration.architectures.llama3 import golden_run
+from goldens import schema
+from goldens.tolerances import tolerance
+from max_tests.integration.architectures.llama3 import (
+    diagnosis,
+    engine_runs,
+    failure_report,
+    golden_files,
+    judge,
+)
 from max_tests.integration.architectures.llama3.variants import Variant, variants
 
 pytestmark = pytest.mark.gpu
@@ -55,25 +61,25 @@ def test_llama_gpu(
 ) -> None:
     if variant.path is None:
         pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
-    gpu = golden_run.hardware(str(device))
-    engine = golden_run.load_engine(variant, str(device))
+    gpu = golden_files.hardware(str(device))
+    engine = engine_runs.load_engine(variant, str(device))
     failures, ambiguous, memo = [], 0, {}  # memo: a token sequence both goldens hold runs once
     lane = "short" if device.type == "cpu" else "all"
-    reports = golden_run.report_directory(tmp_path)
+    reports = failure_report.report_directory(tmp_path)
     for reference in ("own", "torch"):
         golden, name, tol, note = _golden_for_this_gpu(goldens, reference, variant, gpu)
         record_property(f"{reference}_golden", f"{name} ({note})")
-        verdict = golden_run.check(
+        verdict = judge.check(
             engine, golden, name, reference, tol, variant, device.type, memo=memo, lane=lane
         )
         print(f"{variant.test_id} on {gpu} ({note}): {verdict.summary()}")
-        failures += golden_run.failures_with_report(
+        failures += failure_report.failures_with_report(
             verdict,
             golden,
             engine.tokenizer.decode,
             reports,
             f"{variant.test_id}-{device.type}",
-            golden_run.diverging_layer(engine, variant, golden, verdict),
+            diagnosis.diverging_layer(engine, variant, golden, verdict),
         )
         ambiguous += verdict.ambiguous_steps
     record_property("ambiguous_steps", ambiguous)
@@ -86,4 +92,4 @@ def test_hardware_key_names_the_device(device: torch.device) -> None:
         expected = "all"
     else:
         expected = schema.hardware_key(torch.cuda.get_device_name(device))
-    assert golden_run.hardware(str(device)) == expected
+    assert golden_files.hardware(str(device)) == expected

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from max_tests.goldens import compare
-from max_tests.goldens.tolerances import entries, tolerance
+from goldens import compare
+from goldens.tolerances import entries, tolerance
 from max_tests.integration.architectures.llama3 import (
-    golden_run,
+    diagnosis,
+    engine_runs,
+    failure_report,
+    judge,
     localize,
     mutations,
     torch_reference,
@@ -36,7 +39,7 @@ def _variant(encoding: str):
     return found[0]
 
 
-def _cell(verdict: golden_run.Verdict) -> str:
+def _cell(verdict: judge.Verdict) -> str:
     """`metric@step` (or `metric@pPOSITION` for a prompt position) of the first failing check
     of the first failing case, or PASS."""
     for report in verdict.reports:
@@ -71,12 +74,12 @@ def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) 
     for mutation in [None, *applicable]:
         engine = mutations.load(variant, mutation)
         memo: dict = {}  # the own and torch goldens mostly hold the same token sequences
-        runs = {ref: golden_run.forced_runs(engine, g, memo) for ref, (g, _) in golden_of.items()}
+        runs = {ref: engine_runs.forced_runs(engine, g, memo) for ref, (g, _) in golden_of.items()}
         column = mutation.name if mutation else "unmutated"
         for tol in tolerances:
             golden, name = golden_of[tol.reference]
             verdicts = {
-                lane: golden_run.compare_runs(
+                lane: judge.compare_runs(
                     runs[tol.reference], golden, name, tol.reference, tol, variant, str, lane=lane
                 )
                 for lane in ("short", "all")
@@ -116,27 +119,27 @@ def test_a_kv_cache_mutation_first_fails_at_the_first_decode_step(goldens) -> No
     golden, name = goldens.load("own", variant)
     mutation = mutations.BY_NAME["kv_position"]
     tol = tolerance("own", "float32", "cpu")
-    verdict = golden_run.check(mutations.load(variant, mutation), golden, name, "own", tol, variant)
+    verdict = judge.check(mutations.load(variant, mutation), golden, name, "own", tol, variant)
     assert [r.first_failing.step for r in verdict.reports] == [1] * len(verdict.reports)
     # Step 0 (prefill) is the unmutated engine's, bit for bit: the same distance to the golden.
     # (Not ~0: the golden was made at the machine's thread count, tests run on one thread,
     # and float32 sums round differently.)
-    unmutated = golden_run.check(mutations.load(variant, None), golden, name, "own", tol, variant)
+    unmutated = judge.check(mutations.load(variant, None), golden, name, "own", tol, variant)
     for mutated, plain in zip(verdict.reports, unmutated.reports, strict=True):
         assert mutated.steps[0].max_logprob_diff == plain.steps[0].max_logprob_diff
         assert mutated.steps[0].kl == plain.steps[0].kl
 
 
 def test_a_norm_eps_mutation_fails_naming_its_html_report(goldens, tmp_path: Path) -> None:
-    """The failing golden writes its report (max_tests/goldens/report.py), every case in it with
+    """The failing golden writes its report (goldens/report.py), every case in it with
     its token strip and its curves, and the failure text names the file."""
     variant = _variant("float32")
     golden, name = goldens.load("own", variant)
     tol = tolerance("own", "float32", "cpu")
     engine = mutations.load(variant, mutations.BY_NAME["norm_eps"])
-    verdict = golden_run.check(engine, golden, name, "own", tol, variant)
-    directory = golden_run.report_directory(tmp_path)  # kept by Bazel: test.outputs
-    failures = golden_run.failures_with_report(
+    verdict = judge.check(engine, golden, name, "own", tol, variant)
+    directory = failure_report.report_directory(tmp_path)  # kept by Bazel: test.outputs
+    failures = failure_report.failures_with_report(
         verdict, golden, engine.tokenizer.decode, directory, variant.test_id
     )
 
@@ -230,13 +233,13 @@ def test_a_failure_against_torch_names_the_first_diverging_layer(goldens, tmp_pa
     golden, name = goldens.load("torch", variant)
     tol = tolerance("torch", "float32", "cpu")
     engine = mutations.load(variant, mutations.BY_NAME["norm_eps"])
-    verdict = golden_run.check(engine, golden, name, "torch", tol, variant)
-    diagnosis = golden_run.diverging_layer(engine, variant, golden, verdict)
-    assert diagnosis is not None and diagnosis[0] == verdict.reports[0].case_id
-    assert diagnosis[1].startswith("first diverging layer: layer 0, attention norm (")
-    failures = golden_run.failures_with_report(
-        verdict, golden, engine.tokenizer.decode, tmp_path, variant.test_id, diagnosis
+    verdict = judge.check(engine, golden, name, "torch", tol, variant)
+    layer = diagnosis.diverging_layer(engine, variant, golden, verdict)
+    assert layer is not None and layer[0] == verdict.reports[0].case_id
+    assert layer[1].startswith("first diverging layer: layer 0, attention norm (")
+    failures = failure_report.failures_with_report(
+        verdict, golden, engine.tokenizer.decode, tmp_path, variant.test_id, layer
     )
-    assert failures[-2] == f"case {diagnosis[0]!r}: {diagnosis[1]}"
+    assert failures[-2] == f"case {layer[0]!r}: {layer[1]}"
     page = Path(failures[-1].removeprefix("report: ").split(" (after")[0]).read_text()
-    assert html.escape(diagnosis[1], quote=False) in page
+    assert html.escape(layer[1], quote=False) in page

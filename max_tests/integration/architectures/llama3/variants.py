@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tools.cli_files import repo_root
+from goldens.cli_files import repo_root
 
 MODELS = ("tinyllama", "smollm2", "llama3_1")
 TINY_ENCODINGS = ("float32", "bfloat16", "q4_k", "nvfp4")

@@ -27,9 +27,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import numpy as np
 import torch
 
-from max_tests.goldens import schema
-from max_tests.goldens.record import case_specs, record_case
-from max_tests.integration.architectures.llama3 import golden_run
+from goldens import schema
+from goldens.cli_files import PathError, user_path
+from goldens.record import case_specs, record_case
+from max_tests.integration.architectures.llama3 import engine_runs, golden_files
 from max_tests.integration.architectures.llama3.torch_reference import load_reference
 from max_tests.integration.architectures.llama3.variants import (
     ENCODINGS,
@@ -40,7 +41,6 @@ from max_tests.integration.architectures.llama3.variants import (
     unavailable_selection,
     variants,
 )
-from tools.cli_files import PathError, user_path
 
 PRODUCER_VERSION = "transformers/{}"
 
@@ -138,7 +138,7 @@ def torch_golden(variant: Variant, device: str, verbose: bool = False) -> schema
                 f"  {spec.id} ({len(input_ids)} tokens): {shown!r} -> {tokenizer.decode(tokens)!r}",
                 file=sys.stderr,
             )
-    prov = golden_run.provenance(
+    prov = golden_files.provenance(
         variant, "torch", PRODUCER_VERSION.format(transformers.__version__), device
     )
     return schema.Golden(provenance=prov, cases=cases)
@@ -178,11 +178,11 @@ def main(argv: list[str] | None = None, default_device: str = "cpu") -> int:
         print(f"run_torch_llama: error: {nothing}", file=sys.stderr)
         return 2
     try:
-        output_dir = golden_run.output_folder(args.output_dir, testdata)
+        output_dir = golden_files.output_folder(args.output_dir, testdata)
     except PathError as error:
         print(f"run_torch_llama: error: {error}", file=sys.stderr)
         return 2
-    torch.set_num_threads(golden_run.GOLDEN_THREADS)
+    torch.set_num_threads(engine_runs.GOLDEN_THREADS)
     for variant in selected:
         if variant.path is None:
             print(

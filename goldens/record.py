@@ -1,0 +1,122 @@
+"""Turn one generation (input ids, greedy tokens, per-step logits) into a golden case.
+
+Shared by every producer (evaluate_llama for the engine, run_torch_llama for transformers),
+so both write the same schema from the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from goldens import long_prompts
+from goldens.schema import Case, Step, step_from_logits
+
+CASES_FILE = Path(__file__).with_name("cases.yaml")
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseSpec:
+    id: str
+    prompt: str
+    steps: int
+    top_k: int
+    positions_every: int = 0  # record prompt positions (`prompt_positions`); 0: none
+    long: bool = False  # a long-context case (run by the long golden lane)
+
+    def positions(self, n_prompt: int) -> list[int]:
+        return prompt_positions(n_prompt, self.positions_every) if self.positions_every else []
+
+
+def prompt_positions(n_prompt: int, every: int) -> list[int]:
+    """The prompt positions a golden records for an `n_prompt`-token prompt: every `every`-th
+    position, each power of two with its neighbours (2^k - 1, 2^k, 2^k + 1: where cache blocks,
+    buffers and rope bands turn), all before the last prompt position (the first step).
+
+    A 6-token prompt gives 0..4; an 8,300-token one about 75 positions up to 8193.
+    """
+    last = n_prompt - 1
+    chosen = set(range(0, last, every))
+    power = 1
+    while power - 1 < last:
+        chosen.update(p for p in (power - 1, power, power + 1) if p < last)
+        power *= 2
+    return sorted(chosen)
+
+
+@functools.cache
+def _cases_table(path: Path = CASES_FILE) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def case_specs(model: str) -> list[CaseSpec]:
+    """The golden prompts of `model`, as cases.yaml lists them."""
+    table = _cases_table()
+    defaults = table["defaults"]
+    try:
+        listed = table["models"][model]["prompts"]
+    except KeyError:
+        raise KeyError(f"cases.yaml has no prompts for model {model!r}") from None
+    prompts = [p for entry in listed for p in (entry if isinstance(entry, list) else [entry])]
+    return [
+        CaseSpec(
+            id=p["id"],
+            prompt=p["text"] if "text" in p else long_prompts.prompt(**p["generate"]),
+            steps=int(p.get("steps", defaults["steps"])),
+            top_k=int(p.get("top_k", defaults["top_k"])),
+            positions_every=int(p.get("positions_every", defaults["positions_every"])),
+            long="generate" in p,
+        )
+        for p in prompts
+    ]
+
+
+def record_case(
+    spec: CaseSpec,
+    input_ids: Sequence[int],
+    tokens: Sequence[int],
+    logits: np.ndarray,
+    decode: Callable[[Sequence[int]], str],
+    eos_ids: set[int],
+    full_logits: bool = False,
+    positions: Sequence[int] = (),
+    prompt_logits: np.ndarray | None = None,
+) -> Case:
+    """`logits[i]` are the next-token logits that chose `tokens[i]`; `prompt_logits[j]` those
+    at prompt position `positions[j]` of the same prefill (its token: their argmax)."""
+    logits = np.asarray(logits, dtype=np.float32)
+    if logits.shape[0] != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {logits.shape[0]} rows of logits")
+    rows = np.zeros((0, logits.shape[1]), np.float32) if prompt_logits is None else prompt_logits
+    rows = np.asarray(rows, dtype=np.float32)
+    if rows.shape[0] != len(positions):
+        raise ValueError(f"{len(positions)} prompt positions but {rows.shape[0]} rows of logits")
+
+    def step(row: np.ndarray, token: int) -> Step:
+        return step_from_logits(row, token, decode([token]), spec.top_k, full=full_logits)
+
+    return Case(
+        id=spec.id,
+        prompt=spec.prompt,
+        input_ids=[int(t) for t in input_ids],
+        steps=[step(logits[i], int(tokens[i])) for i in range(len(tokens))],
+        stopped_on_eos=bool(tokens) and int(tokens[-1]) in eos_ids,
+        positions=[int(p) for p in positions],
+        position_steps=[step(row, int(np.argmax(row))) for row in rows],
+    )
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

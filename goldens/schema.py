@@ -1,0 +1,271 @@
+"""The golden file: what one producer (engine or torch reference) saw for one model x encoding.
+
+A golden stores what diagnoses a failure, not full-vocabulary dumps: per step the chosen token,
+the top-k ids and logits, the logsumexp and summary statistics of the full logits. That keeps a
+4-prompt x 10-step file at vocab 128256 in tens of kilobytes. Full logits are opt-in.
+
+Files are written deterministically: sorted keys, floats rounded to float32 precision
+(`repr` of a float32 value is stable), no wall-clock fields, trailing newline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from goldens.cli_files import write_atomically
+
+# 2: logits_dtype in the provenance; bfloat16 goldens' logits computed in float32.
+# 3: cases carry `positions` and `position_steps`, the top-k log-probabilities at a spread of
+#    prompt positions from the same prefill (long prompts). Version 2 files still read, with
+#    no prompt positions (golden_diff compares old archives with new ones).
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+    """Where a golden came from; compared loosely (a different producer is information)."""
+
+    producer: str  # "engine" or "torch"
+    producer_version: str
+    model: str  # tinyllama | smollm2 | llama3_1
+    encoding: str  # float32 | bfloat16 | q4_k | q4_1 | ...
+    hardware: str  # "all" where the result does not depend on it, else the GPU's name
+    device: str  # cpu | cuda
+    dtype: str  # compute dtype: float32 | bfloat16
+    checkpoint: str  # file name, not a path: goldens are machine-independent
+    checkpoint_sha256: str
+    torch_version: str
+    logits_dtype: str  # the final norm and LM head's dtype: float32 for every producer
+    # The machine's share of the numbers (empty in goldens made before they were recorded):
+    # the CPU model, the kernel level torch ran (torch.backends.cpu.get_cpu_capability(),
+    # e.g. AVX512, AVX2, DEFAULT) and its thread count. Another CPU gives files that differ
+    # here and, within the tolerance's isa_noise_floor, in the numbers (golden_diff: noise).
+    cpu: str = ""
+    kernel_level: str = ""
+    threads: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    token_id: int
+    token_text: str
+    topk_ids: list[int]
+    topk_logits: list[float]
+    logsumexp: float
+    stats: dict[str, float]  # mean, std, min, max of the full logits
+    logits: list[float] | None = None  # the full vocabulary, only with --full-logits
+
+    @property
+    def top_gap(self) -> float:
+        """Top-1 minus top-2 logit: small means the greedy choice is a near-tie."""
+        return self.topk_logits[0] - self.topk_logits[1]
+
+    def topk_log_probs(self) -> np.ndarray:
+        """Log-probabilities of the top-k ids (logit minus the step's logsumexp), float64."""
+        return np.asarray(self.topk_logits, dtype=np.float64) - self.logsumexp
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One prompt: its generated steps, and the prompt positions recorded from its prefill.
+
+    `steps[i]` are the next-token logits after the prompt and the first i generated tokens
+    (sequence position len(input_ids) - 1 + i). `position_steps[j]` are the next-token logits
+    at prompt position `positions[j]` (0-based: they predict input_ids[positions[j] + 1]); their
+    token is the producer's greedy choice there. Prompt positions come before the last one,
+    which is steps[0].
+    """
+
+    id: str
+    prompt: str
+    input_ids: list[int]
+    steps: list[Step]
+    stopped_on_eos: bool = False
+    positions: list[int] = dataclasses.field(default_factory=list)
+    position_steps: list[Step] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.positions) != len(self.position_steps):
+            raise ValueError(
+                f"case {self.id!r}: {len(self.positions)} prompt positions but "
+                f"{len(self.position_steps)} recorded steps for them"
+            )
+        last = len(self.input_ids) - 1
+        if any(not 0 <= p < last for p in self.positions) or self.positions != sorted(
+            set(self.positions)
+        ):
+            raise ValueError(
+                f"case {self.id!r}: prompt positions must be increasing and below the last "
+                f"prompt position {last} (steps[0] covers it), got {self.positions[:8]}..."
+            )
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [s.token_id for s in self.steps]
+
+    @property
+    def last_position(self) -> int:
+        """The sequence position of the last generated step."""
+        return len(self.input_ids) - 2 + len(self.steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Golden:
+    provenance: Provenance
+    cases: list[Case]
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def last_position(self) -> int:
+        """The highest sequence position any of its cases reaches."""
+        return max((c.last_position for c in self.cases), default=0)
+
+    def case(self, case_id: str) -> Case:
+        for case in self.cases:
+            if case.id == case_id:
+                return case
+        raise KeyError(f"golden has no case {case_id!r}; it has {[c.id for c in self.cases]}")
+
+
+def golden_file_name(model: str, encoding: str, hardware: str, producer: str = "engine") -> str:
+    """`{model}_{encoding}_{hardware}_golden.json`; torch's: `torch_{model}_{encoding}_golden.json`
+    on the CPU ("all") and `torch_{model}_{encoding}_{hardware}_golden.json` on a GPU."""
+    if producer == "torch":
+        suffix = "" if hardware == "all" else f"_{hardware}"
+        return f"torch_{model}_{encoding}{suffix}_golden.json"
+    return f"{model}_{encoding}_{hardware}_golden.json"
+
+
+def hardware_key(name: str) -> str:
+    """A device name as a file-name part: "NVIDIA H200" -> "nvidia_h200"."""
+    key = "".join(c if c.isalnum() else "_" for c in name.lower())
+    return "_".join(part for part in key.split("_") if part)
+
+
+def _f32(value: float) -> float:
+    """Round to float32 and back: stable text, and no precision the producer did not have."""
+    value = float(np.float32(value))
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite value {value} in a golden")
+    return value
+
+
+def logsumexp(logits: np.ndarray) -> float:
+    """log(sum(exp(logits))) in float64, shifted by the peak so nothing overflows."""
+    logits = np.asarray(logits, dtype=np.float64)
+    peak = logits.max()
+    return float(peak + math.log(np.exp(logits - peak).sum()))
+
+
+def top_k_ids(row: np.ndarray, k: int) -> np.ndarray:
+    """The ids of `row`'s k largest values, largest first, ties by lower id first.
+
+    Equals np.argsort(-row, kind="stable")[:k] (a test pins it), in O(vocab) instead of a
+    full sort of a 128k-entry row at every step of every case: that sort was most of the
+    time of recording or comparing a tiny checkpoint's golden.
+    """
+    if k >= row.size:
+        return np.argsort(-row, kind="stable")[:k]
+    negated = -row  # sorted ascending like argsort's, so NaN counts as the smallest value
+    kth = np.partition(negated, k - 1)[k - 1]
+    if np.isnan(kth):  # fewer than k numbers: leave NaN ordering to argsort
+        return np.argsort(negated, kind="stable")[:k]
+    candidates = np.flatnonzero(negated <= kth)  # every tie with the k-th, in id order
+    return candidates[np.argsort(negated[candidates], kind="stable")[:k]]
+
+
+def step_from_logits(
+    logits: np.ndarray, token_id: int, token_text: str, top_k: int, full: bool = False
+) -> Step:
+    """Summarize one step's next-token logits (1-D, vocab) as a golden `Step`."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.ndim != 1:
+        raise ValueError(f"expected 1-D logits, got shape {logits.shape}")
+    # Stable ordering: by logit descending, then by id, so ties never reorder between runs.
+    order = top_k_ids(logits, top_k)
+    lse = logsumexp(logits)
+    return Step(
+        token_id=int(token_id),
+        token_text=token_text,
+        topk_ids=[int(i) for i in order],
+        topk_logits=[_f32(logits[i]) for i in order],
+        logsumexp=round(float(lse), 9),  # float64: KL estimates divide by exp of it
+        stats={
+            "mean": _f32(logits.mean()),
+            "std": _f32(logits.std()),
+            "min": _f32(logits.min()),
+            "max": _f32(logits.max()),
+        },
+        logits=[_f32(v) for v in logits] if full else None,
+    )
+
+
+def to_json(golden: Golden) -> str:
+    def plain(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj):
+            return {
+                f.name: plain(getattr(obj, f.name))
+                for f in dataclasses.fields(obj)
+                if not (f.name == "logits" and getattr(obj, f.name) is None)
+            }
+        if isinstance(obj, list):
+            return [plain(v) for v in obj]
+        if isinstance(obj, dict):
+            return {k: plain(v) for k, v in obj.items()}
+        return obj
+
+    body = plain(golden)
+    return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
+
+
+def from_json(text: str, source: str = "<golden>") -> Golden:
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not valid JSON ({e})") from None
+    version = body.get("schema_version")
+    if version not in READABLE_SCHEMA_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_SCHEMA_VERSIONS)
+        raise ValueError(
+            f"{source}: golden schema version {version}, this library reads {readable}; "
+            "regenerate the golden with the current tools"
+        )
+    try:
+        return Golden(
+            provenance=Provenance(**body["provenance"]),
+            cases=[case_from_json(c) for c in body["cases"]],
+            schema_version=version,
+        )
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{source}: malformed golden ({e})") from None
+
+
+def case_from_json(body: dict) -> Case:
+    """One case of a golden file's JSON (versions 1 and 2 have no prompt positions)."""
+    return Case(
+        id=body["id"],
+        prompt=body["prompt"],
+        input_ids=body["input_ids"],
+        stopped_on_eos=body.get("stopped_on_eos", False),
+        steps=[Step(**s) for s in body["steps"]],
+        positions=body.get("positions", []),
+        position_steps=[Step(**s) for s in body.get("position_steps", [])],
+    )
+
+
+def read(path: str | os.PathLike) -> Golden:
+    path = Path(path)
+    return from_json(path.read_text(encoding="utf-8"), source=str(path))
+
+
+def write(golden: Golden, path: str | os.PathLike) -> None:
+    """Write atomically: a reader never sees half a golden."""
+    write_atomically(Path(path), to_json(golden))

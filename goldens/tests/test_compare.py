@@ -1,0 +1,324 @@
+"""The comparison on synthetic runs: what passes, what fails, what is ambiguous, and how the
+failure reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from goldens import compare
+from goldens.record import CaseSpec, record_case
+from goldens.sanity import degeneracy_problems
+from goldens.schema import Golden, Provenance
+from goldens.tolerances import Tolerance, tolerance
+
+VOCAB = 64
+TOL = Tolerance(
+    "own/float32/cpu",
+    logprob_atol=1e-4,
+    kl_max=1e-6,
+    topk_overlap_min=0.95,
+    near_tie_margin=2e-4,
+    why="test",
+)
+LOOSE_TIE = dataclasses.replace(TOL, logprob_atol=1e-2, kl_max=1e-3, near_tie_margin=2e-2)
+
+
+def _logits(steps: int = 6, seed: int = 0) -> np.ndarray:
+    # A fixed, well-separated pattern: step i prefers token (3 * i + 1) % VOCAB by a wide gap.
+    base = np.cos(np.arange(VOCAB)[None, :] * (np.arange(steps)[:, None] + 1) * 0.7 + seed)
+    logits = base.astype(np.float32) * 2.0
+    for i in range(steps):
+        logits[i, (3 * i + 1) % VOCAB] = 8.0
+    return logits
+
+
+def _case(logits: np.ndarray, top_k: int = 20):
+    tokens = [int(np.argmax(row)) for row in logits]
+    spec = CaseSpec("prose", "The capital of France is", len(tokens), top_k)
+    return record_case(spec, [1, 2, 3], tokens, logits, lambda ids: f"<{ids[0]}>", set()), tokens
+
+
+def _greedy(logits: np.ndarray) -> list[int]:
+    return [int(np.argmax(row)) for row in logits]
+
+
+def test_identical_run_passes_with_zero_difference():
+    logits = _logits()
+    case, tokens = _case(logits)
+    report = compare.compare_case(case, [1, 2, 3], tokens, logits, TOL)
+    assert report.status == compare.PASS
+    assert report.max_logprob_diff == pytest.approx(0.0, abs=1e-6)
+    assert report.max_kl == pytest.approx(0.0, abs=1e-9)
+    assert report.first_failing is None
+    assert report.greedy_agreement == 6
+
+
+def test_a_shift_of_every_logit_is_not_a_change_of_log_probabilities():
+    logits = _logits()
+    case, tokens = _case(logits)
+    report = compare.compare_case(case, [1, 2, 3], tokens, logits + 3.0, TOL)
+    assert report.status == compare.PASS
+
+
+def test_logprob_drift_beyond_atol_fails_at_that_step_and_later_steps_are_still_compared():
+    logits = _logits()
+    case, tokens = _case(logits)
+    moved = logits.copy()
+    moved[3, case.steps[3].topk_ids[5]] += 1e-3  # not enough to change the token
+    moved[5, case.steps[5].topk_ids[2]] += 1e-3
+    report = compare.compare_case(case, [1, 2, 3], tokens, moved, TOL)
+    assert report.status == compare.FAIL
+    assert report.first_failing.step == 3
+    assert report.first_failing.metric == "logprob"
+    assert [s.step for s in report.steps if s.status == compare.FAIL] == [3, 5]
+    assert report.first_failing.max_logprob_diff == pytest.approx(1e-3, rel=1e-2)
+
+
+def test_drift_within_tolerance_passes():
+    logits = _logits()
+    case, tokens = _case(logits)
+    moved = logits.copy()
+    moved[:, 10] += 5e-5
+    report = compare.compare_case(case, [1, 2, 3], tokens, moved, TOL)
+    assert report.status == compare.PASS
+
+
+def test_changed_token_above_margin_fails_and_names_both_tokens():
+    logits = _logits()
+    case, _tokens = _case(logits)
+    moved = logits.copy()
+    moved[2, 40] = 9.0
+    report = compare.compare_case(case, [1, 2, 3], _greedy(moved), moved, TOL)
+    assert report.status == compare.FAIL
+    step = report.first_failing
+    assert (step.step, step.expected_token, step.actual_token) == (2, 7, 40)
+    assert report.greedy_agreement == 2
+    text = compare.format_failure(report, case, "g.json", lambda ids: f"<{ids[0]}>", "REGEN")
+    assert "first failing step: 2 of 6" in text
+    assert "golden token 7 '<7>'" in text and "run's greedy choice 40 '<40>'" in text
+    assert "free-running greedy agreement: 2 of 6" in text
+    assert "worst log-probability differences" in text and "REGEN" in text
+
+
+def _near_tie_golden():
+    logits = _logits()
+    logits[1, 20] = logits[1, 4] - 5e-3  # runner-up within LOOSE_TIE's near-tie margin
+    case, _tokens = _case(logits)
+    assert case.steps[1].top_gap < LOOSE_TIE.near_tie_margin
+    return logits, case
+
+
+def test_a_swap_at_a_near_tie_with_passing_numbers_is_ambiguous_and_every_step_is_checked():
+    logits, case = _near_tie_golden()
+    run = logits.copy()
+    run[1, 20] = logits[1, 4] + 1e-3  # the run picks the runner-up; log-probs move ~3e-3
+    report = compare.compare_case(case, [1, 2, 3], _greedy(run), run, LOOSE_TIE)
+    assert report.status == compare.PASS
+    assert [s.step for s in report.ambiguous_steps] == [1]
+    assert len(report.steps) == 6 and report.greedy_agreement == 1
+
+
+def test_a_swap_at_a_near_tie_fails_when_the_logprobs_moved_too_far():
+    logits, case = _near_tie_golden()
+    run = logits.copy()
+    run[1, 20] = logits[1, 4] + 1e-3
+    run[1, case.steps[1].topk_ids[3]] += 0.5  # a bug elsewhere in the same step
+    report = compare.compare_case(case, [1, 2, 3], _greedy(run), run, LOOSE_TIE)
+    assert report.status == compare.FAIL
+    assert report.first_failing.step == 1 and report.first_failing.metric == "logprob"
+    assert not report.ambiguous_steps
+
+
+def test_a_swap_is_not_ambiguous_when_the_run_prefers_its_token_by_more_than_the_margin():
+    logits, case = _near_tie_golden()
+    run = logits.copy()
+    run[1, 20] = logits[1, 4] + 0.05  # beyond the margin in the run's distribution
+    loose_numbers = dataclasses.replace(LOOSE_TIE, logprob_atol=1.0, kl_max=1.0)
+    report = compare.compare_case(case, [1, 2, 3], _greedy(run), run, loose_numbers)
+    assert report.status == compare.FAIL
+    assert report.first_failing.metric == "token"
+    assert "ranks the golden's token" in report.first_failing.detail
+
+
+def test_a_run_that_picks_a_token_outside_the_goldens_near_ties_fails():
+    logits, case = _near_tie_golden()
+    run = logits.copy()
+    run[1, 50] = logits[1, 4] + 1e-3  # a near-tie in the run, but not one the golden had
+    loose_numbers = dataclasses.replace(LOOSE_TIE, logprob_atol=10.0, kl_max=10.0)
+    report = compare.compare_case(case, [1, 2, 3], _greedy(run), run, loose_numbers)
+    assert report.status == compare.FAIL
+    assert report.first_failing.metric == "token"
+
+
+def test_a_run_that_emits_one_token_at_every_step_fails_even_at_a_golden_near_tie():
+    logits, case = _near_tie_golden()
+    constant = np.zeros_like(logits)
+    constant[:, 20] = 58.0
+    report = compare.compare_case(case, [1, 2, 3], _greedy(constant), constant, LOOSE_TIE)
+    assert report.status == compare.FAIL
+    assert all(s.status == compare.FAIL for s in report.steps)
+
+
+def test_kl_from_topk_equals_full_kl_when_topk_covers_the_vocabulary():
+    logits = _logits(steps=1)
+    case, tokens = _case(logits, top_k=VOCAB)
+    run = logits.copy()
+    run[0, :10] += 0.3
+    p = np.exp(logits[0] - np.logaddexp.reduce(logits[0].astype(np.float64)))
+    q = np.exp(run[0] - np.logaddexp.reduce(run[0].astype(np.float64)))
+    full_kl = float(np.sum(p * np.log(p / q)))
+    loose = Tolerance("t", 1.0, 1.0, 0.0, 1e-3, "")
+    report = compare.compare_case(case, [1, 2, 3], tokens, run, loose)
+    assert report.max_kl == pytest.approx(full_kl, rel=1e-4)
+
+
+def test_topk_tail_bucket_makes_kl_a_lower_bound():
+    logits = _logits(steps=1)
+    case, tokens = _case(logits, top_k=20)
+    run = logits.copy()
+    tail = [i for i in range(VOCAB) if i not in case.steps[0].topk_ids]
+    run[0, tail] += 1.0  # moves mass into the tail only
+    loose = Tolerance("t", 10.0, 10.0, 0.0, 1e-3, "")
+    report = compare.compare_case(case, [1, 2, 3], tokens, run, loose)
+    assert 0 < report.max_kl < math.inf
+
+
+def test_run_that_ends_early_fails_at_the_missing_step():
+    logits = _logits()
+    case, tokens = _case(logits)
+    report = compare.compare_case(case, [1, 2, 3], tokens[:4], logits[:4], TOL)
+    assert report.status == compare.FAIL
+    assert report.first_failing.step == 4
+    assert "ended early" in report.first_failing.detail
+
+
+def test_changed_input_ids_fail_even_when_logits_match():
+    logits = _logits()
+    case, tokens = _case(logits)
+    report = compare.compare_case(case, [1, 2, 4], tokens, logits, TOL)
+    assert report.status == compare.FAIL
+    text = compare.format_failure(report, case, "g", str, "R", [1, 2, 4])
+    assert "input ids differ" in text
+
+
+def test_every_encoding_and_device_has_a_documented_tolerance():
+    for reference in ("own", "torch"):
+        for encoding in ("float32", "bfloat16", "q4_k", "q4_1"):
+            for device in ("cpu", "cuda"):
+                tol = tolerance(reference, encoding, device)
+                assert tol.why.strip()
+                assert tol.near_tie_margin == pytest.approx(2 * tol.logprob_atol), tol.key
+        for reference_fallback in ("bfloat16",):
+            assert tolerance(reference, reference_fallback, "cuda", fallback=True).why
+
+
+def test_missing_tolerance_names_the_key():
+    with pytest.raises(KeyError, match="own/float16/cpu"):
+        tolerance("own", "float16", "cpu")
+
+
+def _golden(cases) -> Golden:
+    prov = Provenance(
+        "engine",
+        "1",
+        "m",
+        "float32",
+        "all",
+        "cpu",
+        "float32",
+        "f.gguf",
+        "0" * 64,
+        "2.13.0",
+        "float32",
+    )
+    return Golden(prov, cases)
+
+
+def test_sanity_flags_constant_tokens_flat_logits_and_near_ties():
+    flat = np.zeros((10, 50), dtype=np.float32)
+    flat[:, 7] = 1e-4
+    case = record_case(CaseSpec("flat", "x", 10, 20), [1], [7] * 10, flat, str, set())
+    problems = degeneracy_problems(_golden([case]), near_tie_margin=1e-3)
+    assert any("only 1 distinct tokens" in p for p in problems)
+    assert any("near-ties" in p for p in problems)
+    assert any("logit std" in p for p in problems)
+
+
+def test_sanity_accepts_a_discriminating_golden():
+    logits = _logits(steps=10)
+    case, _ = _case(logits)
+    assert degeneracy_problems(_golden([case]), near_tie_margin=1e-3) == []
+
+
+def test_sanity_refuses_an_exact_top1_tie():
+    logits = _logits(steps=10)
+    logits[4, 30] = logits[4].max()  # a second token with exactly the top-1 logit
+    case, _ = _case(logits)
+    problems = degeneracy_problems(_golden([case]), near_tie_margin=1e-3)
+    assert any("1 exact top-1 ties" in p and "('prose', 4)" in p for p in problems)
+
+
+def test_every_tolerance_sits_between_its_noise_floor_and_its_mutation_floor():
+    from goldens.tolerances import entries
+
+    for tol in entries():
+        assert tol.noise_floor and tol.mutation_floor, f"{tol.key}: floors not recorded"
+        assert tol.noise_floor.logprob < tol.logprob_atol < tol.mutation_floor.logprob, tol
+        assert tol.noise_floor.kl < tol.kl_max, tol
+        if tol.key.endswith("/cpu"):  # another CPU's kernels must pass too
+            assert tol.isa_noise_floor, f"{tol.key}: cross-ISA noise floor not recorded"
+            assert tol.isa_noise_floor.logprob < tol.logprob_atol, tol
+            assert tol.isa_noise_floor.kl < tol.kl_max, tol
+
+
+def _case_with_positions(logits: np.ndarray, prompt_rows: np.ndarray, positions: list[int]):
+    tokens = _greedy(logits)
+    spec = CaseSpec("long", "a long prompt", len(tokens), 20, positions_every=256, long=True)
+    input_ids = list(range(1, max(positions) + 3))
+    case = record_case(
+        spec,
+        input_ids,
+        tokens,
+        logits,
+        lambda ids: f"<{ids[0]}>",
+        set(),
+        positions=positions,
+        prompt_logits=prompt_rows,
+    )
+    return case, tokens, input_ids
+
+
+def test_prompt_positions_are_compared_by_the_step_rules_and_named_by_position():
+    logits, prompt_rows = _logits(), _logits(steps=3, seed=1)
+    positions = [0, 255, 4097]
+    case, tokens, input_ids = _case_with_positions(logits, prompt_rows, positions)
+    rows = dict(zip(positions, prompt_rows, strict=True))
+    same = compare.compare_case(case, input_ids, tokens, logits, TOL, rows)
+    assert same.status == compare.PASS and len(same.prompt_checks) == 3
+    nudge = np.zeros(VOCAB, dtype=np.float32)
+    nudge[case.position_steps[2].topk_ids[3]] = 1e-3  # not enough to change the argmax
+    moved = {**rows, 4097: rows[4097] + nudge}
+    report = compare.compare_case(case, input_ids, tokens, logits, TOL, moved)
+    assert report.status == compare.FAIL
+    assert report.first_failing is None  # every generated step passes
+    check = report.first_failing_check
+    assert (check.in_prompt, check.position, check.metric) == (True, 4097, "logprob")
+    assert check.where == "prompt position 4097"
+    assert report.steps[0].position == len(input_ids) - 1  # the last prompt position
+    text = compare.format_failure(report, case, "g.json", lambda ids: "x", "regen")
+    assert "prompt positions: 1 of 3 fail, the first at position 4097" in text
+    assert "first failing check: prompt position 4097 of 4099 (metric logprob)" in text
+
+
+def test_a_prompt_position_the_run_lacks_fails_as_missing():
+    logits, prompt_rows = _logits(), _logits(steps=2, seed=1)
+    case, tokens, input_ids = _case_with_positions(logits, prompt_rows, [3, 9])
+    report = compare.compare_case(case, input_ids, tokens, logits, TOL, {3: prompt_rows[0]})
+    assert report.status == compare.FAIL
+    assert [(c.position, c.metric) for c in report.prompt_checks if c.status == "FAIL"] == [
+        (9, "missing")
+    ]

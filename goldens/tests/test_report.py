@@ -1,0 +1,208 @@
+"""The HTML report: what a case view takes from a comparison, and what the page shows of it
+(token strip, curves, tolerance, summary), queried through its stable hooks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from goldens import compare
+from goldens.record import CaseSpec, record_case
+from goldens.report import CaseView, case_view, render_html, write_report
+from goldens.tests.dom import Element, parse
+from goldens.tolerances import Tolerance
+
+TOL = Tolerance(
+    "own/float32/cpu",
+    logprob_atol=1e-4,
+    kl_max=1e-6,
+    topk_overlap_min=0.95,
+    near_tie_margin=2e-4,
+    why="test",
+)
+FAILING = CaseView(
+    title="tiny float32 · prose",
+    prompt="The <capital> of\tFrance",
+    golden_tokens=[" Paris", ",", " a", " city", "\n"],
+    run_tokens=[" Paris", ".", " a", " town", "\n"],
+    logprob_delta=[0.0, 2e-3, 5e-5, 0.3, 1e-9],
+    kl=[0.0, 4e-6, 1e-8, 1e-2, 1e-12],
+    status="FAIL",
+    first_failing_step=1,
+    tolerance_label="own/float32/cpu",
+    logprob_atol=1e-4,
+    kl_max=1e-6,
+    notes=("first diverging layer: 3, attention",),
+    step_status=("PASS", "FAIL", "PASS", "FAIL", "PASS"),
+)
+PASSING = CaseView(
+    title="tiny float32 · code",
+    prompt="def f():",
+    golden_tokens=["\n", "   "],
+    run_tokens=["\n", "   "],
+    logprob_delta=[0.0, 0.0],
+    kl=[0.0, 0.0],
+    status="PASS",
+    tolerance_label="own/float32/cpu",
+    logprob_atol=1e-4,
+    kl_max=1e-6,
+)
+
+
+def _page(*cases: CaseView) -> Element:
+    return parse(render_html("golden report", ["line one", "line <two>"], list(cases)))
+
+
+def _compared(run_steps: int = 6, input_ids=(1, 2, 3)) -> tuple[compare.CaseReport, list[str]]:
+    """A six-step golden against a run whose step 3 moved by 1e-3 (and that may end early)."""
+    vocab, steps = 64, 6
+    logits = (
+        np.cos(np.arange(vocab)[None, :] * (np.arange(steps)[:, None] + 1) * 0.7) * 2.0
+    ).astype(np.float32)
+    for i in range(steps):
+        logits[i, (3 * i + 1) % vocab] = 8.0
+    tokens = [int(np.argmax(row)) for row in logits]
+    spec = CaseSpec("prose", "The capital of France is", steps, 20)
+    golden = record_case(spec, [1, 2, 3], tokens, logits, lambda ids: f"<{ids[0]}>", set())
+    moved = logits.copy()
+    moved[3, golden.steps[3].topk_ids[5]] += 1e-3
+    case_report = compare.compare_case(
+        golden, list(input_ids), tokens[:run_steps], moved[:run_steps], TOL
+    )
+    return case_report, [s.token_text for s in golden.steps]
+
+
+def _points(chart: Element) -> list[tuple[float, float]]:
+    return [tuple(map(float, p.split(","))) for p in chart.one("polyline").attrs["points"].split()]
+
+
+def _chart(page: Element, case: int, metric: str) -> Element:
+    return page.one("section", id=f"case-{case}").one("svg", "curve", data_metric=metric)
+
+
+def test_case_view_takes_every_step_and_the_tolerance_from_the_report():
+    case_report, tokens = _compared()
+    view = case_view(case_report, "tiny · prose", tokens, tokens, notes=["layer 3"])
+    assert view.prompt == "The capital of France is"
+    assert view.logprob_delta == [s.max_logprob_diff for s in case_report.steps]
+    assert view.logprob_delta[3] == pytest.approx(1e-3, rel=1e-2)
+    assert view.kl == [s.kl for s in case_report.steps]
+    assert (view.status, view.first_failing_step) == ("FAIL", 3)
+    assert view.step_status == ("PASS", "PASS", "PASS", "FAIL", "PASS", "PASS")
+    assert (view.tolerance_label, view.logprob_atol, view.kl_max) == ("own/float32/cpu", 1e-4, 1e-6)
+    assert view.notes == (
+        f"first failing step 3 (logprob): {case_report.first_failing.detail}",
+        "layer 3",
+    )
+
+
+def test_a_run_that_ended_early_shows_missing_tokens_and_infinities_on_the_top_edge():
+    case_report, tokens = _compared(run_steps=4)
+    view = case_view(case_report, "tiny · prose", tokens, tokens[:4])
+    assert view.kl[4:] == [math.inf, math.inf]
+    page = _page(view)
+    run_row = page.one("tr", "run")
+    assert [td.attrs["data-step"] for td in run_row.select("td", "missing")] == ["4", "5"]
+    chart = _chart(page, 0, "kl")
+    top = float(chart.one("rect", "plot").attrs["y"])
+    assert [y for _, y in _points(chart)[4:]] == [top, top]
+
+
+def test_a_changed_tokenization_is_noted():
+    case_report, tokens = _compared(input_ids=(1, 2))
+    view = case_view(case_report, "tiny · prose", tokens, tokens)
+    assert (
+        view.notes[0] == "the run's tokenization of the prompt differs from the golden's input ids"
+    )
+
+
+def test_the_token_strip_marks_changed_tokens_and_the_first_failing_step():
+    strip = _page(FAILING).one("table", "token-strip")
+    assert [td.attrs["data-step"] for td in strip.select("td", "changed")] == ["1", "3"]
+    assert all(td in strip.one("tr", "run").children for td in strip.select("td", "changed"))
+    first = strip.select(cls="first-failing")
+    assert [(e.tag, e.attrs["data-step"]) for e in first] == [("th", "1"), ("td", "1"), ("td", "1")]
+    assert [th.attrs["data-step"] for th in strip.select("th", "step-fail")] == ["1", "3"]
+
+
+def test_tokens_are_escaped_and_whitespace_is_visible():
+    page = _page(FAILING, PASSING)
+    golden_rows = [row.select("td") for row in page.select("tr", "golden")]
+    assert [td.text for td in golden_rows[0]] == ["·Paris", ",", "·a", "·city", "↵"]
+    assert [td.text for td in golden_rows[1]] == ["↵", "···"]
+    assert golden_rows[0][0].attrs["title"] == "' Paris'"
+    assert (
+        page.one("section", id="case-0").one("p", "prompt").text == "prompt The·<capital>·of→France"
+    )
+    assert page.select("capital") == []
+
+
+def test_each_curve_has_a_point_per_step_on_a_log_scale_with_its_tolerance_line():
+    page = _page(FAILING)
+    kl = _chart(page, 0, "kl")
+    points = _points(kl)
+    assert [x for x, _ in points] == sorted(x for x, _ in points)
+    assert len(points) == 5
+    ys = [y for _, y in points]
+    decade = (ys[2] - ys[3]) / 6  # 1e-8 and 1e-2 are six decades apart
+    assert ys[4] == pytest.approx(ys[2] + 4 * decade, abs=0.2)  # 1e-12
+    tolerance = kl.one("line", "tolerance")
+    assert tolerance.attrs["data-value"] == "1e-06"
+    assert float(tolerance.attrs["y1"]) == pytest.approx(ys[2] - 2 * decade, abs=0.2)
+    plot = kl.one("rect", "plot")
+    assert ys[0] == float(plot.attrs["y"]) + float(plot.attrs["height"])  # zero: bottom edge
+    assert [c.attrs["data-step"] for c in kl.select("circle", "above")] == ["1", "3"]
+    logprob = _chart(page, 0, "logprob_delta")
+    assert logprob.one("line", "tolerance").attrs["data-value"] == "0.0001"
+    assert [c.attrs["data-step"] for c in logprob.select("circle", "above")] == ["1", "3"]
+    assert logprob.one("line", "first-failing").attrs["data-step"] == "1"
+
+
+def test_a_passing_case_has_no_marks():
+    page = _page(PASSING)
+    section = page.one("section", "case")
+    assert section.attrs["data-status"] == "PASS"
+    assert section.attrs["data-first-failing-step"] == ""
+    assert section.select(cls="changed") + section.select(cls="first-failing") == []
+    assert section.select("circle", "above") == []
+    assert len(section.select("line", "tolerance")) == 2
+
+
+def test_the_summary_has_its_lines_the_tolerance_and_one_row_per_case():
+    page = _page(FAILING, PASSING)
+    summary = page.one("section", "summary")
+    assert [li.text for li in summary.select("li")] == ["line one", "line <two>"]
+    rows = [[td.text for td in tr.select("td")] for tr in summary.one("tbody").select("tr")]
+    assert rows == [
+        ["tiny float32 · prose", "FAIL", "1", "0.3", "0.01"],
+        ["tiny float32 · code", "PASS", "", "0", "0"],
+    ]
+    tolerance = page.one("section", id="case-0").one("p", "tolerance")
+    assert tolerance.text == "tolerance own/float32/cpu |Δ log-prob| ≤ 0.0001, KL ≤ 1e-06"
+    notes = page.one("section", id="case-0").one("ul", "notes")
+    assert [li.text for li in notes.select("li")] == ["first diverging layer: 3, attention"]
+
+
+def test_the_page_is_self_contained_and_deterministic():
+    text = render_html("golden report", ["summary"], [FAILING, PASSING])
+    assert text == render_html("golden report", ["summary"], [FAILING, PASSING])
+    for outside in ("http", "<script", "src=", "url(", "@import", "<link"):
+        assert outside not in text
+    assert [a.attrs["href"] for a in parse(text).select("a")] == ["#case-0", "#case-1"]
+
+
+def test_write_report_replaces_the_file_in_one_step(tmp_path):
+    path = tmp_path / "golden_report.html"
+    path.write_text("old")
+    assert write_report(path, "t", ["s"], [FAILING]) == path
+    assert path.read_text(encoding="utf-8") == render_html("t", ["s"], [FAILING])
+    assert [p.name for p in tmp_path.iterdir()] == ["golden_report.html"]
+
+
+def test_a_case_view_refuses_an_unknown_status_and_more_run_tokens_than_steps():
+    with pytest.raises(ValueError, match="status 'BROKEN' is not one of PASS, FAIL"):
+        CaseView("t", "p", ["a"], ["a"], [0.0], [0.0], "BROKEN")
+    with pytest.raises(ValueError, match="2 run tokens for 1 golden steps"):
+        CaseView("t", "p", ["a"], ["a", "b"], [0.0], [0.0], "CHANGED")

@@ -1,0 +1,101 @@
+"""A failing verdict's HTML report (goldens/report.py's page, every case of the golden),
+written where Bazel keeps a test's undeclared outputs, and the failure text that names it."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from goldens import compare, report, schema
+from max_tests.integration.architectures.llama3.judge import Verdict
+
+# Bazel's folder for a test's extra outputs; it zips them into bazel-testlogs after the test.
+UNDECLARED_OUTPUTS_ENV = "TEST_UNDECLARED_OUTPUTS_DIR"
+
+
+def report_directory(fallback: Path) -> Path:
+    """Where a failing golden test writes its HTML reports: Bazel's undeclared outputs folder,
+    else `fallback` (the tests pass pytest's `tmp_path`, of which pytest keeps the last runs)."""
+    outputs = os.environ.get(UNDECLARED_OUTPUTS_ENV)
+    return Path(outputs) if outputs else fallback
+
+
+def failures_with_report(
+    verdict: Verdict,
+    golden: schema.Golden,
+    decode: Callable[[Sequence[int]], str],
+    directory: Path,
+    test_id: str,
+    diagnosis: tuple[str, str] | None = None,
+) -> list[str]:
+    """`verdict.failures`; when there are any, the HTML report of this golden is written into
+    `directory` and a last line names it ("report: PATH"). `diagnosis` (`diverging_layer`) is
+    added to the failure text and to its case in the report."""
+    if not verdict.failures:
+        return []
+    path = write_failure_report(verdict, golden, decode, directory, test_id, diagnosis)
+    located = [] if diagnosis is None else [f"case {diagnosis[0]!r}: {diagnosis[1]}"]
+    return [*verdict.failures, *located, f"report: {path}{_bazel_outputs_hint(directory)}"]
+
+
+def write_failure_report(
+    verdict: Verdict,
+    golden: schema.Golden,
+    decode: Callable[[Sequence[int]], str],
+    directory: Path,
+    test_id: str,
+    diagnosis: tuple[str, str] | None = None,
+) -> Path:
+    """The HTML report of every case of `verdict`, failing and passing, written into
+    `directory` as `golden_report_{test_id}_{golden file stem}.html`; returns its path.
+    Golden tokens are the golden's stored texts, run tokens `decode([id])` of the run's."""
+    golden_file = verdict.source.file_name
+    notes = {} if diagnosis is None else {diagnosis[0]: [diagnosis[1]]}
+    views = [
+        _case_view(case_report, golden, decode, notes.get(case_report.case_id, []))
+        for case_report in verdict.reports
+    ]
+    failing = sum(v.status == compare.FAIL for v in views)
+    summary = [verdict.summary(), f"cases: {failing} of {len(views)} fail"]
+    title = f"golden report: {test_id} against {golden_file} ({verdict.reference})"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / report_file_name(test_id, golden_file)
+    return report.write_report(path, title, summary, views)
+
+
+def report_file_name(test_id: str, golden_file: str) -> str:
+    """`golden_report_{test_id}_{golden file stem}.html`, in characters safe in any file name."""
+    stem = Path(golden_file).name.removesuffix(".json")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"golden_report_{test_id}_{stem}") + ".html"
+
+
+def _case_view(
+    case_report: compare.CaseReport,
+    golden: schema.Golden,
+    decode: Callable[[Sequence[int]], str],
+    notes: list[str],
+) -> report.CaseView:
+    case = golden.case(case_report.case_id)
+    steps = case_report.steps
+    run_tokens = [decode([s.actual_token]) for s in steps if s.actual_token is not None]
+    return report.case_view(
+        case_report,
+        f"{golden.provenance.model} {golden.provenance.encoding} · {case.id}",
+        [s.token_text for s in case.steps],
+        run_tokens,
+        notes=[
+            f"free-running greedy agreement: {case_report.greedy_agreement} of {len(steps)}",
+            *notes,
+        ],
+    )
+
+
+def _bazel_outputs_hint(directory: Path) -> str:
+    """Where `bazel test` leaves a report in its undeclared outputs folder: zipped."""
+    outputs, target = os.environ.get(UNDECLARED_OUTPUTS_ENV), os.environ.get("TEST_TARGET")
+    if not outputs or not target or directory != Path(outputs):
+        return ""
+    package, _, name = target.split("//", 1)[-1].partition(":")
+    return f" (after the test: bazel-testlogs/{package}/{name}/test.outputs/outputs.zip)"
