@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from goldens import schema
+from goldens import diff, schema
 from goldens.artifacts import archive, stanza
 from goldens.artifacts.store import ArchiveRef, LocalStore
-from tools.golden_diff import golden_diff
-from tools.golden_diff.golden_diff import main, step_delta
+from goldens.diff import step_delta
+from tools.golden_diff import inputs
+from tools.golden_diff.golden_diff import main
 
 VOCAB, STEPS, TOP_K = 64, 4, 20
 OWN = "test_llama_golden"
@@ -151,7 +152,7 @@ def test_an_id_the_to_side_lacks_is_bounded_by_its_kth_log_prob() -> None:
     # id 7: from -3.0, to at most the to side's 3rd log-prob, -2.8 -> |Δ| 0.2; id 6: 0.5.
     assert delta.max_logprob_diff == pytest.approx(0.5)
     assert delta.bounded_ids == 1
-    assert step_delta(before, before) == golden_diff.StepDelta(0.0, 0.0, 0)
+    assert step_delta(before, before) == diff.StepDelta(0.0, 0.0, 0)
 
 
 def test_a_changed_token_shows_both_tokens_and_context(capsys, base: Path, tmp_path: Path) -> None:
@@ -285,7 +286,7 @@ def test_versions_shas_and_the_pin_name_stored_archives(capsys, repo: Path) -> N
 def test_bazel_run_defaults_pin_against_testdata(capsys, monkeypatch, repo: Path) -> None:
     """Under `bazel run` the repository is the workspace: its pin, store and testdata."""
     monkeypatch.setenv("BUILD_WORKSPACE_DIRECTORY", str(repo))
-    testdata = _write(repo / golden_diff.TESTDATA, {FLOAT32: _golden(BASE, torch_version="x")})
+    testdata = _write(repo / inputs.TESTDATA, {FLOAT32: _golden(BASE, torch_version="x")})
     code, out, _ = _run(capsys, OWN)
     assert code == 0
     assert out.splitlines()[1:4] == [
@@ -401,7 +402,7 @@ def test_a_schema_1_golden_is_read_leniently() -> None:
     body = json.loads(schema.to_json(_golden(BASE)))
     body["schema_version"] = 1
     del body["provenance"]["logits_dtype"]
-    golden = golden_diff.parse_golden(json.dumps(body).encode(), "v1.json")
+    golden = diff.parse_golden(json.dumps(body).encode(), "v1.json")
     assert (golden.schema_version, "logits_dtype" in golden.provenance) == (1, False)
     assert [c.id for c in golden.cases] == ["prose", "code"]
 

@@ -1,0 +1,200 @@
+"""golden_diff's output: the text summary (what a reviewer reads next to the new hash) and the
+HTML report (goldens/report.py's page, one section per changed case)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from goldens.diff import (
+    IDENTICAL_STEP,
+    CaseDiff,
+    FileDiff,
+    GoldenSet,
+    StepDelta,
+    file_class,
+    first_difference,
+    number,
+    worst_class,
+)
+from goldens.report import CaseView
+from goldens.schema import Case
+
+CONTEXT_BEFORE, CONTEXT_AFTER = 2, 3  # steps of token context around a divergence
+
+
+def token_at(case: Case, step: int) -> str:
+    return repr(case.steps[step].token_text) if step < len(case.steps) else "(no step)"
+
+
+def case_line(diff: CaseDiff) -> str:
+    before, after = diff.before, diff.after
+    if before is None or after is None or diff.status == "identical":
+        return f"case {diff.case_id}: {diff.status}"
+    if diff.status == "prompt differs":
+        return f"case {diff.case_id}: prompt differs: {before.prompt!r} -> {after.prompt!r}"
+    if diff.status == "input ids differ":
+        return f"case {diff.case_id}: {input_ids_difference(before.input_ids, after.input_ids)}"
+    return f"case {diff.case_id}: " + "; ".join(changed_parts(diff, before, after))
+
+
+def changed_parts(diff: CaseDiff, before: Case, after: Case) -> list[str]:
+    """The first changed step and its tokens, the worst numbers, and what the tokens did;
+    then what changed at the recorded prompt positions."""
+    deltas = diff.deltas
+    positions = position_parts(diff, before, after)
+    step = first_difference(before.steps, after.steps)
+    if step is None:
+        if positions:
+            return ["steps identical", *positions]
+        return [f"stopped_on_eos {before.stopped_on_eos} -> {after.stopped_on_eos}"]
+    divergence = first_difference(before.token_ids, after.token_ids)
+    parts = [f"first changed step {step}: {token_change(before, after, step)}"]
+    if deltas:
+        parts.append(worst_numbers(deltas, divergence))
+    parts.append(
+        "greedy tokens unchanged" if divergence is None else f"tokens differ from step {divergence}"
+    )
+    if len(before.steps) != len(after.steps):
+        parts.append(f"{len(before.steps)} -> {len(after.steps)} steps")
+    return parts + positions
+
+
+def position_parts(diff: CaseDiff, before: Case, after: Case) -> list[str]:
+    """Prompt positions recorded on one side only, and the worst change at those both
+    record (the position, not a step, names it)."""
+    parts = []
+    if before.positions != after.positions:
+        added = sorted(set(after.positions) - set(before.positions))
+        removed = sorted(set(before.positions) - set(after.positions))
+        reach = f" (up to position {max(after.positions)})" if after.positions else ""
+        parts.append(
+            f"prompt positions {len(before.positions)} -> {len(after.positions)} recorded"
+            f"{reach}: {len(added)} added, {len(removed)} removed"
+        )
+    moved = {p: d for p, d in diff.position_deltas.items() if d != IDENTICAL_STEP}
+    if moved:
+        worst = max(moved, key=lambda p: moved[p].max_logprob_diff)
+        parts.append(
+            f"{len(moved)} of {len(diff.position_deltas)} prompt positions moved: max "
+            f"|Δ log-prob| {number(moved[worst].max_logprob_diff)} (position {worst}), "
+            f"max KL {number(max(d.kl for d in moved.values()))}"
+        )
+    return parts
+
+
+def token_change(before: Case, after: Case, step: int) -> str:
+    first, second = token_at(before, step), token_at(after, step)
+    return f"{first} (same token)" if first == second else f"{first} -> {second}"
+
+
+def worst_numbers(deltas: list[StepDelta], divergence: int | None) -> str:
+    """The case's max |Δ log-prob| with its step and caveats, and its max KL."""
+    worst = int(np.argmax([d.max_logprob_diff for d in deltas]))
+    notes = [f"step {worst}"]
+    if divergence is not None and worst > divergence:
+        notes.append("after the tokens diverged")
+    if deltas[worst].bounded_ids:
+        count = deltas[worst].bounded_ids
+        notes.append(f"{count} id{'s' * (count > 1)} outside the to top-k, bounded")
+    return (
+        f"max |Δ log-prob| {number(deltas[worst].max_logprob_diff)} ({', '.join(notes)}), "
+        f"max KL {number(max(d.kl for d in deltas))}"
+    )
+
+
+def input_ids_difference(before: list[int], after: list[int]) -> str:
+    at = first_difference(before, after) or 0
+    first = before[at] if at < len(before) else "(end)"
+    second = after[at] if at < len(after) else "(end)"
+    return (
+        f"input ids differ at position {at}: {first} -> {second} "
+        f"({len(before)} -> {len(after)} ids; tokenizer or BOS changed?)"
+    )
+
+
+def context_lines(before: Case, after: Case) -> list[str]:
+    """The greedy tokens of both sides around their first difference, '|' marking it."""
+    at = first_difference(before.token_ids, after.token_ids)
+    if at is None:
+        return []
+    start = max(0, at - CONTEXT_BEFORE)
+    lines = []
+    for label, case in (("from:", before), ("to:", after)):
+        texts = [repr(s.token_text) for s in case.steps[start : at + CONTEXT_AFTER]]
+        marked = [*texts[: at - start], "|", *texts[at - start :]]
+        steps = f"steps {start}-{start + len(texts) - 1}:"
+        lines.append(f"  {label:<5} {steps} {' '.join(marked)}")
+    return lines
+
+
+def file_lines(diff: FileDiff) -> list[str]:
+    if diff.status == "added":
+        return [f"{diff.name}: added ({len(diff.cases)} cases)"]
+    if diff.status == "removed":
+        return [f"{diff.name}: removed ({len(diff.cases)} cases)"]
+    header = f"{diff.name}: {diff.status}"
+    if diff.status != "identical":
+        header += f" [{file_class(diff)[0]}]"
+    if diff.header_differences:
+        header += ": " + "; ".join(diff.header_differences)
+    lines = [header]
+    for case in diff.cases:
+        lines.append("  " + case_line(case))
+        if case.status == "changed":
+            lines += ["  " + line for line in context_lines(case.before, case.after)]
+    return lines
+
+
+def verdict(diffs: Iterable[FileDiff]) -> str:
+    statuses = [d.status for d in diffs]
+    common = statuses.count("identical") + statuses.count("changed")
+    changed, added, removed = (statuses.count(s) for s in ("changed", "added", "removed"))
+    if changed + added + removed == 0:
+        return f"identical: {common} files"
+    return f"different: {changed} of {common} files changed, {added} added, {removed} removed"
+
+
+def summary_lines(
+    name: str, before: GoldenSet, after: GoldenSet, diffs: list[FileDiff]
+) -> list[str]:
+    lines = [f"golden diff {name}", f"from: {before.description}", f"to:   {after.description}"]
+    for diff in diffs:
+        lines += file_lines(diff)
+    klass, where = worst_class(diffs)
+    if klass == "identical":
+        return [*lines, verdict(diffs)]
+    return [*lines, verdict(diffs), f"worst: {klass} ({where})"]
+
+
+def case_views(diffs: list[FileDiff]) -> list[CaseView]:
+    """One CaseView per case both sides have, changed or identical."""
+    return [
+        case_view(file, case)
+        for file in diffs
+        for case in file.cases
+        if case.before is not None and case.after is not None
+    ]
+
+
+def case_view(file: FileDiff, diff: CaseDiff) -> CaseView:
+    before, after = diff.before, diff.after
+    assert before is not None and after is not None
+    notes = [] if diff.status in ("changed", "identical") else [case_line(diff)]
+    if len(after.steps) > len(before.steps):  # the page shows the from side's steps
+        notes.append(f"the to side has {len(after.steps)} steps, the from side {len(before.steps)}")
+    return CaseView(
+        title=f"{file.name} / {diff.case_id}",
+        prompt=before.prompt,
+        golden_tokens=[s.token_text for s in before.steps],
+        run_tokens=[s.token_text for s in after.steps[: len(before.steps)]],
+        logprob_delta=[d.max_logprob_diff for d in diff.deltas],
+        kl=[d.kl for d in diff.deltas],
+        status="IDENTICAL" if diff.status == "identical" else "CHANGED",
+        first_failing_step=first_difference(before.steps, after.steps),
+        notes=(*notes, *file.header_differences),
+        positions=tuple(diff.position_deltas),
+        position_logprob_delta=tuple(d.max_logprob_diff for d in diff.position_deltas.values()),
+        position_kl=tuple(d.kl for d in diff.position_deltas.values()),
+    )
