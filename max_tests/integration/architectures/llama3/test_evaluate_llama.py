@@ -8,7 +8,7 @@ import json
 import pytest
 
 from max_tests.integration.architectures.llama3 import evaluate_llama
-from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV
+from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV, encoding_of_file_type
 
 
 def _exit_code(argv: list[str]) -> int:
@@ -83,3 +83,14 @@ def test_a_quantized_run_is_marked_and_matches_the_eager_golden_within_tolerance
         assert [s["token_id"] for s in a["steps"]] == [s["token_id"] for s in b["steps"]]
         first_a, first_b = a["steps"][0]["topk_logits"], b["steps"][0]["topk_logits"]
         assert max(abs(x - y) for x, y in zip(first_a, first_b, strict=True)) < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("file_type", "encoding"),
+    [(0, "float32"), (32, "bfloat16"), (3, "q4_1"), (14, "q4_k"), (15, "q4_k"), (39, "nvfp4")],
+)
+def test_a_users_checkpoint_is_named_by_its_file_type(file_type: int, encoding: str) -> None:
+    """general.file_type (gguf.LlamaFileType) names a user's Llama 3.1 checkpoint's encoding,
+    which picks its tolerance entry; a number gguf does not know stays visible."""
+    assert encoding_of_file_type(file_type) == encoding
+    assert encoding_of_file_type(999) == "ftype999"

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
+import gguf
 import torch
 
 from goldens.cli_files import repo_root
@@ -24,19 +26,17 @@ ENCODINGS = (*TINY_ENCODINGS, "q4_1")  # what evaluate_llama and run_torch_llama
 LLAMA3_1_ENV = "LLAMA3_1_GGUF"
 TESTDATA_REL = Path("max_tests/integration/architectures/llama3/testdata")
 
-# general.file_type (llama.cpp's LlamaFileType) -> encoding name, for user-supplied files.
-_FILE_TYPE_ENCODING = {
-    0: "float32",
-    1: "float16",
-    2: "q4_0",
-    3: "q4_1",
-    7: "q8_0",
-    14: "q4_k",
-    15: "q4_k",
-    18: "q6_k",
-    32: "bfloat16",
-    39: "nvfp4",
-}
+
+def encoding_of_file_type(file_type: int) -> str:
+    """The encoding name of a GGUF's general.file_type (gguf.LlamaFileType): MOSTLY_Q4_K_M ->
+    "q4_k", ALL_F32 -> "float32"; an unknown number -> "ftypeN"."""
+    try:
+        name = gguf.LlamaFileType(file_type).name
+    except ValueError:
+        return f"ftype{file_type}"
+    name = name.removeprefix("ALL_").removeprefix("MOSTLY_").lower()
+    name = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(name, name)
+    return re.sub(r"(_k)_[sml]$", r"\1", name)  # the k-quant mixes: Q4_K_M is q4_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _llama3_1(explicit: str | os.PathLike | None) -> Variant:
     from pipelines.llama3.gguf_loader import metadata_value, open_gguf
 
     file_type = metadata_value(open_gguf(path), "general.file_type", 0)
-    encoding = _FILE_TYPE_ENCODING.get(int(file_type), f"ftype{file_type}")
+    encoding = encoding_of_file_type(int(file_type))
     return Variant("llama3_1", encoding, "real", "llama3_1", path)
 
 
