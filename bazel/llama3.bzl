@@ -30,23 +30,19 @@ _GOLDEN_ARCHIVES_ENV = {
     "TORCH_LLAMA_GOLDENS": "$(rootpaths @torch_llama_golden)",
 }
 
-# What the package's test files import, given to every test: when a -k/-m selection matches
-# nothing in a target, the runner collects the package's other test files to check it
-# (bazel/pytest_runner.py), so each target must be able to import all of them.
-_TEST_IMPORTS = [
-    ":evaluate_llama_lib",
+# What the package's conftest.py imports; a test adds what its own files import (`deps`), and
+# nothing more, so an edit reruns only the tests it can change.
+_CONFTEST_IMPORTS = [
     ":harness",
-    ":gpu_reference",
+    "//goldens",
     "//max_tests:conftest",
-    "//tools/gen_tiny_model:gen_tiny_model_lib",
-    requirement("gguf"),
 ]
 
 def llama3_test(name, size, goldens = True, gpu = False, deps = [], srcs = None, env = {}):
     """The pytest file `<name>.py` (or the files `srcs`) with the package's conftest, over the tiny checkpoints.
 
-    Every test gets what any test of the package imports (`_TEST_IMPORTS`). The suites in
-    //max_tests/integration are its only users.
+    Every test gets what the package's conftest.py imports (`_CONFTEST_IMPORTS`) and its
+    `deps`. The suites in //max_tests/integration are its only users.
 
     Args:
       name: the target, and `<name>.py` its test file.
@@ -56,7 +52,7 @@ def llama3_test(name, size, goldens = True, gpu = False, deps = [], srcs = None,
       gpu: makes it a GPU test: `name` runs on CUDA (SKIPPED as incompatible unless
         --config=gpu) and `<name>_on_cpu` runs the same file with the CPU as the device under
         test (gpu_pytest_test).
-      deps: what else it imports (labels in `_TEST_IMPORTS` are already there).
+      deps: what its test files import (beyond the conftest's `_CONFTEST_IMPORTS`).
       srcs: the test files, when they are not `<name>.py`: several small files in one
         process (each target pays for starting Python and importing torch), or a second
         target over the same file.
@@ -67,7 +63,7 @@ def llama3_test(name, size, goldens = True, gpu = False, deps = [], srcs = None,
         data = _CHECKPOINTS + (_SMOLLM2 + _GOLDEN_ARCHIVES if goldens else []),
         env = _CHECKPOINTS_ENV | (_SMOLLM2_ENV | _GOLDEN_ARCHIVES_ENV if goldens else {}) | env,
         visibility = ["//max_tests/integration:__pkg__"],
-        deps = _TEST_IMPORTS + [dep for dep in deps if dep not in _TEST_IMPORTS],
+        deps = _CONFTEST_IMPORTS + [dep for dep in deps if dep not in _CONFTEST_IMPORTS],
     )
     if gpu:
         gpu_pytest_test(name = name, cpu_size = size, **kwargs)

@@ -8,24 +8,17 @@ def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, tags = []
 
     Extra pytest arguments reach the runner through `args` here or `--test_arg` on the
     command line, so `--test_arg=-k --test_arg='test_llama[tiny-float32-llama3_1]'` selects
-    one case. The package's other test files ride along as data (PYTEST_SIBLING_TESTS) so the
-    runner can tell a selection that ran in a sibling target from one that matches nothing.
+    one case. A target depends on what its files import and nothing else: when a selection
+    matches nothing here, the runner checks it against the package's other test files in the
+    source tree (bazel/pytest_runner.py), so they are not data of this target and an edit of
+    one reruns only its own target.
     """
-
-    # The package's other test files, collected (never run) by the runner when a -k/-m
-    # selection matches nothing in this target: a selection that ran in a sibling target of a
-    # suite passes here, one that matches nothing anywhere (a typo) fails.
-    siblings = native.glob(
-        ["**/test_*.py"],
-        exclude = [_package_relative(src) for src in srcs if _package_relative(src)],
-        allow_empty = True,
-    )
     py_test(
         name = name,
         srcs = srcs + ["//bazel:pytest_runner.py"],
         main = "//bazel:pytest_runner.py",
         deps = deps + [requirement("pytest")],
-        data = data + ["//:pyproject.toml"] + [":" + f for f in siblings],
+        data = data + ["//:pyproject.toml"],
         # Only test modules are collected; conftest.py and helpers are imported by pytest.
         args = ["$(rootpath %s)" % src for src in srcs if src.split("/")[-1].startswith("test_")] + args,
         # One torch (OpenMP) thread per test unless the target says otherwise: Bazel runs as
@@ -33,9 +26,7 @@ def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, tags = []
         # thread per core) the tests oversubscribe the cores, and every parallel region waits
         # for a descheduled thread: after an edit of model.py, test_llama took 41 s in
         # //max_tests/integration:tests instead of 9 s alone.
-        env = {"OMP_NUM_THREADS": "1"} | env | {
-            "PYTEST_SIBLING_TESTS": " ".join(["$(rootpath :%s)" % f for f in siblings]),
-        },
+        env = {"OMP_NUM_THREADS": "1"} | env,
         # Not sandboxed (still cached, still remotely executable): Python can then keep the
         # bytecode of torch and the other pip packages in the runfiles tree between runs
         # (rules_python ships no .pyc, and a sandbox discards what Python writes). Measured
@@ -43,17 +34,6 @@ def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, tags = []
         tags = tags + ["no-sandbox"],
         **kwargs
     )
-
-def _package_relative(src):
-    """`src` as a path in this package ("test_x.py" for ":test_x.py" too); None if elsewhere."""
-    prefix = "//%s:" % native.package_name()
-    if src.startswith(prefix):
-        return src[len(prefix):]
-    if src.startswith(":"):
-        return src[1:]
-    if src.startswith(("//", "@")):
-        return None
-    return src
 
 def gpu_pytest_test(
         name,

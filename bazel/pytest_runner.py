@@ -6,33 +6,41 @@ exit code 5 fails the target, so a target that collects nothing is never a green
 
 A selection (`-k`/`-m`, e.g. `--test_arg=-k --test_arg='test_llama[...]'` on a suite) that
 matches nothing in this target is checked against the other test files of the target's Bazel
-package, whose runfiles paths the `pytest_test` macro passes in `PYTEST_SIBLING_TESTS`
-(space-separated). They are only collected (`--collect-only`, in this process, so heavy
-imports are already done), never run: their own targets run them.
+package. They are not in this target's runfiles (an edit of one test file must not rerun its
+siblings' targets): the runner finds them in the source tree, through the symlink of its own
+test file (tests run unsandboxed), and collects them (`--collect-only`, in a subprocess with the
+source tree first on the path), never runs them: their own targets do.
 
-- The siblings select at least one test: the target passes (0), naming the files and counts;
-  the selection runs in those files' targets.
+- The siblings select at least one test: the target passes (0), naming the files and counts,
+  and its JUnit XML holds one skipped case saying so: the selection ran in those files'
+  targets, none of this target's tests did (.ci/run's closing line counts it as skipped).
 - They select nothing: the expression is wrong (a typo must not pass a whole suite). The
   target fails with 5 (pytest's NO_TESTS_COLLECTED, the code this target already got),
   naming the expression and the test ids nearest to it.
-- A sibling file fails to collect (import error) or is missing: the target fails with 2
-  (pytest's INTERRUPTED, its code for collection errors), naming the file and the error,
-  since whether the selection is valid is then unknown.
+- A sibling file fails to collect (import error): the target fails with 2 (pytest's
+  INTERRUPTED, its code for collection errors), naming the file and the error, since whether
+  the selection is valid is then unknown.
+- No source tree (a remote worker): the target passes with the skipped case, saying that the
+  selection could not be checked there.
 
 Without a selection an empty target fails with 5, as pytest says.
 
-The check is scoped to the package: give a selection to the suite or target that holds the
-test (`//max_tests/integration:tests`), not to `//...`, where packages without a match fail.
+The check is scoped to the package: give a selection to the target that holds the test (the
+README's one-case commands do), or to a suite of its package's targets, not to `//...`, where
+packages without a match fail.
 """
 
 import difflib
 import gc
 import os
+import re
+import subprocess
 import sys
+from pathlib import Path
+from xml.sax.saxutils import quoteattr
 
 import pytest
 
-SIBLINGS_ENV = "PYTEST_SIBLING_TESTS"
 # Markers every test suite uses for mechanics rather than selection; not worth suggesting.
 _BUILTIN_MARKERS = {"parametrize", "usefixtures", "filterwarnings", "skip", "skipif", "xfail"}
 
@@ -105,71 +113,157 @@ def main() -> int:
             "a test target must run at least one test: check its srcs"
         )
         return code
-    siblings = [f for f in os.environ.get(SIBLINGS_ENV, "").split() if f not in user_args]
-    return _resolve_in_siblings(base, siblings, own)
+    code, message = _resolve_in_siblings(own, [a for a in user_args if a.endswith(".py")])
+    print(f"pytest_runner: {message}")
+    if code == pytest.ExitCode.OK and xml:
+        _write_skipped_case(xml, message)
+    return code
 
 
-def _resolve_in_siblings(base: list[str], siblings: list[str], own: _Collected) -> int:
-    """The exit code of a target whose own selection collected nothing (module docstring)."""
+def _resolve_in_siblings(own: _Collected, own_files: list[str]) -> tuple[int, str]:
+    """The exit code and message of a target whose own selection collected nothing (module
+    docstring)."""
     shown = " ".join(f"{flag} '{expr}'" for flag, expr in own.selection_pairs())
-    missing = [f for f in siblings if not os.path.isfile(f)]
-    if missing:
-        print(
-            f"pytest_runner: {shown} selects no test in this target, and the package's other "
-            f"test files to check it against are missing from the runfiles: "
-            f"{', '.join(missing)}; {SIBLINGS_ENV} must list files in the target's data "
-            "(the pytest_test macro in bazel/pytest.bzl adds them)"
+    found = _source_package(own_files)
+    if found is None:
+        return pytest.ExitCode.OK, (
+            f"{shown} selects no test in this target, and there is no source tree here to check "
+            "it against the package's other test files (remote execution?): none of this "
+            "target's tests ran"
         )
-        return pytest.ExitCode.INTERRUPTED
+    root, package = found
+    own_real = {os.path.realpath(f) for f in own_files}
+    siblings = [str(f) for f in _package_test_files(package) if str(f) not in own_real]
     if not siblings:
-        print(
-            f"pytest_runner: {shown} selects no test in this target, and its package has no "
-            f"other test files; check the expression{_hint(own, own.deselected)}"
+        return pytest.ExitCode.NO_TESTS_COLLECTED, (
+            f"{shown} selects no test in this target, and its package has no other test "
+            f"files; check the expression{_hint(own, own.deselected)}"
         )
-        return pytest.ExitCode.NO_TESTS_COLLECTED
-
-    print(
-        f"pytest_runner: {shown} selects no test in this target; collecting the other test "
-        f"files of its package to check it: {' '.join(siblings)}"
-    )
-    sib = _Collected()
-    sib_code = pytest.main(
-        [*base, "--collect-only", "-q", *own.selection_args(), *siblings], plugins=[sib]
-    )
-    if sib.errors or sib_code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
-        errors = "; ".join(f"{node}: {line}" for node, line in sib.errors) or f"exit {sib_code}"
-        print(
-            f"pytest_runner: {shown} selects no test in this target, and the package's other "
-            f"test files could not be collected to check whether it selects any there: "
-            f"{errors}. Fix that collection error (it fails those files' own targets too)"
+    selected, deselected, errors = _collect(root, siblings, own.selection_args())
+    relative = [os.path.relpath(f, root) for f in siblings]
+    if errors:
+        return pytest.ExitCode.INTERRUPTED, (
+            f"{shown} selects no test in this target, and the package's other test files "
+            f"could not be collected to check whether it selects any there: "
+            f"{'; '.join(errors)}. Fix that collection error (it fails those files' own "
+            "targets too)"
         )
-        return sib_code if sib_code != pytest.ExitCode.OK else pytest.ExitCode.INTERRUPTED
-    if sib.selected:
+    if selected:
         counts: dict[str, int] = {}
-        for item in sib.selected:
-            path = os.path.relpath(item.path, os.getcwd())
+        for node in selected:
+            path = node.split("::")[0]
             counts[path] = counts.get(path, 0) + 1
         where = ", ".join(f"{n} test{'s' if n > 1 else ''} in {p}" for p, n in counts.items())
-        print(
-            f"pytest_runner: {shown} selects {where}: the selection ran in sibling file(s) of "
-            "this package (run by their own targets); nothing to run in this target, which passes"
+        return pytest.ExitCode.OK, (
+            f"{shown} selects {where}: the selection ran in sibling file(s) of this package "
+            "(run by their own targets); none of this target's tests ran"
         )
-        return pytest.ExitCode.OK
-    print(
-        f"pytest_runner: {shown} selects no test in this target nor in the other test files "
-        f"of its package ({', '.join(siblings)}); check the expression"
-        f"{_hint(own, own.deselected + sib.deselected)}"
+    return pytest.ExitCode.NO_TESTS_COLLECTED, (
+        f"{shown} selects no test in this target nor in the other test files of its package "
+        f"({', '.join(relative)}); check the expression"
+        f"{_hint(own, own.deselected, deselected)}"
     )
-    return pytest.ExitCode.NO_TESTS_COLLECTED
 
 
-def _hint(own: _Collected, items: list[pytest.Item]) -> str:
+def _source_package(own_files: list[str]) -> tuple[Path, Path] | None:
+    """(repository root, package folder) in the source tree that this target's test files
+    link to, or None where they are plain copies (a remote worker)."""
+    if not own_files:
+        return None
+    real = Path(os.path.realpath(own_files[0]))
+    root = next((p for p in real.parents if (p / "MODULE.bazel").is_file()), None)
+    if root is None:
+        return None
+    package = next(p for p in real.parents if (p / "BUILD.bazel").is_file() or p == root)
+    return root, package
+
+
+def _package_test_files(package: Path) -> list[Path]:
+    """The package's test_*.py files, subpackages (folders with a BUILD file) left out."""
+    files = []
+    for folder, subfolders, names in os.walk(package):
+        subfolders[:] = sorted(
+            d for d in subfolders if not (Path(folder, d) / "BUILD.bazel").is_file()
+        )
+        files += [Path(folder, n) for n in sorted(names) if _is_test_file(n)]
+    return files
+
+
+def _is_test_file(name: str) -> bool:
+    return name.startswith("test_") and name.endswith(".py")
+
+
+def _collect(root: Path, files: list[str], selection: list[str]) -> tuple[list, list, list]:
+    """(selected node ids, the files' test names when none is selected, collection errors) of
+    `files` under the selection, collected by pytest in a subprocess importing from the source
+    tree."""
+    lines, code, stderr = _collect_only(root, [*selection, *files])
+    errors = _collection_errors(lines)
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        errors = errors or [f"pytest exited {code}: {stderr.strip()[-500:]}"]
+    selected = [line for line in lines if "::" in line and " " not in line]
+    if selected or errors:
+        return selected, [], errors
+    every, _, _ = _collect_only(root, files)
+    return [], [line.split("::")[-1] for line in every if "::" in line], []
+
+
+def _collection_errors(lines: list[str]) -> list[str]:
+    """ "FILE: ERROR" for each "ERROR collecting FILE" section of pytest's output."""
+    errors: dict[str, list[str]] = {}
+    current = None
+    for line in lines:
+        header = re.fullmatch(r"_+ ERROR collecting (\S+) _+", line.strip())
+        if header:
+            current = header.group(1)
+            errors[current] = []
+        elif current is not None and not line.startswith("="):
+            errors[current].append(line)
+        else:
+            current = None
+    return [f"{name}: {_last_error_line(chr(10).join(text))}" for name, text in errors.items()]
+
+
+def _collect_only(root: Path, args: list[str]) -> tuple[list[str], int, str]:
+    """pytest --collect-only -q over `args` in the source tree: (stdout lines, exit, stderr)."""
+    config = [
+        "-rE",
+        "-p",
+        "no:cacheprovider",
+        "-c",
+        str(root / "pyproject.toml"),
+        "--rootdir",
+        str(root),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", *config, *args],
+        cwd=root,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join([str(root), *sys.path])},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.splitlines(), done.returncode, done.stderr
+
+
+def _write_skipped_case(xml: str, message: str) -> None:
+    """Replace the empty JUnit XML with one skipped case saying why nothing ran here."""
+    Path(xml).write_text(
+        '<?xml version="1.0" encoding="utf-8"?>\n<testsuites><testsuite name="pytest" '
+        'errors="0" failures="0" skipped="1" tests="1"><testcase classname="pytest_runner" '
+        f'name="none of this target\'s tests selected"><skipped message={quoteattr(message)} />'
+        "</testcase></testsuite></testsuites>\n",
+        encoding="utf-8",
+    )
+
+
+def _hint(own: _Collected, items: list[pytest.Item], more_names: list[str] = ()) -> str:
     """What the expression could have been: the nearest test ids, or the markers in use."""
-    if not items:
+    if not items and not more_names:
         return ""
     hints = []
     if own.keyword:
-        names = sorted({item.name for item in items})
+        names = sorted({item.name for item in items} | set(more_names))
         near = difflib.get_close_matches(own.keyword, names, n=3, cutoff=0.5) or names[:3]
         hints.append(f"test ids look like {', '.join(near)}")
     if own.markexpr:

@@ -1,14 +1,15 @@
 """The shared pytest runner: empty targets fail, and so does a selection matching nothing.
 
-Each test runs bazel/pytest_runner.py in a throwaway project the way Bazel does: the cwd is
-the runfiles root (holding pyproject.toml), the target's own test files are arguments, and
-the package's other test files are listed in PYTEST_SIBLING_TESTS, as the pytest_test macro
-sets it.
+Each test runs bazel/pytest_runner.py the way Bazel does: the cwd is a runfiles folder holding
+pyproject.toml and symlinks to the target's own test files in a throwaway source tree (a
+MODULE.bazel, a package with a BUILD.bazel), the own files are arguments, and the package's
+other test files are found through those symlinks.
 """
 
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -20,22 +21,40 @@ RIGHT = "test_llama[tiny-float32-llama3_1]"
 
 @pytest.fixture
 def project(tmp_path):
+    """The package folder of a source tree: test_sample.py, test_empty.py, test_llama.py."""
+    (tmp_path / "MODULE.bazel").write_text("")
     (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
-    (tmp_path / "test_sample.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
-    (tmp_path / "test_empty.py").write_text("X = 1\n")
-    (tmp_path / "test_llama.py").write_text(
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "BUILD.bazel").write_text("")
+    (package / "test_sample.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
+    (package / "test_empty.py").write_text("X = 1\n")
+    (package / "test_llama.py").write_text(
         "import pytest\n\n"
         "@pytest.mark.parametrize('variant', ['tiny-float32-llama3_1', 'tiny-q4_k-llama3_1'])\n"
         "def test_llama(variant):\n"
         "    assert variant\n"
     )
-    return tmp_path
+    return package
 
 
-def _run(project, *args, siblings=(), env=None):
+def _run(package, *args, env=None, copies=False):
+    """The runner over `args` (own test files by name, then pytest arguments) from a runfiles
+    folder linking (or, with `copies`, copying: a remote worker) the own files."""
+    runfiles = package.parent.parent / f"runfiles_{package.parent.name}"
+    runfiles.mkdir(exist_ok=True)
+    (runfiles / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    for arg in args:
+        if arg.endswith(".py"):
+            target, source = runfiles / arg, package / arg
+            target.unlink(missing_ok=True)
+            if copies:
+                target.write_text(source.read_text())
+            else:
+                target.symlink_to(source)
     return subprocess.run(
         [sys.executable, str(RUNNER), *args],
-        cwd=project,
+        cwd=runfiles,
         capture_output=True,
         text=True,
         timeout=60,
@@ -43,44 +62,57 @@ def _run(project, *args, siblings=(), env=None):
         env={
             "PATH": "/usr/bin:/bin",
             "PYTHONPATH": os.pathsep.join(sys.path),
-            "PYTEST_SIBLING_TESTS": " ".join(siblings),
+            "XML_OUTPUT_FILE": str(runfiles / "test.xml"),
             **(env or {}),
         },
     )
 
 
+def _cases(package):
+    """(name, skipped message or None) of each case of the last run's JUnit XML."""
+    xml = package.parent.parent / f"runfiles_{package.parent.name}" / "test.xml"
+    cases = ET.parse(xml).getroot().iter("testcase")
+    return [(c.get("name"), getattr(c.find("skipped"), "attrib", {}).get("message")) for c in cases]
+
+
 def test_a_target_that_collects_nothing_fails(project):
-    result = _run(project, "test_empty.py", siblings=["test_llama.py"])
+    result = _run(project, "test_empty.py")
     assert result.returncode == 5
     assert "collected no test and has no -k/-m selection" in result.stdout
 
 
 def test_a_selection_matching_nothing_anywhere_fails_naming_the_expression(project):
-    result = _run(project, "test_sample.py", "-k", TYPO, siblings=["test_llama.py"])
+    result = _run(project, "test_sample.py", "-k", TYPO)
     assert result.returncode == 5
     assert f"-k '{TYPO}' selects no test in this target nor in the other test files" in (
         result.stdout
     )
-    assert "(test_llama.py)" in result.stdout
+    assert "pkg/test_llama.py" in result.stdout
     # The nearest real id, so the typo is easy to spot.
     assert f"test ids look like {RIGHT}" in result.stdout
 
 
 def test_a_selection_matching_a_sibling_file_passes_and_names_it(project):
-    result = _run(project, "test_sample.py", "-k", RIGHT, siblings=["test_llama.py"])
+    result = _run(project, "test_sample.py", "-k", RIGHT)
     assert result.returncode == 0, result.stdout
-    assert f"-k '{RIGHT}' selects 1 test in test_llama.py" in result.stdout
+    assert f"-k '{RIGHT}' selects 1 test in pkg/test_llama.py" in result.stdout
     assert "ran in sibling file(s)" in result.stdout
+    # Not a target whose tests passed: one skipped case says so in its JUnit XML.
+    [(name, message)] = _cases(project)
+    assert name == "none of this target's tests selected"
+    assert "selects 1 test in pkg/test_llama.py" in message
 
 
 def test_a_selection_matching_this_target_runs_exactly_it(project):
-    result = _run(project, "test_llama.py", "-k", RIGHT, siblings=["test_sample.py"])
+    result = _run(project, "test_llama.py", "-k", RIGHT)
     assert result.returncode == 0, result.stdout
     assert "1 passed, 1 deselected" in result.stdout
     assert "sibling" not in result.stdout
 
 
 def test_a_selection_in_a_package_without_other_test_files_fails(project):
+    for name in ("test_llama.py", "test_empty.py"):
+        (project / name).unlink()
     result = _run(project, "test_sample.py", "-k", TYPO)
     assert result.returncode == 5
     assert f"-k '{TYPO}' selects no test in this target" in result.stdout
@@ -88,25 +120,21 @@ def test_a_selection_in_a_package_without_other_test_files_fails(project):
 
 
 def test_a_marker_selection_matching_nothing_fails_too(project):
-    result = _run(project, "test_sample.py", "-m", "gpu", siblings=["test_llama.py"])
+    result = _run(project, "test_sample.py", "-m", "gpu")
     assert result.returncode == 5
     assert "-m 'gpu' selects no test in this target nor in the other test" in result.stdout
 
 
 def test_bazel_test_filter_matching_nothing_fails(project):
-    result = _run(
-        project, "test_sample.py", siblings=["test_llama.py"], env={"TESTBRIDGE_TEST_ONLY": TYPO}
-    )
+    result = _run(project, "test_sample.py", env={"TESTBRIDGE_TEST_ONLY": TYPO})
     assert result.returncode == 5
     assert f"-k '{TYPO}' selects no test" in result.stdout
 
 
 def test_bazel_test_filter_matching_a_sibling_passes(project):
-    result = _run(
-        project, "test_sample.py", siblings=["test_llama.py"], env={"TESTBRIDGE_TEST_ONLY": RIGHT}
-    )
+    result = _run(project, "test_sample.py", env={"TESTBRIDGE_TEST_ONLY": RIGHT})
     assert result.returncode == 0, result.stdout
-    assert "selects 1 test in test_llama.py" in result.stdout
+    assert "selects 1 test in pkg/test_llama.py" in result.stdout
 
 
 def test_bazel_test_filter_becomes_k(project):
@@ -117,23 +145,40 @@ def test_bazel_test_filter_becomes_k(project):
 
 def test_a_failing_selected_test_still_fails(project):
     (project / "test_bad.py").write_text("def test_llama():\n    assert False\n")
-    result = _run(project, "test_bad.py", "-k", "test_llama", siblings=["test_llama.py"])
+    result = _run(project, "test_bad.py", "-k", "test_llama")
     assert result.returncode == 1
 
 
 def test_a_sibling_that_fails_to_collect_fails_naming_the_error(project):
     (project / "test_broken.py").write_text("import no_such_module_here\n")
-    result = _run(
-        project, "test_sample.py", "-k", RIGHT, siblings=["test_llama.py", "test_broken.py"]
-    )
+    result = _run(project, "test_sample.py", "-k", RIGHT)
     assert result.returncode == 2
     assert "could not be collected" in result.stdout
-    assert "test_broken.py: ModuleNotFoundError: No module named 'no_such_module_here'" in (
+    assert "pkg/test_broken.py: ModuleNotFoundError: No module named 'no_such_module_here'" in (
         result.stdout
     )
 
 
-def test_a_sibling_missing_from_the_runfiles_fails_naming_it(project):
-    result = _run(project, "test_sample.py", "-k", RIGHT, siblings=["test_gone.py"])
-    assert result.returncode == 2
-    assert "missing from the runfiles: test_gone.py" in result.stdout
+def test_a_subpackage_is_not_a_sibling(project):
+    sub = project / "sub"
+    sub.mkdir()
+    (sub / "BUILD.bazel").write_text("")
+    (sub / "test_other.py").write_text("def test_elsewhere():\n    pass\n")
+    result = _run(project, "test_sample.py", "-k", "test_elsewhere")
+    assert result.returncode == 5, result.stdout
+
+
+def test_an_edit_of_a_sibling_is_seen_without_it_being_in_the_runfiles(project):
+    """Siblings are read from the source tree, so they need not be data of the target (an
+    edit of one test file reruns only its own target)."""
+    assert _run(project, "test_sample.py", "-k", "test_new").returncode == 5
+    (project / "test_llama.py").write_text("def test_new():\n    pass\n")
+    assert _run(project, "test_sample.py", "-k", "test_new").returncode == 0
+
+
+def test_without_a_source_tree_the_selection_is_not_checked_and_says_so(project):
+    result = _run(project, "test_sample.py", "-k", TYPO, copies=True)
+    assert result.returncode == 0, result.stdout
+    assert "no source tree here to check it" in result.stdout
+    [(_, message)] = _cases(project)
+    assert "none of this target's tests ran" in message
