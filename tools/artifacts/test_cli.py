@@ -133,7 +133,7 @@ def test_a_module_file_that_does_not_parse_is_exit_2_before_publishing(
 def test_help_shows_an_example(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "--help")
     assert code == 0
-    assert "tools/upload-public-bazel-artifact.sh test_llama_golden 3 *golden.json" in out
+    assert "tools/upload-public-bazel-artifact.sh test_llama_golden next *golden.json" in out
 
 
 def test_overwriting_a_published_version_is_exit_1(
@@ -197,6 +197,24 @@ def test_add_publishes_the_pinned_files_plus_new_ones_as_the_next_version(
     code, _, err = _run(capsys, "add", "g", str(new), *flags)
     assert code == 0 and "nothing to publish" in err
     assert len(_store_files(scratch_repo)) == 2
+
+
+def test_next_publishes_the_version_after_the_newest_and_never_renumbers_the_same_files(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The recipes say `next`, not a number someone has to look up (and the store refuses)."""
+    flags, files = _repo_flags(scratch_repo), [str(p) for p in goldens]
+    assert _run(capsys, "test_llama_golden", "next", *files, *flags)[0] == 0
+    assert _run(capsys, "test_llama_golden", "next", *files, *flags)[0] == 0
+    (only,) = _store_files(scratch_repo)
+    assert only.relative_to(scratch_repo).parts[:3] == ("artifacts", "test_llama_golden", "1")
+    goldens[0].write_text('{"tokens": [9]}\n')
+    code, out, err = _run(capsys, "test_llama_golden", "next", *files, *flags, "--update-module")
+    assert code == 0, err
+    assert "as the next version, 2" in err
+    versions = {p.relative_to(scratch_repo).parts[2] for p in _store_files(scratch_repo)}
+    assert versions == {"1", "2"}
+    assert "/test_llama_golden/2/" in (scratch_repo / "MODULE.bazel").read_text()
 
 
 def test_fetch_of_an_unpinned_name_is_bad_usage(

@@ -29,6 +29,7 @@ from goldens.artifacts.extract import download_pinned
 from goldens.artifacts.publish import publish
 from goldens.artifacts.stanza import GoldenPin
 from goldens.artifacts.store import (
+    ArchiveRef,
     PublishRefused,
     S3Store,
     Store,
@@ -50,7 +51,7 @@ COMMANDS = ("upload", "fetch", "add", "distdir", "verify")
 
 EXAMPLES = """\
 examples:
-  tools/upload-public-bazel-artifact.sh test_llama_golden 3 *golden.json --update-module
+  tools/upload-public-bazel-artifact.sh test_llama_golden next *golden.json --update-module
   ./bazelw run //tools:upload_artifact -- upload test_llama_golden 3 a_golden.json b_golden.json
   python3 -m tools.artifacts.upload_artifact upload torch_llama_golden 2 torch_*_golden.json \\
       --store=s3 --bucket=my-goldens --endpoint-url=http://127.0.0.1:9000
@@ -119,7 +120,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     upload.add_argument("name", metavar="NAME", help="repository name, e.g. test_llama_golden")
-    upload.add_argument("version", metavar="VERSION", help="positive integer, above older ones")
+    upload.add_argument(
+        "version",
+        metavar="VERSION",
+        help="positive integer above older ones, or 'next' (the newest stored version + 1; "
+        "nothing new when the newest already holds these files)",
+    )
     upload.add_argument(
         "files", metavar="FILE", nargs="+", help="golden files (basenames must differ)"
     )
@@ -157,12 +163,39 @@ def _parser() -> argparse.ArgumentParser:
 
 def _upload(args: argparse.Namespace) -> int:
     name = check_name(args.name)
-    version = check_version(args.version)
+    version = None if args.version == "next" else check_version(args.version)
     files = [_existing_file(f) for f in args.files]
     module_file = _module_file(args, must_exist=args.update_module)
     store = store_from_args(args)
     data = _pack(archive.read_members(files), name)
+    if version is None:
+        newest = max(store.versions(name), default=0)
+        same = _stored_with_same_files(store, name, newest, data)
+        if same is not None:
+            # `next` of what is already the newest version would only renumber it.
+            _progress(
+                f"{name} version {newest} already holds these files; nothing to publish "
+                f"({same.relative_path})"
+            )
+            return _publish_and_pin(args, store, name, newest, data, module_file)
+        version = newest + 1
+        _progress(f"publishing {name} as the next version, {version}")
     return _publish_and_pin(args, store, name, version, data, module_file)
+
+
+def _stored_with_same_files(
+    store: Store, name: str, version: int, data: bytes
+) -> ArchiveRef | None:
+    """The archive at NAME/VERSION holding the same files as `data`, if there is one."""
+    if version < 1:
+        return None
+    members = archive.unpack_members(data)
+    for sha256 in store.digests(name, version):
+        ref = ArchiveRef(name, version, sha256)
+        stored = store.read(ref)
+        if stored is not None and archive.unpack_members(stored) == members:
+            return ref
+    return None
 
 
 def _fetch(args: argparse.Namespace) -> int:
