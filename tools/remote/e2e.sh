@@ -11,7 +11,7 @@
 #      again remotely
 #   3. after `bazel clean`, --config=remote-cache   every test a remote cache hit, none local
 #   4. with --full: the same locally, for comparison (steps 2 and 4 each cost the suite's run
-#      time, mostly test_mutations' 4+ minutes on 2 cores, so CI leaves them out)
+#      time again, so CI leaves them out)
 # Remote runs are checked on Bazel's own "INFO: N processes: ..." line. Then the stack
 # stops, the Bazel server shuts down, and no process of the stack may be left (ps). Exit 0
 # when every check holds, 1 otherwise; each Bazel run's output is in the work folder, printed
