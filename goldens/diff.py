@@ -275,3 +275,58 @@ def number(value: float) -> str:
         return f"{value:.2g}"
     mantissa, exponent = f"{value:.1e}".split("e")
     return f"{mantissa}e{int(exponent)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseRow:
+    """One case of a diff in a line: what a review table (markdown, JSON) shows."""
+
+    file: str
+    case: str
+    klass: str
+    why: str
+    first_changed_step: int | None  # None: no step changed
+    token_before: str | None  # the greedy token at that step, each side (None: no such step)
+    token_after: str | None
+    max_logprob_diff: float  # over the compared steps and prompt positions
+    max_kl: float
+
+    def as_json(self) -> dict[str, Any]:
+        fields = dataclasses.asdict(self)
+        return {"class": fields.pop("klass"), **fields}
+
+
+def case_rows(diffs: list[FileDiff]) -> list[CaseRow]:
+    """Every case of every file, identical ones included, in file then case order."""
+    rows = []
+    for file in diffs:
+        tol = file_tolerance(file.after if file.after is not None else file.before)
+        for diff in file.cases:
+            klass, why = case_class(diff, tol)
+            if file.status in ("added", "removed"):
+                klass, why = "cases changed", f"file {file.status}"
+            deltas = [*diff.deltas, *diff.position_deltas.values()]
+            step = None
+            before, after = diff.before, diff.after
+            if before is not None and after is not None:
+                step = first_difference(before.steps, after.steps)
+
+            def token(case: Case | None, at: int | None = step) -> str | None:
+                if case is None or at is None or at >= len(case.steps):
+                    return None
+                return case.steps[at].token_text
+
+            rows.append(
+                CaseRow(
+                    file=file.name,
+                    case=diff.case_id,
+                    klass=klass,
+                    why=why,
+                    first_changed_step=step,
+                    token_before=token(before),
+                    token_after=token(after),
+                    max_logprob_diff=max((d.max_logprob_diff for d in deltas), default=0.0),
+                    max_kl=max((d.kl for d in deltas), default=0.0),
+                )
+            )
+    return rows

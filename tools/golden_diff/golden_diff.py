@@ -55,7 +55,7 @@ from tools.golden_diff.inputs import (
     Inputs,
     load_input,
 )
-from tools.golden_diff.render import case_views, summary_lines
+from tools.golden_diff.render import case_views, json_document, markdown_lines, summary_lines
 
 EXAMPLES = """\
 examples:
@@ -67,6 +67,8 @@ examples:
   ./bazelw run //tools:golden_diff -- torch_llama_golden \\
       --from=04065a48b3e58edad7d180e4940c3dbebc835ad6a782831db74e4157d8b1c8d5 \\
       --to=/tmp/goldens --html=diff.html
+  # the review as a markdown table per file, for a pull request
+  ./bazelw run //tools:golden_diff -- test_llama_golden --from=5 --to=6 --format=markdown
   # an archive file against the pin, without Bazel
   python3 -m tools.golden_diff.golden_diff test_llama_golden --to=test_llama_golden.tar.gz
 """
@@ -85,6 +87,13 @@ def parser() -> argparse.ArgumentParser:
     )
     result.add_argument(
         "--to", dest="after", help=f"{INPUT_HELP} (default: the testdata folder, {TESTDATA})"
+    )
+    result.add_argument(
+        "--format",
+        choices=["text", "markdown", "json"],
+        default="text",
+        help="the review on stdout: text (default), markdown (a table per golden file, for a "
+        "pull request) or json",
     )
     result.add_argument("--html", metavar="FILE", help="also write an HTML report to FILE")
     result.add_argument(
@@ -126,7 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     diffs = diff_sets(before, after)
     summary = summary_lines(args.name, before, after, diffs)
-    print("\n".join(summary))
+    if args.format == "markdown":
+        print("\n".join(markdown_lines(args.name, before, after, diffs)))
+    elif args.format == "json":
+        print(json_document(args.name, before, after, diffs))
+    else:
+        print("\n".join(summary))
     if html is not None:
         write_report(html, f"golden diff {args.name}", summary, case_views(diffs))
         print(f"wrote {html}", file=sys.stderr)

@@ -1,8 +1,10 @@
-"""golden_diff's output: the text summary (what a reviewer reads next to the new hash) and the
+"""golden_diff's output: the text summary (what a reviewer reads next to the new hash), the
+same review as markdown (a table per golden file, for a pull request) and as JSON, and the
 HTML report (goldens/report.py's page, one section per changed case)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 import numpy as np
@@ -13,6 +15,7 @@ from goldens.diff import (
     FileDiff,
     GoldenSet,
     StepDelta,
+    case_rows,
     file_class,
     first_difference,
     number,
@@ -166,6 +169,67 @@ def summary_lines(
     if klass == "identical":
         return [*lines, verdict(diffs)]
     return [*lines, verdict(diffs), f"worst: {klass} ({where})"]
+
+
+def markdown_lines(
+    name: str, before: GoldenSet, after: GoldenSet, diffs: list[FileDiff]
+) -> list[str]:
+    """The review as markdown: the verdict, then one table per golden file (case, first
+    changed step, tokens before/after there, max |Δ log-prob|, KL, class)."""
+    klass, where = worst_class(diffs)
+    lines = [
+        f"### golden diff `{name}`: {klass}",
+        "",
+        f"from: {_md(before.description)}  ",
+        f"to: {_md(after.description)}  ",
+        f"{verdict(diffs)}" + ("" if klass == "identical" else f"; worst: {klass} ({_md(where)})"),
+    ]
+    rows = case_rows(diffs)
+    for diff in diffs:
+        header = f"`{diff.name}`: {diff.status}"
+        if diff.status != "identical":
+            header += f" [{file_class(diff)[0]}]"
+        lines += ["", f"#### {header}", ""]
+        if diff.header_differences:
+            lines += [f"header: {_md('; '.join(diff.header_differences))}", ""]
+        lines += [
+            "| case | first changed step | token before | token after | max \\|Δ log-prob\\| "
+            "| max KL | class |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in (r for r in rows if r.file == diff.name):
+            step = "" if row.first_changed_step is None else str(row.first_changed_step)
+            klass_cell = row.klass + (f": {_md(row.why)}" if row.why else "")
+            lines.append(
+                f"| {_md(row.case)} | {step} | {_token(row.token_before)} | "
+                f"{_token(row.token_after)} | {number(row.max_logprob_diff)} | "
+                f"{number(row.max_kl)} | {klass_cell} |"
+            )
+    return lines
+
+
+def json_document(name: str, before: GoldenSet, after: GoldenSet, diffs: list[FileDiff]) -> str:
+    """The review as JSON: the verdict, the worst class and one object per case."""
+    klass, where = worst_class(diffs)
+    body = {
+        "name": name,
+        "from": before.description,
+        "to": after.description,
+        "verdict": verdict(diffs),
+        "worst": {"class": klass, "where": where},
+        "files": [{"file": d.name, "status": d.status, "class": file_class(d)[0]} for d in diffs],
+        "cases": [row.as_json() for row in case_rows(diffs)],
+    }
+    return json.dumps(body, indent=1, ensure_ascii=False)
+
+
+def _md(text: str) -> str:
+    """Text safe in a markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _token(text: str | None) -> str:
+    return "" if text is None else f"`{_md(repr(text))}`"
 
 
 def case_views(diffs: list[FileDiff]) -> list[CaseView]:

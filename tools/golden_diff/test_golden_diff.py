@@ -127,6 +127,43 @@ def test_one_changed_step_is_reported_with_its_values(capsys, base: Path, tmp_pa
     ]
 
 
+def test_the_review_as_markdown_has_a_table_per_file(capsys, base: Path, tmp_path: Path) -> None:
+    moved = {"prose": BASE["prose"].copy(), "code": BASE["code"].copy()}
+    moved["prose"][2, 12] += 0.5
+    moved["code"][1] = -moved["code"][1]  # the greedy token at step 1 changes
+    _write(tmp_path / "new", {FLOAT32: _golden(moved), Q4_K: _golden(BASE)})
+    code, out, _ = _run(capsys, OWN, f"--from={base}", "--to=new", "--format=markdown")
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0] == f"### golden diff `{OWN}`: tokens changed"
+    table = lines[lines.index(f"#### `{FLOAT32}`: changed [tokens changed]") + 2 :]
+    assert table[0].startswith("| case | first changed step | token before | token after |")
+    assert table[2].startswith("| prose | 2 | `' t7'` | `' t7'` | 0.5 | 3.5e-4 | over tolerance")
+    assert table[3].startswith("| code | 1 | `' t4'` | ")
+    assert table[3].endswith("| tokens changed: from step 1 |")
+    assert f"#### `{Q4_K}`: identical" in lines
+
+
+def test_the_review_as_json_names_every_case_with_its_class(
+    capsys, base: Path, tmp_path: Path
+) -> None:
+    moved = {"prose": BASE["prose"].copy(), "code": BASE["code"]}
+    moved["prose"][2, 12] += 0.5
+    _write(tmp_path / "new", {FLOAT32: _golden(moved), Q4_K: _golden(BASE)})
+    code, out, _ = _run(capsys, OWN, f"--from={base}", "--to=new", "--format=json")
+    assert code == 1
+    body = json.loads(out)
+    assert body["worst"]["class"] == "over tolerance"
+    assert [(f["file"], f["class"]) for f in body["files"]] == [
+        (FLOAT32, "over tolerance"),
+        (Q4_K, "identical"),
+    ]
+    prose = body["cases"][0]
+    assert (prose["file"], prose["case"], prose["class"]) == (FLOAT32, "prose", "over tolerance")
+    assert prose["first_changed_step"] == 2 and prose["max_logprob_diff"] == pytest.approx(0.5, abs=0.01)
+    assert [c["class"] for c in body["cases"][1:]] == ["identical"] * 3
+
+
 def test_step_delta_matches_the_full_distribution_when_nothing_leaves_the_top_k() -> None:
     before, after = BASE["prose"][2], BASE["prose"][2].copy()
     after[12] += 0.5
