@@ -46,6 +46,16 @@ class GoldenFile:
 class GoldenSet:
     description: str
     files: dict[str, GoldenFile]
+    # A failing test's outputs hold only the goldens that failed: the rest are the pinned ones
+    # (`over`).
+    partial: bool = False
+
+    def over(self, base: GoldenSet) -> GoldenSet:
+        """This set's files over `base`'s, for a partial set; a whole set stays as it is."""
+        if not self.partial:
+            return self
+        files = {**base.files, **self.files}
+        return GoldenSet(f"{self.description}, other files from {base.description}", files)
 
 
 def parse_golden(data: bytes, source: str) -> GoldenFile:

@@ -67,6 +67,9 @@ examples:
   ./bazelw run //tools:golden_diff -- torch_llama_golden \\
       --from=04065a48b3e58edad7d180e4940c3dbebc835ad6a782831db74e4157d8b1c8d5 \\
       --to=/tmp/goldens --html=diff.html
+  # a failing test's teacher-forced runs against the pin, without recomputing them
+  ./bazelw run //tools:golden_diff -- test_llama_golden \\
+      --to=bazel-testlogs/max_tests/integration/architectures/llama3/test_llama/test.outputs/outputs.zip
   # the review as a markdown table per file, for a pull request
   ./bazelw run //tools:golden_diff -- test_llama_golden --from=5 --to=6 --format=markdown
   # an archive file against the pin, without Bazel
@@ -129,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if html is not None:
             output_directory(html.parent, "--html")
         before = load_input(inputs, args.before, "--from")
-        after = load_input(inputs, args.after, "--to")
+        after = load_input(inputs, args.after, "--to").over(before)
     except ValueError as error:  # InputError, PathError, a MODULE.bazel stanza.parse refuses
         print(f"golden_diff: error: {error}", file=sys.stderr)
         return 2

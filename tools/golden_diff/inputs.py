@@ -9,6 +9,7 @@ into). Each resolves to a `GoldenSet` (goldens/diff.py); anything unreadable is 
 from __future__ import annotations
 
 import dataclasses
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -46,7 +47,8 @@ REGENERATE = {
 
 INPUT_HELP = (
     "a version of NAME in the store, a sha256 (stored or pinned), 'pinned', a folder of golden "
-    "JSON files, or a .tar.gz archive (write ./2 for a folder named 2)"
+    "JSON files, a .tar.gz archive, or a failing golden test's outputs.zip (or its extracted "
+    "folder: its runs over the pinned files); write ./2 for a folder named 2"
 )
 
 
@@ -54,7 +56,9 @@ class InputError(ValueError):
     """An input cannot be read as a set of NAME's goldens: exit 2."""
 
 
-def golden_set(name: str, members: dict[str, bytes], description: str, where: str) -> GoldenSet:
+def golden_set(
+    name: str, members: dict[str, bytes], description: str, where: str, partial: bool = False
+) -> GoldenSet:
     selected = {member: data for member, data in members.items() if belongs_to(name, member)}
     if not selected:
         pattern = "torch_*_golden.json" if name == TORCH_NAME else "*_golden.json except torch_*"
@@ -66,7 +70,7 @@ def golden_set(name: str, members: dict[str, bytes], description: str, where: st
         files = {m: parse_golden(selected[m], f"{where}: {m}") for m in sorted(selected)}
     except UnreadableGolden as error:
         raise InputError(str(error)) from None
-    return GoldenSet(description, files)
+    return GoldenSet(description, files, partial)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,8 @@ def load_input(inputs: Inputs, spec: str | None, flag: str) -> GoldenSet:
         return load_folder(inputs, path, flag)
     if path.is_file() and path.name.endswith((".tar.gz", ".tgz")):
         return load_archive_file(inputs, path, flag)
+    if path.is_file() and path.name.endswith(".zip"):
+        return load_test_outputs(inputs, path, flag)
     raise InputError(
         f"{flag}={spec} (resolved to {path}) is none of: {INPUT_HELP}; "
         f"versions of {inputs.name} in the {inputs.store.description}: {inputs.stored_versions()}"
@@ -109,7 +115,32 @@ def load_input(inputs: Inputs, spec: str | None, flag: str) -> GoldenSet:
 
 def load_folder(inputs: Inputs, path: Path, flag: str) -> GoldenSet:
     members = {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
+    if any(_is_test_report(m) for m in members):  # an extracted outputs.zip
+        where = f"{flag}: test outputs {path}"
+        return golden_set(inputs.name, members, f"test outputs {path}", where, partial=True)
     return golden_set(inputs.name, members, f"folder {path}", f"{flag}: folder {path}")
+
+
+def load_test_outputs(inputs: Inputs, path: Path, flag: str) -> GoldenSet:
+    """A failing golden test's outputs.zip (bazel-testlogs/PACKAGE/TARGET/test.outputs/): the
+    eager runs it wrote beside its HTML reports, as golden files, over the pinned ones."""
+    where = f"{flag}: test outputs {path}"
+    try:
+        with zipfile.ZipFile(path) as outputs:
+            members = {
+                info.filename: outputs.read(info)
+                for info in outputs.infolist()
+                if not info.is_dir() and "/" not in info.filename
+            }
+    except (zipfile.BadZipFile, OSError) as error:
+        raise InputError(f"{where}: {error}; give a test's outputs.zip") from None
+    if not any(_is_test_report(m) for m in members):
+        raise InputError(f"{where} holds no golden_report_*.html: not the outputs of a golden test")
+    return golden_set(inputs.name, members, f"test outputs {path}", where, partial=True)
+
+
+def _is_test_report(member: str) -> bool:
+    return member.startswith("golden_report_") and member.endswith(".html")
 
 
 def load_archive_file(inputs: Inputs, path: Path, flag: str) -> GoldenSet:

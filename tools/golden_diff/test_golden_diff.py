@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,40 @@ def test_one_changed_step_is_reported_with_its_values(capsys, base: Path, tmp_pa
     ]
 
 
+def test_a_failing_tests_outputs_zip_is_its_runs_over_the_other_side(
+    capsys, base: Path, tmp_path: Path
+) -> None:
+    """bazel-testlogs/.../test.outputs/outputs.zip holds the failing goldens' runs only (and
+    their reports): the other files are the --from side's, not removed ones."""
+    moved = {"prose": BASE["prose"].copy(), "code": BASE["code"]}
+    moved["prose"][2, 12] += 0.5
+    run = _write(tmp_path / "run", {FLOAT32: _golden(moved)})
+    outputs = tmp_path / "outputs.zip"
+    with zipfile.ZipFile(outputs, "w") as archive_file:
+        archive_file.write(run / FLOAT32, FLOAT32)
+        archive_file.writestr("golden_report_tiny-float32-llama3_1_x.html", "<html></html>")
+        archive_file.writestr("quantized/" + FLOAT32, "{}")  # another mode's run: not read
+    code, out, _ = _run(capsys, OWN, f"--from={base}", f"--to={outputs}")
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[2] == f"to:   test outputs {outputs}, other files from folder {base}"
+    assert f"{FLOAT32}: changed [over tolerance]" in lines
+    assert f"{Q4_K}: identical" in lines
+    # The extracted folder reads the same.
+    folder = tmp_path / "extracted"
+    with zipfile.ZipFile(outputs) as archive_file:
+        archive_file.extractall(folder)
+    assert _run(capsys, OWN, f"--from={base}", f"--to={folder}")[1].splitlines()[3:] == lines[3:]
+
+
+def test_a_zip_that_is_no_test_output_is_refused(capsys, base: Path, tmp_path: Path) -> None:
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as archive_file:
+        archive_file.writestr(FLOAT32, "{}")
+    code, _, err = _run(capsys, OWN, f"--from={base}", "--to=other.zip")
+    assert code == 2
+    assert "holds no golden_report_*.html: not the outputs of a golden test" in err
+
+
 def test_the_review_as_markdown_has_a_table_per_file(capsys, base: Path, tmp_path: Path) -> None:
     moved = {"prose": BASE["prose"].copy(), "code": BASE["code"].copy()}
     moved["prose"][2, 12] += 0.5
@@ -160,7 +195,9 @@ def test_the_review_as_json_names_every_case_with_its_class(
     ]
     prose = body["cases"][0]
     assert (prose["file"], prose["case"], prose["class"]) == (FLOAT32, "prose", "over tolerance")
-    assert prose["first_changed_step"] == 2 and prose["max_logprob_diff"] == pytest.approx(0.5, abs=0.01)
+    assert prose["first_changed_step"] == 2 and prose["max_logprob_diff"] == pytest.approx(
+        0.5, abs=0.01
+    )
     assert [c["class"] for c in body["cases"][1:]] == ["identical"] * 3
 
 

@@ -3,13 +3,17 @@ written where Bazel keeps a test's undeclared outputs, and the failure text that
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from goldens import compare, report, schema
+from max_tests.integration.architectures.llama3 import golden_files
 from max_tests.integration.architectures.llama3.judge import Verdict
+from max_tests.integration.architectures.llama3.variants import Variant
+from pipelines.llama3 import Llama3Engine
 
 # Bazel's folder for a test's extra outputs; it zips them into bazel-testlogs after the test.
 UNDECLARED_OUTPUTS_ENV = "TEST_UNDECLARED_OUTPUTS_DIR"
@@ -29,15 +33,47 @@ def failures_with_report(
     directory: Path,
     test_id: str,
     diagnosis: tuple[str, str] | None = None,
+    run_of: tuple[Variant, Llama3Engine, str] | None = None,
 ) -> list[str]:
     """`verdict.failures`; when there are any, the HTML report of this golden is written into
     `directory` and a last line names it ("report: PATH"). `diagnosis` (`diverging_layer`) is
-    added to the failure text and to its case in the report."""
+    added to the failure text and to its case in the report. With `run_of` (variant, engine,
+    mode), a failing verdict against the engine's own golden also keeps its run as a golden
+    file (`write_run_golden`), for `golden_diff --to=` and `golden_update --from=`."""
     if not verdict.failures:
         return []
     path = write_failure_report(verdict, golden, decode, directory, test_id, diagnosis)
     located = [] if diagnosis is None else [f"case {diagnosis[0]!r}: {diagnosis[1]}"]
-    return [*verdict.failures, *located, f"report: {path}{_bazel_outputs_hint(directory)}"]
+    kept = []
+    if run_of is not None and verdict.reference == "own":
+        run = write_run_golden(verdict, *run_of, directory)
+        kept = [f"run as a golden file: {run}{_bazel_outputs_hint(directory)}"]
+    return [
+        *verdict.failures,
+        *located,
+        *kept,
+        f"report: {path}{_bazel_outputs_hint(directory)}",
+    ]
+
+
+def write_run_golden(
+    verdict: Verdict, variant: Variant, engine: Llama3Engine, mode: str, directory: Path
+) -> Path:
+    """The teacher-forced runs of `verdict` as a golden file named like its golden: in
+    `directory` for the eager mode, in `directory/MODE` for the others (a run of another mode
+    is never a golden). Each step's token is the engine's own greedy choice (the argmax of its
+    logits), so where it differs from the golden's the file says "tokens changed"; the steps
+    after it were fed the golden's tokens, so such a file is for review, not to accept."""
+    runs = [
+        dataclasses.replace(run, tokens=[int(row.argmax()) for row in run.logits])
+        for run in verdict.runs
+    ]
+    golden = golden_files.engine_golden(variant, engine, runs, str(engine.device), mode=mode)
+    folder = directory if mode == "eager" else directory / mode
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / verdict.source.file_name
+    schema.write(golden, path)
+    return path
 
 
 def write_failure_report(

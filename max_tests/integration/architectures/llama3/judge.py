@@ -23,6 +23,7 @@ class Verdict:
     tolerance: Tolerance
     reports: list[compare.CaseReport]
     failures: list[str]  # diagnoses, one per failing case (or case-list mismatch)
+    runs: tuple[Run, ...] = ()  # the teacher-forced runs compared
 
     @property
     def golden_name(self) -> str:
@@ -143,7 +144,7 @@ def compare_runs(
             failures.append(
                 compare.format_failure(report, case, str(source), decode, regenerate, run.input_ids)
             )
-    return Verdict(source, reference, tolerance, reports, failures)
+    return Verdict(source, reference, tolerance, reports, failures, tuple(runs))
 
 
 def _short(cases: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -100,6 +100,7 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
             reports,
             _case_id(variant, mode),
             diagnosis.diverging_layer(engine, variant, golden, verdict),
+            run_of=(variant, engine, mode),
         )
     ]
     assert not failures, "\n\n".join(failures)

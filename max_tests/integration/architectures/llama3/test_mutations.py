@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from goldens import compare
+from goldens import compare, diff, schema
 from goldens.tolerances import entries, tolerance
 from max_tests.integration.architectures.llama3 import (
     diagnosis,
@@ -128,6 +128,46 @@ def test_a_kv_cache_mutation_first_fails_at_the_first_decode_step(goldens) -> No
     for mutated, plain in zip(verdict.reports, unmutated.reports, strict=True):
         assert mutated.steps[0].max_logprob_diff == plain.steps[0].max_logprob_diff
         assert mutated.steps[0].kl == plain.steps[0].kl
+
+
+def test_a_failing_golden_keeps_its_run_as_a_golden_file(goldens, tmp_path: Path) -> None:
+    """The run behind a failing own golden is written beside its report as a golden file of
+    the same name (each step's token the engine's argmax), so golden_diff and golden_update
+    can review it from the test's outputs without recomputing."""
+    variant = _variant("float32")
+    golden, name = goldens.load("own", variant)
+    tol = tolerance("own", "float32", "cpu")
+    engine = mutations.load(variant, mutations.BY_NAME["norm_eps"])
+    verdict = judge.check(engine, golden, name, "own", tol, variant)
+    failures = failure_report.failures_with_report(
+        verdict,
+        golden,
+        engine.tokenizer.decode,
+        tmp_path,
+        variant.test_id,
+        run_of=(variant, engine, "eager"),
+    )
+    path = tmp_path / name.file_name
+    assert failures[-2] == f"run as a golden file: {path}"
+    run = schema.read(path)
+    assert [c.id for c in run.cases] == [c.id for c in golden.cases]
+    for case, forced in zip(run.cases, verdict.runs, strict=True):
+        assert case.input_ids == golden.case(case.id).input_ids
+        assert case.token_ids == [int(row.argmax()) for row in forced.logits]
+    klass, _ = diff.file_class(diff.diff_file(name.file_name, _lenient(golden), _lenient(run)))
+    assert klass in ("over tolerance", "tokens changed")
+    unmutated = judge.check(mutations.load(variant, None), golden, name, "own", tol, variant)
+    assert (
+        failure_report.failures_with_report(
+            unmutated, golden, str, tmp_path / "pass", "x", run_of=(variant, engine, "eager")
+        )
+        == []
+    )
+    assert not (tmp_path / "pass").exists()
+
+
+def _lenient(golden: schema.Golden) -> diff.GoldenFile:
+    return diff.parse_golden(schema.to_json(golden).encode(), "golden")
 
 
 def test_a_norm_eps_mutation_fails_naming_its_html_report(goldens, tmp_path: Path) -> None:
