@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from pipelines.llama3 import packed
+from pipelines.llama3.compiled import compile_blocks
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.gguf_file import GGUFFile
 from pipelines.llama3.gguf_loader import (
@@ -22,6 +23,7 @@ from pipelines.llama3.gguf_loader import (
     read_config,
 )
 from pipelines.llama3.model import Transformer
+from pipelines.llama3.packing import RawMatrix
 from pipelines.llama3.tokenizer import Tokenizer
 
 
@@ -115,7 +117,8 @@ def freeze_imported_objects() -> None:
 
 # Execution modes, all held to the same goldens and tolerances (the goldens come from eager):
 #   eager      dense weights (float32 or bfloat16), plain PyTorch: the reference.
-#   compiled   eager's weights, each transformer block run through torch.compile.
+#   compiled   eager's weights, each transformer block run through torch.compile
+#              (compiled.py).
 #   quantized  Q4_0/Q4_1/Q4_K/Q8_0 matrices stay packed (packed.py) on the CPU in float32;
 #              other tensors, other devices and bfloat16 compute stay as in eager.
 MODES = ("eager", "compiled", "quantized")
@@ -124,49 +127,6 @@ MODES = ("eager", "compiled", "quantized")
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _import_setuptools() -> None:
-    """Import setuptools, which torch.compile's C++ builder needs (torch.utils.cpp_extension).
-
-    Bazel leaves files whose names contain a space out of runfiles, and setuptools' vendored
-    jaraco.text reads its 'Lorem ipsum.txt' when imported; under `bazel test` or `bazel run`
-    that import fails. The text is only a sample string, so a missing copy reads as one.
-    """
-    read_text = pathlib.Path.read_text
-
-    def tolerant_read_text(path: pathlib.Path, *args, **kwargs) -> str:
-        if path.name == "Lorem ipsum.txt" and not path.exists():
-            return "Lorem ipsum dolor sit amet."
-        return read_text(path, *args, **kwargs)
-
-    pathlib.Path.read_text = tolerant_read_text
-    try:
-        import setuptools  # noqa: F401
-    finally:
-        pathlib.Path.read_text = read_text
-
-
-def _compile_blocks(model: Transformer) -> None:
-    """torch.compile each transformer block in place; the layers share one compiled graph
-    (same code, parameters as inputs), compiled at the first prefill and the first decode.
-
-    Process-wide settings, needed by any engine in this mode: inductor rounds bfloat16
-    intermediates where eager rounds them (else it keeps float32 between fused operations and
-    bfloat16 results move by ~0.5 in log-probability); and a block that keeps recompiling (a
-    process loading many checkpoints) raises instead of silently running eager, which would
-    let the compiled mode pass its tests without being exercised.
-    """
-    # Imported here: torch._dynamo takes seconds to import, which eager and quantized skip.
-    import torch._dynamo.config
-    import torch._inductor.config
-
-    _import_setuptools()
-    torch._inductor.config.emulate_precision_casts = True
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
-    for layer in model.layers:
-        layer.compile(dynamic=True)
 
 
 class Llama3Engine:
@@ -222,7 +182,7 @@ class Llama3Engine:
             verified=parsed.verified,
             keep_packed=keep_packed,
         )
-        packed_weights = {k: w for k, w in weights.items() if isinstance(w, packed.RawMatrix)}
+        packed_weights = {k: w for k, w in weights.items() if isinstance(w, RawMatrix)}
         with torch.device("meta"):
             model = Transformer(config)
         # assign=True adopts the loaded tensors; nothing is randomly initialised and thrown away.
@@ -241,7 +201,7 @@ class Llama3Engine:
             )
         model.eval()
         if mode == "compiled":
-            _compile_blocks(model)
+            compile_blocks(model)
         return cls(config, model, tokenizer, device, dtype, mode)
 
     @property

@@ -11,7 +11,7 @@ import pathlib
 import numpy as np
 import torch
 
-from pipelines.llama3 import packed, quants
+from pipelines.llama3 import packing, quants
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.gguf_file import CheckpointError, GGUFFile, TensorInfo
 
@@ -217,11 +217,11 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     verified: set[str] | None = None,
     keep_packed: bool = False,
-) -> dict[str, torch.Tensor | packed.RawMatrix]:
+) -> dict[str, torch.Tensor | packing.RawMatrix]:
     """Every model parameter, dequantized on `device`, cast to `dtype`, Q/K rows unpermuted.
 
     With `keep_packed` (the `quantized` mode: CPU, float32) the matrices stored as Q4_0, Q4_1,
-    Q4_K or Q8_0 come back as packed.RawMatrix instead (packed by packed.install), never
+    Q4_K or Q8_0 come back as packing.RawMatrix instead (packed by packed.install), never
     dequantized.
 
     With tied embeddings "output.weight" is absent; the model shares tok_embeddings.weight.
@@ -250,8 +250,8 @@ def load_weights(
     weights = {}
     for gguf_name, param in names.items():
         info = reader.tensors[gguf_name]
-        if keep_packed and packed.can_pack(info.tensor_type, info.shape):
-            matrix = packed.RawMatrix(private[gguf_name], info.tensor_type, *info.shape)
+        if keep_packed and packing.can_pack(info.tensor_type, info.shape):
+            matrix = packing.RawMatrix(private[gguf_name], info.tensor_type, *info.shape)
             if gguf_name not in verified and not matrix.scales_finite():
                 raise CheckpointError(
                     path, f"tensor {gguf_name} holds NaN or infinite values (corrupted?)"
@@ -273,14 +273,14 @@ def load_weights(
 
 
 def _unpermuted(weight, gguf_name: str, config: LlamaConfig):
-    """wq and wk with llama.cpp's row permutation undone (dense tensor or PackedWeight)."""
+    """wq and wk with llama.cpp's row permutation undone (dense tensor or RawMatrix)."""
     if gguf_name.endswith("attn_q.weight"):
         heads = config.n_heads
     elif gguf_name.endswith("attn_k.weight"):
         heads = config.n_kv_heads
     else:
         return weight
-    if isinstance(weight, packed.RawMatrix):
+    if isinstance(weight, packing.RawMatrix):
         rows = torch.arange(weight.rows).reshape(weight.rows, 1)
         return dataclasses.replace(weight, row_order=unpermute_qk(rows, heads).reshape(-1))
     return unpermute_qk(weight, heads)

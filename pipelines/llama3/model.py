@@ -2,12 +2,14 @@
 
 Differences from Meta's file: the Q/K weights are in the "rotate half" layout (the loader
 undoes llama.cpp's permutation), so RoPE rotates the two halves of each head instead of
-complex pairs; the KV cache is allocated on demand by `setup_caches`; and the model is built
-on the meta device and given its weights by `load_state_dict(assign=True)`.
+complex pairs; the KV cache is allocated on demand by `setup_caches`; the model is built
+on the meta device and given its weights by `load_state_dict(assign=True)`; and Attention's
+projection and cache write are methods of their own (`project`, `update_cache`), which the
+quantized mode's subclass (packed.PackedAttention) and the tests' planted bugs replace.
 """
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -117,13 +119,6 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-        # A fused projection, output [..., (n_heads + 2 n_kv_heads) * head_dim] as q, k, v, set
-        # instead of wq/wk/wv by the quantized mode.
-        self.wqkv: nn.Module | None = None
-        # With wqkv, the quantized mode's kernel for one new position of one sequence
-        # (packed.DecodeAttention): (self, x, start_pos, cos, sin) -> output before wo, or None
-        # where it does not apply.
-        self.decode_step: Callable | None = None
         self.cache_k: torch.Tensor | None = None  # [max_batch, n_kv_heads, max_seq_len, head_dim]
         self.cache_v: torch.Tensor | None = None
 
@@ -136,26 +131,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        if self.decode_step is not None and bsz == seqlen == 1:
-            output = self.decode_step(self, x, start_pos, cos, sin)
-            if output is not None:
-                return self.wo(output)
-        # [bsz, seq, heads * head_dim] -> [bsz, heads, seq, head_dim]
-        if self.wqkv is None:
-            xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
-            xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            xq = apply_rotary_emb(xq, cos, sin)
-            xk = apply_rotary_emb(xk, cos, sin)
-        else:
-            # One product for q, k and v, and one rotation for the q and k heads together
-            # (elementwise, so each head is rotated exactly as above).
-            qk_heads = self.n_heads + self.n_kv_heads
-            qkv = self.wqkv(x).view(bsz, seqlen, qk_heads + self.n_kv_heads, self.head_dim)
-            qk = apply_rotary_emb(qkv[:, :, :qk_heads].transpose(1, 2), cos, sin)
-            xq, xk = qk[:, : self.n_heads], qk[:, self.n_heads :]
-            xv = qkv[:, :, qk_heads:].transpose(1, 2)
-
+        xq, xk, xv = self.project(x, cos, sin)
         keys, values = self.update_cache(xk, xv, start_pos)
 
         # Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
@@ -176,6 +152,18 @@ class Attention(nn.Module):
         output = output.transpose(1, 2).reshape(bsz, seqlen, -1)  # [bsz, seq, heads * head_dim]
         return self.wo(output)
 
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of x [bsz, seq, dim], each [bsz, heads, seq, head_dim],
+        the queries and keys rotated."""
+        bsz, seqlen, _ = x.shape
+        # [bsz, seq, heads * head_dim] -> [bsz, heads, seq, head_dim]
+        xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary_emb(xq, cos, sin), apply_rotary_emb(xk, cos, sin), xv
+
     def update_cache(
         self, xk: torch.Tensor, xv: torch.Tensor, start_pos: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,12 +182,9 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
-        # A fused projection returning (gate, up), set instead of w1/w3 by the quantized mode.
-        self.w13: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (self.w1(x), self.w3(x)) if self.w13 is None else self.w13(x)
-        return self.w2(F.silu(gate) * up)  # SwiGLU
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU
 
 
 class TransformerBlock(nn.Module):

@@ -1,55 +1,43 @@
-"""Weights that stay 4-bit or 8-bit in memory: the engine's `quantized` execution mode.
+"""The engine's `quantized` execution mode: modules on weights that stay 4-bit or 8-bit.
 
-GGUF's Q4_0, Q4_1 and Q4_K map exactly onto groupwise int4 (32 values per group, one float32
-scale and offset each: w = scale * q + offset), and Q8_0 onto groupwise int8 (w = scale * q).
-`pack` turns a tensor's raw blocks into those arrays; `PackedLinear` multiplies float32
-activations by them with the C kernels of kernels/packed_gemm.c, which read ~1/7 of the bytes
-the dense float32 weights take. `dequantize` gives back the float32 weights, bit-identical to
-quants.dequantize (the tests check it on every packable tensor).
+`install` puts these modules into a loaded Transformer in place of the plain ones, on the
+matrices the loader kept as raw GGUF blocks (packing.RawMatrix):
+
+    PackedLinear       y = x . W^T on packed weights, in the C kernels (kernel_library.py)
+    PackedEmbedding    embedding rows dequantized as they are looked up
+    PackedAttention    Attention with one fused q/k/v product and a one-call decode step
+    PackedFeedForward  FeedForward with one fused gate/up product
+    KernelRMSNorm      RMSNorm in one kernel call
+
+The kernels multiply float32 activations by groupwise int4/int8 weights (packing.py). Per 32
+weights int4 keeps 16 bytes of nibbles and a float32 scale and offset (8 bytes): 6 bits a
+weight, 3/16 (~1/5.3) of float32's 32 bits; int8 keeps 32 bytes and a float32 scale, 9 bits
+(~1/3.6). A decode step reads each weight once, so those are the bytes it reads.
 
 Why not torch's own int4 kernels: on the CPU, `_weight_int4pack_mm_for_cpu` is vectorized
-for bfloat16 activations and scales only (float32 runs a scalar loop, ~10x slower than the
-dense float32 product); bfloat16 activations or scales move SmolLM2's log-probabilities far
-past the float32 tolerances. These kernels keep float32 activations and exact scales.
-
-The kernels compile once per machine with the system C compiler (`cc`, or $CC) into
-~/.cache/llama-goldens/kernels (or $LLAMA_GOLDENS_KERNEL_CACHE), named by a hash of the
-source, the flags and the CPU's features.
+for bfloat16 activations and scales only; its float32 path ran a 1536x576 product of one
+activation row in 10 ms against 0.06 ms dense (README.md; 3.0 ms against 0.10 ms on another
+run), and bfloat16 activations or scales move SmolLM2's log-probabilities far past the
+float32 tolerances. These kernels keep float32 activations and exact scales.
 """
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-import functools
-import hashlib
-import os
-import pathlib
-import shutil
-import subprocess
-import tempfile
-
-import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from pipelines.llama3.model import RMSNorm
+from pipelines.llama3.config import LlamaConfig
+from pipelines.llama3.kernel_library import library
+from pipelines.llama3.model import (
+    Attention,
+    FeedForward,
+    RMSNorm,
+    Transformer,
+    apply_rotary_emb,
+)
+from pipelines.llama3.packing import GROUP, PackedWeight, RawMatrix, dequantize, pack_rows
 
-GROUP = 32
-SOURCE = pathlib.Path(__file__).with_name("kernels") / "packed_gemm.c"
-# -mno-avx512f: the AVX2 path, measured faster on this project's AMD EPYC machines (6.7 vs 7.4
-# ms of kernels per SmolLM2 token); "-mavx512f" in $LLAMA_GOLDENS_KERNEL_FLAGS turns it back on.
-FLAGS = ("-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-CACHE_ENV = "LLAMA_GOLDENS_KERNEL_CACHE"
-# Extra compiler flags, e.g. "-mavx512f" for the AVX-512 path or "-mno-avx2" for plain C
-# (the tests build each path this way).
-EXTRA_FLAGS_ENV = "LLAMA_GOLDENS_KERNEL_FLAGS"
-
-INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
-INT8_TYPES = (GGMLQuantizationType.Q8_0,)
-PACKABLE_TYPES = frozenset(INT4_TYPES + INT8_TYPES)
 # Weight bytes x activation rows from which a product uses threads. Measured on SmolLM2 with
 # 2 threads: 1 << 17 gives 117 tok/s, 1 << 19 105, 1 << 15 114 (the pool wakes for nothing).
 PARALLEL_BYTES = 1 << 17
@@ -58,238 +46,9 @@ PARALLEL_BYTES = 1 << 17
 DENSE_ROWS = 64
 
 
-class KernelUnavailable(RuntimeError):
-    """The packed kernels could not be built (no C compiler, or it failed)."""
-
-
-# --- building and loading the kernels -------------------------------------------------------
-
-
-def _cache_directory() -> pathlib.Path:
-    configured = os.environ.get(CACHE_ENV)
-    if configured:
-        return pathlib.Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "llama-goldens" / "kernels"
-
-
-def _cpu_features() -> str:
-    """The CPU's flags line: -march=native code is only reused on a CPU with the same ones."""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def library() -> ctypes.CDLL:
-    """The compiled kernels, built on first use (about a second) and cached on disk."""
-    return build_library(tuple(os.environ.get(EXTRA_FLAGS_ENV, "").split()))
-
-
-@functools.cache
-def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The kernels compiled with FLAGS + `extra_flags` (cached in memory and on disk)."""
-    flags = (*FLAGS, *extra_flags)
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise KernelUnavailable(
-            "mode 'quantized' compiles its kernels with a C compiler, and none was found "
-            "(no `cc` on PATH, $CC unset): install gcc, or use mode 'eager'"
-        )
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join((compiler, *flags)).encode() + _cpu_features().encode()
-    ).hexdigest()[:16]
-    directory = _cache_directory()
-    target = directory / f"packed_gemm-{key}.so"
-    if not target.exists():
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            directory = pathlib.Path(tempfile.gettempdir())
-            target = directory / target.name
-        fd, temporary = tempfile.mkstemp(dir=directory, prefix=target.name, suffix=".tmp")
-        os.close(fd)
-        command = [compiler, *flags, str(SOURCE), "-o", temporary, "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            os.unlink(temporary)
-            raise KernelUnavailable(
-                f"building {SOURCE.name} failed ({' '.join(command)}):\n{result.stderr[-2000:]}"
-            )
-        os.replace(temporary, target)  # atomic: a concurrent build gives the same bytes
-    # torch is imported first, so the kernels' libgomp.so.1 is torch's: one thread pool.
-    lib = ctypes.CDLL(str(target))
-    # Arrays go as plain addresses (tensor.data_ptr()): converting an int is a tenth of the
-    # cost of a typed ctypes pointer, and a decode step makes a few hundred calls. Every
-    # caller checks dtype and contiguity first.
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.q4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
-    lib.q8_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-    lib.q4_dequantize.argtypes = [ptr, ptr, i64, i64, ptr]
-    lib.q8_dequantize.argtypes = [ptr, ptr, i64, i64, ptr]
-    for name in ("pack_q4_0", "pack_q4_1", "pack_q4_k", "pack_q8_0"):
-        getattr(lib, name).argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr]
-    lib.rms_norm.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
-    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
-    lib.decode_attention.argtypes += [ctypes.c_float, ptr, ptr]
-    functions = (
-        "q4_gemm",
-        "q8_gemm",
-        "q4_dequantize",
-        "q8_dequantize",
-        "rms_norm",
-        "decode_attention",
-        *_PACKERS.values(),
-    )
-    for name in functions:
-        getattr(lib, name).restype = None
-    return lib
-
-
-# --- packing GGUF blocks ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class PackedWeight:
-    """A [rows, cols] weight in groups of 32 along cols.
-
-    int4: q [rows, cols / 32, 16] uint8 (byte j: value j low nibble, value j + 16 high),
-          scales [rows, cols / 32, 2] float32 (scale, offset).
-    int8: q [rows, cols] int8, scales [rows, cols / 32] float32.
-    """
-
-    kind: str  # "int4" | "int8"
-    q: torch.Tensor
-    scales: torch.Tensor
-    rows: int
-    cols: int
-
-    # Where and in what it computes: the model reads these as it would a dense weight's.
-    dtype = torch.float32
-    device = torch.device("cpu")
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() * self.q.element_size() + self.scales.numel() * 4
-
-
-def can_pack(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
-    return qtype in PACKABLE_TYPES and len(shape) == 2 and shape[1] % GROUP == 0
-
-
-@dataclasses.dataclass
-class RawMatrix:
-    """A GGUF matrix's raw blocks, to be packed; `row_order[r]` is the file row that becomes
-    row r (llama.cpp's permuted wq/wk), None for the file's order."""
-
-    raw: np.ndarray
-    qtype: GGMLQuantizationType
-    rows: int
-    cols: int
-    row_order: torch.Tensor | None = None
-
-    @property
-    def kind(self) -> str:
-        return "int8" if self.qtype in INT8_TYPES else "int4"
-
-    def scales_finite(self) -> bool:
-        """Whether every float16 scale (and min) in the blocks is finite."""
-        # Read as the fields' bit patterns in place (every block size is even, every offset
-        # too): a float16 is inf or NaN exactly when its 5 exponent bits are all ones.
-        block_bytes = GGML_QUANT_SIZES[self.qtype][1]
-        words = np.asarray(self.raw).view(np.uint8).reshape(-1).view(np.uint16)
-        blocks = words.reshape(-1, block_bytes // 2)
-        exponent = np.uint16(0x7C00)
-        return not any(
-            bool(((blocks[:, o // 2] & exponent) == exponent).any())
-            for o in _SCALE_OFFSETS[self.qtype]
-        )
-
-
-_SCALE_OFFSETS = {  # byte offsets of each block's float16 scale fields
-    GGMLQuantizationType.Q4_0: (0,),
-    GGMLQuantizationType.Q4_1: (0, 2),
-    GGMLQuantizationType.Q4_K: (0, 2),
-    GGMLQuantizationType.Q8_0: (0,),
-}
-_PACKERS = {
-    GGMLQuantizationType.Q4_0: "pack_q4_0",
-    GGMLQuantizationType.Q4_1: "pack_q4_1",
-    GGMLQuantizationType.Q4_K: "pack_q4_k",
-    GGMLQuantizationType.Q8_0: "pack_q8_0",
-}
-
-
-def pack_rows(parts: list[RawMatrix]) -> PackedWeight:
-    """The parts' rows one after the other (a fused projection when several), packed into one
-    buffer in a single pass by the kernel library; no value is rounded."""
-    kind, cols = parts[0].kind, parts[0].cols
-    if any(p.kind != kind or p.cols != cols for p in parts):
-        raise ValueError("fused parts must share the packed kind and the column count")
-    rows = sum(p.rows for p in parts)
-    groups = cols // GROUP
-    if kind == "int4":
-        q = torch.empty(rows, groups, GROUP // 2, dtype=torch.uint8)
-        scales = torch.empty(rows, groups, 2, dtype=torch.float32)
-    else:
-        q = torch.empty(rows, cols, dtype=torch.int8)
-        scales = torch.empty(rows, groups, dtype=torch.float32)
-    lib, start = library(), 0
-    for part in parts:
-        raw = torch.from_numpy(np.ascontiguousarray(part.raw).view(np.uint8).reshape(-1))
-        order = None if part.row_order is None else part.row_order.to(torch.int64).contiguous()
-        getattr(lib, _PACKERS[part.qtype])(
-            raw.data_ptr(),
-            raw.numel() // part.rows,
-            None if order is None else order.data_ptr(),
-            part.rows,
-            cols,
-            q[start].data_ptr(),
-            scales[start].data_ptr(),
-        )
-        start += part.rows
-    return PackedWeight(kind, q, scales, rows, cols)
-
-
-def pack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> PackedWeight:
-    """Raw GGUF blocks of a [rows, cols] tensor -> PackedWeight."""
-    if not can_pack(qtype, shape):
-        raise ValueError(f"{qtype.name} {shape} has no packed form")
-    return pack_rows([RawMatrix(raw, qtype, *shape)])
-
-
-def dequantize(weight: PackedWeight) -> torch.Tensor:
-    """[rows, cols] float32 through the kernel library's own reading of the packed arrays."""
-    out = torch.empty(weight.rows, weight.cols, dtype=torch.float32)
-    lib = library()
-    if weight.kind == "int4":
-        lib.q4_dequantize(
-            weight.q.data_ptr(),
-            weight.scales.data_ptr(),
-            weight.rows,
-            weight.cols,
-            out.data_ptr(),
-        )
-    else:
-        lib.q8_dequantize(
-            weight.q.data_ptr(),
-            weight.scales.data_ptr(),
-            weight.rows,
-            weight.cols,
-            out.data_ptr(),
-        )
-    return out
-
-
-# --- modules ----------------------------------------------------------------------------------
-
-
 class PackedLinear(nn.Module):
     """y = x . W^T with W packed; x float32 [..., cols] on the CPU. `splits` cuts the output
-    into several tensors (a fused QKV or gate/up projection)."""
+    into several tensors (a fused gate/up projection)."""
 
     def __init__(self, weight: PackedWeight, splits: tuple[int, ...] | None = None) -> None:
         super().__init__()
@@ -402,80 +161,128 @@ class KernelRMSNorm(RMSNorm):
         return y
 
 
-class DecodeAttention:
-    """One decode step of an Attention whose q, k and v come from one packed product: the
-    rotation, the cache writes and grouped-query attention over the cache in one kernel call
-    (`decode_attention` in the kernels) instead of about ten torch operators per layer.
+class PackedAttention(Attention):
+    """Attention whose q, k and v come from one packed product, `wqkv` (output [..., (n_heads
+    + 2 n_kv_heads) * head_dim] as q, k, v): one kernel call and one read of the activations
+    instead of three.
 
-    Set as `Attention.decode_step` by `install`; the attention calls it for one new position of
-    one sequence and keeps the general path (SDPA) for prefill, batches and anything else.
-    The result differs from SDPA's in summation order only; the rotation is bit-identical.
+    A decode step (one new position of one sequence) runs the rotation, the cache writes and
+    grouped-query attention over the cache in one kernel call (`decode_attention`) instead of
+    about ten torch operators; prefill, batches and anything else take Attention's path
+    (SDPA) on the fused product. The kernel differs from SDPA in summation order only; its
+    rotation is bit-identical.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: LlamaConfig, wqkv: PackedLinear, wo: nn.Module) -> None:
+        with torch.device("meta"):  # wq, wk, wv are replaced by wqkv: no memory for them
+            super().__init__(config)
+        del self.wq, self.wk, self.wv
+        self.wqkv = wqkv
+        self.wo = wo
         self._lib = library()
-        self._scores = torch.empty(0, dtype=torch.float32)
+        self._scores = torch.empty(0, dtype=torch.float32)  # the kernel's scratch, kept
 
-    def __call__(
+    def forward(
         self,
-        attention: nn.Module,
         x: torch.Tensor,
         start_pos: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> torch.Tensor | None:
-        cache_k, cache_v = attention.cache_k, attention.cache_v
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if x.shape[0] == x.shape[1] == 1 and self._decode_applies(cos, sin):
+            return self.wo(self._decode_step(x, start_pos, cos, sin))
+        return super().forward(x, start_pos, cos, sin, mask)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # One product for q, k and v, and one rotation for the q and k heads together
+        # (elementwise, so each head is rotated exactly as Attention.project rotates it).
+        bsz, seqlen, _ = x.shape
+        qk_heads = self.n_heads + self.n_kv_heads
+        qkv = self.wqkv(x).view(bsz, seqlen, qk_heads + self.n_kv_heads, self.head_dim)
+        qk = apply_rotary_emb(qkv[:, :, :qk_heads].transpose(1, 2), cos, sin)
+        return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, :, qk_heads:].transpose(1, 2)
+
+    def _decode_applies(self, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Whether the kernel reads these tables and caches: float32, contiguous."""
+        cache_k, cache_v = self.cache_k, self.cache_v
         tables = cos.dtype == sin.dtype == cache_k.dtype == cache_v.dtype == torch.float32
-        if not (tables and cos.is_contiguous() and sin.is_contiguous()):
-            return None
-        if not (cache_k.is_contiguous() and cache_v.is_contiguous()):
-            return None
-        qkv = attention.wqkv(x)  # [1, 1, (n_heads + 2 n_kv_heads) * head_dim], our own tensor
+        contiguous = cos.is_contiguous() and sin.is_contiguous()
+        return tables and contiguous and cache_k.is_contiguous() and cache_v.is_contiguous()
+
+    def _decode_step(
+        self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """The attention output before wo, [1, 1, n_heads * head_dim], of one new position."""
+        cache_k, cache_v = self.cache_k, self.cache_v
+        qkv = self.wqkv(x)  # [1, 1, (n_heads + 2 n_kv_heads) * head_dim], our own tensor
         if self._scores.numel() < start_pos + 1:
             self._scores = torch.empty(cache_k.shape[2], dtype=torch.float32)
-        out = torch.empty(1, 1, attention.n_heads * attention.head_dim, dtype=torch.float32)
+        out = torch.empty(1, 1, self.n_heads * self.head_dim, dtype=torch.float32)
         self._lib.decode_attention(
             qkv.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
             cache_k.data_ptr(),
             cache_v.data_ptr(),
-            attention.n_heads,
-            attention.n_kv_heads,
-            attention.head_dim,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
             cache_k.shape[2],
             start_pos,
-            attention.scale,
+            self.scale,
             self._scores.data_ptr(),
             out.data_ptr(),
         )
         return out
 
 
-def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
+class PackedFeedForward(FeedForward):
+    """FeedForward whose gate and up projections are one packed product, `w13` (returning
+    (gate, up)): one kernel call and one read of the activations instead of two."""
+
+    def __init__(self, dim: int, hidden_dim: int, w13: PackedLinear, w2: nn.Module) -> None:
+        with torch.device("meta"):  # w1, w3 are replaced by w13: no memory for them
+            super().__init__(dim, hidden_dim)
+        del self.w1, self.w3
+        self.w13 = w13
+        self.w2 = w2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x)
+        return self.w2(F.silu(gate) * up)  # SwiGLU
+
+
+def _fusable(matrices: dict[str, RawMatrix], names: list[str]) -> list[RawMatrix] | None:
+    """The matrices of `names` when all are packed and of one kind and width, else None."""
+    parts = [matrices.get(name) for name in names]
+    if all(parts) and len({(m.kind, m.cols) for m in parts}) == 1:
+        return parts
+    return None
+
+
+def _pack_each(owner: nn.Module, prefix: str, parts: tuple[str, ...], matrices) -> None:
+    """Each of owner's `parts` (nn.Linear) that has a packed matrix becomes a PackedLinear."""
+    for part in parts:
+        matrix = matrices.get(f"{prefix}.{part}.weight")
+        if matrix is not None:
+            setattr(owner, part, PackedLinear(pack_rows([matrix])))
+
+
+def install(model: Transformer, matrices: dict[str, RawMatrix]) -> None:
     """Pack `matrices` (parameter name -> RawMatrix) into a Transformer whose other
     parameters are loaded.
 
-    wq/wk/wv become one fused `wqkv` and w1/w3 one `w13` when all their parts are packable
-    alike (one kernel call and one read of the activations instead of three or two).
+    A layer's attention becomes a PackedAttention (wq/wk/wv fused into `wqkv`) and its
+    feed-forward a PackedFeedForward (w1/w3 into `w13`) when all their parts are packable
+    alike; otherwise each packable projection becomes a PackedLinear in the plain module.
+    Float32 CPU norms become KernelRMSNorm.
     """
-
-    def fuse(owner: nn.Module, prefix: str, parts: tuple[str, ...], fused: str = "") -> None:
-        names = [f"{prefix}.{part}.weight" for part in parts]
-        present = [matrices.get(name) for name in names]
-        if fused and all(present) and len({(m.kind, m.cols) for m in present}) == 1:
-            # q, k, v stay one tensor (the attention splits it); gate and up are split here.
-            splits = None if fused == "wqkv" else tuple(m.rows for m in present)
-            setattr(owner, fused, PackedLinear(pack_rows(present), splits))
-            for part in parts:
-                setattr(owner, part, None)
-            return
-        for part, matrix in zip(parts, present, strict=True):
-            if matrix is not None:
-                setattr(owner, part, PackedLinear(pack_rows([matrix])))
-
     if not matrices:
         return  # nothing packed (a float file): the model stays exactly the eager one
+    config = model.config
     float_norms = (
         model.norm.weight.dtype == torch.float32 and model.norm.weight.device.type == "cpu"
     )
@@ -485,12 +292,23 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
         if float_norms:
             layer.attention_norm = KernelRMSNorm.of(layer.attention_norm)
             layer.ffn_norm = KernelRMSNorm.of(layer.ffn_norm)
-        fuse(layer.attention, f"layers.{i}.attention", ("wq", "wk", "wv"), "wqkv")
-        if layer.attention.wqkv is not None:
-            layer.attention.decode_step = DecodeAttention()
-        fuse(layer.feed_forward, f"layers.{i}.feed_forward", ("w1", "w3"), "w13")
-        fuse(layer.attention, f"layers.{i}.attention", ("wo",))
-        fuse(layer.feed_forward, f"layers.{i}.feed_forward", ("w2",))
+        attention, feed_forward = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+        qkv = _fusable(matrices, [f"{attention}.{p}.weight" for p in ("wq", "wk", "wv")])
+        if qkv is not None:
+            wqkv = PackedLinear(pack_rows(qkv))  # one tensor: the attention splits it
+            layer.attention = PackedAttention(config, wqkv, layer.attention.wo)
+        else:
+            _pack_each(layer.attention, attention, ("wq", "wk", "wv"), matrices)
+        gate_up = _fusable(matrices, [f"{feed_forward}.{p}.weight" for p in ("w1", "w3")])
+        if gate_up is not None:
+            w13 = PackedLinear(pack_rows(gate_up), tuple(m.rows for m in gate_up))
+            layer.feed_forward = PackedFeedForward(
+                config.dim, config.ffn_dim, w13, layer.feed_forward.w2
+            )
+        else:
+            _pack_each(layer.feed_forward, feed_forward, ("w1", "w3"), matrices)
+        _pack_each(layer.attention, attention, ("wo",), matrices)
+        _pack_each(layer.feed_forward, feed_forward, ("w2",), matrices)
     embedding = None
     if "tok_embeddings.weight" in matrices:
         embedding = pack_rows([matrices["tok_embeddings.weight"]])

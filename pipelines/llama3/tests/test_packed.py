@@ -6,6 +6,9 @@ packed arrays equals quants.dequantize (the dense path) bit for bit.
 """
 
 import dataclasses
+import functools
+import hashlib
+import os
 import pathlib
 
 import gguf
@@ -15,8 +18,9 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pipelines.checkpoints import smollm2_gguf
-from pipelines.llama3 import Llama3Engine, packed, quants
+from pipelines.llama3 import Llama3Engine, kernel_library, packed, packing, quants
 from pipelines.llama3.gguf_file import GGUFFile
+from pipelines.llama3.model import Attention
 from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
 
 # Relative to the repository root, where pytest and Bazel's runfiles both start.
@@ -32,14 +36,14 @@ def _gguf_py_tensor(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int
     return gguf.quants.quantize(values.astype(np.float32), qtype)
 
 
-def _raw(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> packed.RawMatrix:
-    return packed.RawMatrix(_gguf_py_tensor(qtype, rows, cols, seed), qtype, rows, cols)
+def _raw(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> packing.RawMatrix:
+    return packing.RawMatrix(_gguf_py_tensor(qtype, rows, cols, seed), qtype, rows, cols)
 
 
 def _check_exact(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> None:
     dense = quants.dequantize(raw, qtype, shape)
-    weight = packed.pack(raw, qtype, shape)
-    assert torch.equal(packed.dequantize(weight), dense)
+    weight = packing.pack(raw, qtype, shape)
+    assert torch.equal(packing.dequantize(weight), dense)
 
 
 @pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
@@ -51,7 +55,7 @@ def test_every_packable_tensor_of_the_q4_k_file_packs_exactly() -> None:
     reader = GGUFFile(Q4_K_FILE)
     checked = 0
     for name, info in reader.tensors.items():
-        if packed.can_pack(info.tensor_type, info.shape):
+        if packing.can_pack(info.tensor_type, info.shape):
             _check_exact(reader.tensor_data(name), info.tensor_type, info.shape)
             checked += 1
     assert checked >= 7  # the layers' matrices are Q4_K
@@ -62,7 +66,7 @@ def test_every_smollm2_tensor_packs_exactly() -> None:
     reader = GGUFFile(smollm2_gguf())
     types = set()
     for name, info in reader.tensors.items():
-        if packed.can_pack(info.tensor_type, info.shape):
+        if packing.can_pack(info.tensor_type, info.shape):
             _check_exact(reader.tensor_data(name), info.tensor_type, info.shape)
             types.add(info.tensor_type)
     assert types == {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
@@ -75,30 +79,93 @@ def test_kernel_product_equals_the_dense_product(qtype, rows_of_x: int) -> None:
     raw = _gguf_py_tensor(qtype, 40, 320, 1)
     dense = quants.dequantize(raw, qtype, (40, 320))
     x = torch.randn(2, rows_of_x, 320, generator=torch.Generator().manual_seed(2))
-    y = packed.PackedLinear(packed.pack(raw, qtype, (40, 320)))(x)
+    y = packed.PackedLinear(packing.pack(raw, qtype, (40, 320)))(x)
     expected = x @ dense.t()
     assert y.shape == expected.shape
     assert (y - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
-@pytest.mark.parametrize(
-    ("flags", "simd"), [("", 256), ("-mavx512f", 512), ("-mno-avx2 -mno-fma", 0)]
-)
-def test_every_code_path_of_the_kernels_agrees(flags, simd, monkeypatch) -> None:
-    """AVX2 (the default), AVX-512 and plain C: the same exact weights, the same products."""
-    monkeypatch.setenv(packed.EXTRA_FLAGS_ENV, flags)
-    if simd == 512 and "avx512f" not in packed._cpu_features().split():
-        pytest.skip("this CPU has no AVX-512")
-    assert packed.library().packed_gemm_simd() == simd
+@pytest.mark.parametrize(("isa", "simd"), [("avx2", 256), ("avx512", 512), ("portable", 0)])
+def test_every_code_path_of_the_kernels_agrees(isa, simd, monkeypatch) -> None:
+    """AVX2 (the default), AVX-512 and plain C, each its own library: the same exact
+    weights, the same products."""
+    if not kernel_library.runnable(isa):
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
+    assert kernel_library.library() is kernel_library.load(isa)
+    assert kernel_library.load(isa).packed_gemm_simd() == simd
     for qtype in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
         raw = _gguf_py_tensor(qtype, 24, 320, 9)
         dense = quants.dequantize(raw, qtype, (24, 320))
-        weight = packed.pack(raw, qtype, (24, 320))
-        assert torch.equal(packed.dequantize(weight), dense)
+        weight = packing.pack(raw, qtype, (24, 320))
+        assert torch.equal(packing.dequantize(weight), dense)
         x = torch.randn(6, 320, generator=torch.Generator().manual_seed(3))
         expected = x @ dense.t()
         y = packed.PackedLinear(weight)(x)
         assert (y - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_avx2_is_the_default_where_the_cpu_has_it(monkeypatch) -> None:
+    monkeypatch.delenv(kernel_library.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    assert kernel_library.chosen() == "avx2"
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: frozenset({"avx2", "sse2"}))
+    assert kernel_library.chosen() == "portable"  # AVX2 without FMA
+
+
+def test_a_bad_or_unrunnable_choice_names_the_variable_and_the_choices(monkeypatch) -> None:
+    monkeypatch.setenv(kernel_library.KERNELS_ENV, "avx1024")
+    with pytest.raises(kernel_library.KernelUnavailable) as error:
+        kernel_library.library()
+    assert str(error.value) == (
+        "$LLAMA_GOLDENS_KERNELS='avx1024' is not one of avx512, avx2, portable (or unset)"
+    )
+    monkeypatch.setenv(kernel_library.KERNELS_ENV, "avx512")
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    with pytest.raises(kernel_library.KernelUnavailable) as error:
+        kernel_library.library()
+    assert str(error.value) == (
+        "$LLAMA_GOLDENS_KERNELS=avx512: this CPU lacks avx512f (/proc/cpuinfo); it runs avx2, "
+        "portable (unset $LLAMA_GOLDENS_KERNELS for the default)"
+    )
+
+
+def test_under_bazel_the_libraries_come_from_runfiles() -> None:
+    """A data dependency of //pipelines/llama3: next to kernel_library.py in the runfiles,
+    never a checkout's bazel-bin, which may hold another version."""
+    if "TEST_SRCDIR" not in os.environ:
+        pytest.skip("outside Bazel")
+    path = pathlib.Path(kernel_library.load("portable")._name)
+    assert path == kernel_library._HERE / "kernels" / "packed_gemm_portable.so"
+    assert path.is_relative_to(os.environ["TEST_SRCDIR"])
+
+
+def test_a_missing_or_stale_library_says_how_to_build_it(tmp_path, monkeypatch) -> None:
+    """Outside Bazel the libraries come from bazel-bin: absent, or built from another
+    version of packed_gemm.c, they are refused with the command that builds them."""
+    monkeypatch.delenv(kernel_library.DIRECTORY_ENV, raising=False)
+    source = tmp_path / "pipelines" / "llama3" / "kernels" / "packed_gemm.c"
+    source.parent.mkdir(parents=True)
+    source.write_text("int packed_gemm_simd(void) { return 0; }\n")
+    bazel_bin = tmp_path / "bazel-bin" / "pipelines" / "llama3" / "kernels"
+    monkeypatch.setattr(kernel_library, "_HERE", source.parent.parent)
+    monkeypatch.setattr(kernel_library, "SOURCE", source)
+    monkeypatch.setattr(kernel_library, "BAZEL_BIN", bazel_bin)
+    with pytest.raises(kernel_library.KernelUnavailable) as error:
+        kernel_library._locate("portable")
+    assert "run `./bazelw build //pipelines/llama3/kernels`" in str(error.value)
+    bazel_bin.mkdir(parents=True)
+    (bazel_bin / "packed_gemm_portable.so").write_bytes(b"")
+    (bazel_bin / "packed_gemm.c.sha256").write_text("0" * 64 + "\n")
+    with pytest.raises(kernel_library.KernelUnavailable, match="another version of packed_gemm"):
+        kernel_library._locate("portable")
+    (bazel_bin / "packed_gemm.c.sha256").write_text(
+        hashlib.sha256(source.read_bytes()).hexdigest() + "\n"
+    )
+    assert kernel_library._locate("portable") == bazel_bin / "packed_gemm_portable.so"
+    monkeypatch.setenv(kernel_library.DIRECTORY_ENV, str(tmp_path))
+    with pytest.raises(kernel_library.KernelUnavailable, match="LLAMA_GOLDENS_KERNEL_DIR="):
+        kernel_library._locate("portable")
 
 
 @pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
@@ -107,7 +174,7 @@ def test_threads_split_the_rows_without_changing_a_bit(qtype, monkeypatch) -> No
     bits. (Tests run on one thread under Bazel, OMP_NUM_THREADS=1: this one asks for more.)"""
     monkeypatch.setattr(packed, "PARALLEL_BYTES", 0)  # thread even a small product
     raw = _gguf_py_tensor(qtype, 72, 320, 4)
-    linear = packed.PackedLinear(packed.pack(raw, qtype, (72, 320)))
+    linear = packed.PackedLinear(packing.pack(raw, qtype, (72, 320)))
     x = torch.randn(3, 320, generator=torch.Generator().manual_seed(5))
     threads = torch.get_num_threads()
     try:
@@ -122,26 +189,26 @@ def test_threads_split_the_rows_without_changing_a_bit(qtype, monkeypatch) -> No
 
 def test_fused_projection_splits_into_its_parts() -> None:
     parts = [_raw(GGMLQuantizationType.Q4_1, 32, 64, 3), _raw(GGMLQuantizationType.Q4_0, 16, 64, 4)]
-    fused = packed.PackedLinear(packed.pack_rows(parts), (32, 16))
+    fused = packed.PackedLinear(packing.pack_rows(parts), (32, 16))
     x = torch.randn(1, 64)
     first, second = fused(x)
-    assert torch.equal(first, packed.PackedLinear(packed.pack_rows(parts[:1]))(x))
-    assert torch.equal(second, packed.PackedLinear(packed.pack_rows(parts[1:]))(x))
+    assert torch.equal(first, packed.PackedLinear(packing.pack_rows(parts[:1]))(x))
+    assert torch.equal(second, packed.PackedLinear(packing.pack_rows(parts[1:]))(x))
 
 
 def test_rows_are_taken_in_the_given_order() -> None:
     matrix = _raw(GGMLQuantizationType.Q4_1, 8, 64, 5)
     order = torch.tensor([3, 1, 7, 0, 2, 6, 5, 4])
-    reordered = packed.pack_rows([dataclasses.replace(matrix, row_order=order)])
+    reordered = packing.pack_rows([dataclasses.replace(matrix, row_order=order)])
     assert torch.equal(
-        packed.dequantize(reordered), packed.dequantize(packed.pack_rows([matrix]))[order]
+        packing.dequantize(reordered), packing.dequantize(packing.pack_rows([matrix]))[order]
     )
 
 
 def test_int4_and_int8_parts_are_not_fused() -> None:
     parts = [_raw(GGMLQuantizationType.Q4_0, 8, 64, 6), _raw(GGMLQuantizationType.Q8_0, 8, 64, 7)]
     with pytest.raises(ValueError, match="fused parts must share"):
-        packed.pack_rows(parts)
+        packing.pack_rows(parts)
 
 
 @pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
@@ -149,7 +216,7 @@ def test_a_non_finite_scale_is_found(qtype: GGMLQuantizationType) -> None:
     matrix = _raw(qtype, 4, 64, 8)
     assert matrix.scales_finite()
     block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
-    for offset in packed._SCALE_OFFSETS[qtype]:
+    for offset in packing._SCALE_OFFSETS[qtype]:
         for value, finite in ((np.inf, False), (-np.inf, False), (np.nan, False), (-65504, True)):
             blocks = matrix.raw.view(np.uint8).reshape(-1, block_bytes).copy()
             blocks[5, offset : offset + 2] = np.array([value], dtype=np.float16).view(np.uint8)
@@ -162,7 +229,7 @@ def test_embedding_rows_are_the_dense_rows(qtype: GGMLQuantizationType) -> None:
     raw = _gguf_py_tensor(qtype, 20, 96, 8)
     dense = quants.dequantize(raw, qtype, (20, 96))
     tokens = torch.tensor([[3, 0, 19, 3]])
-    rows = packed.PackedEmbedding(packed.pack(raw, qtype, (20, 96)))(tokens)
+    rows = packed.PackedEmbedding(packing.pack(raw, qtype, (20, 96)))(tokens)
     assert torch.equal(rows, dense[tokens])
 
 
@@ -170,8 +237,8 @@ def test_quantized_engine_follows_eager_on_the_q4_k_file() -> None:
     path = Q4_K_FILE
     eager = Llama3Engine.from_gguf(path)
     quantized = Llama3Engine.from_gguf(path, mode="quantized")
-    assert quantized.model.layers[0].attention.wqkv is not None  # fused
-    assert quantized.model.layers[0].feed_forward.w13 is not None
+    assert isinstance(quantized.model.layers[0].attention, packed.PackedAttention)  # fused
+    assert isinstance(quantized.model.layers[0].feed_forward, packed.PackedFeedForward)
     assert quantized.weight_bytes_per_token < eager.weight_bytes_per_token / 3
     prompt = [1, 17, 99, 5, 42, 7]
     a = eager.generate(prompt, 24, stop_on_eos=False)
@@ -190,8 +257,9 @@ def test_decode_attention_follows_the_general_path() -> None:
     model = general.model
     assert model.config.n_heads > model.config.n_kv_heads  # grouped-query attention
     for layer in model.layers:
-        assert isinstance(layer.attention.decode_step, packed.DecodeAttention)
-        layer.attention.decode_step = None
+        assert isinstance(layer.attention, packed.PackedAttention)
+        # Attention's own forward: SDPA on the same fused product, for every step.
+        layer.attention.forward = functools.partial(Attention.forward, layer.attention)
     prompt = [1, 17, 99, 5, 42, 7]
     a = kernels.generate(prompt, 24, stop_on_eos=False)
     b = general.generate(prompt, 24, stop_on_eos=False)

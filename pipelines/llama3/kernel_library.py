@@ -1,0 +1,172 @@
+"""The quantized mode's C kernels (kernels/packed_gemm.c): which build runs, and loading it.
+
+Bazel builds the source three times (kernels/BUILD.bazel), for three instruction sets:
+
+    avx512    AVX-512F
+    avx2      AVX2 + FMA: the default wherever the CPU has both (faster than the AVX-512
+              build on this project's AMD EPYC machines: 6.7 vs 7.4 ms of kernels per
+              SmolLM2 token)
+    portable  plain C (x86-64's SSE2 baseline): any other CPU
+
+$LLAMA_GOLDENS_KERNELS names one instead; a name the CPU cannot run (by its /proc/cpuinfo
+flags) is refused rather than left to crash on an illegal instruction. Nothing is compiled at
+run time: the libraries come from Bazel's runfiles (a data dependency of //pipelines/llama3,
+next to this file), else from $LLAMA_GOLDENS_KERNEL_DIR, else from the checkout's
+bazel-bin/pipelines/llama3/kernels/ (plain pytest, after `./bazelw build
+//pipelines/llama3/kernels`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+
+# Imported before any library loads, so the kernels' libgomp.so.1 is torch's: one thread pool.
+import torch  # noqa: F401
+
+KERNELS_ENV = "LLAMA_GOLDENS_KERNELS"
+DIRECTORY_ENV = "LLAMA_GOLDENS_KERNEL_DIR"
+BUILD_COMMAND = "./bazelw build //pipelines/llama3/kernels"
+
+# Each build, the CPU flags it needs, and the vector width it reports (packed_gemm_simd()).
+REQUIRED_FLAGS = {
+    "avx512": ("avx512f", "avx2", "fma"),
+    "avx2": ("avx2", "fma"),
+    "portable": (),
+}
+SIMD_BITS = {"avx512": 512, "avx2": 256, "portable": 0}
+DEFAULT_ORDER = ("avx2", "portable")  # the first the CPU runs is the default
+
+_HERE = pathlib.Path(__file__).parent
+SOURCE = _HERE / "kernels" / "packed_gemm.c"
+# The checkout's Bazel output, for runs outside Bazel (this file is pipelines/llama3/...).
+BAZEL_BIN = _HERE.parents[1] / "bazel-bin" / "pipelines" / "llama3" / "kernels"
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel library cannot be used: not built, or not runnable on this CPU."""
+
+
+def file_name(isa: str) -> str:
+    return f"packed_gemm_{isa}.so"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo); empty where they cannot be read."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def runnable(isa: str) -> bool:
+    return all(flag in cpu_flags() for flag in REQUIRED_FLAGS[isa])
+
+
+def chosen() -> str:
+    """The build to run: $LLAMA_GOLDENS_KERNELS, else the first of DEFAULT_ORDER the CPU runs."""
+    names = ", ".join(REQUIRED_FLAGS)
+    isa = os.environ.get(KERNELS_ENV, "").strip()
+    if not isa:
+        return next(name for name in DEFAULT_ORDER if runnable(name))
+    if isa not in REQUIRED_FLAGS:
+        raise KernelUnavailable(f"${KERNELS_ENV}={isa!r} is not one of {names} (or unset)")
+    if not runnable(isa):
+        missing = [flag for flag in REQUIRED_FLAGS[isa] if flag not in cpu_flags()]
+        usable = ", ".join(name for name in REQUIRED_FLAGS if runnable(name))
+        raise KernelUnavailable(
+            f"${KERNELS_ENV}={isa}: this CPU lacks {' '.join(missing)} (/proc/cpuinfo); "
+            f"it runs {usable} (unset ${KERNELS_ENV} for the default)"
+        )
+    return isa
+
+
+def library() -> ctypes.CDLL:
+    """The chosen build (`chosen()`), loaded once per process."""
+    return load(chosen())
+
+
+def _locate(isa: str) -> pathlib.Path:
+    name = file_name(isa)
+    configured = os.environ.get(DIRECTORY_ENV)
+    if configured:
+        path = pathlib.Path(configured) / name
+        if path.is_file():
+            return path
+        raise KernelUnavailable(
+            f"${DIRECTORY_ENV}={configured} holds no {name}: build the kernels with "
+            f"`{BUILD_COMMAND}` (they land in bazel-bin/pipelines/llama3/kernels/)"
+        )
+    beside = _HERE / "kernels" / name  # Bazel's runfiles mirror the source tree
+    if beside.is_file():
+        return beside
+    built = BAZEL_BIN / name
+    if not built.is_file():
+        raise KernelUnavailable(
+            f"mode 'quantized' needs its kernel library {name}, built by Bazel: run "
+            f"`{BUILD_COMMAND}` in {BAZEL_BIN.parents[2]} (looked in {beside.parent} and "
+            f"{BAZEL_BIN}; ${DIRECTORY_ENV} names another folder), or use mode 'eager'"
+        )
+    _check_fresh(built)
+    return built
+
+
+def _check_fresh(built: pathlib.Path) -> None:
+    """A bazel-bin library built from another version of packed_gemm.c is refused: plain
+    pytest would otherwise test the old kernels after an edit to the source."""
+    stamp = built.parent / "packed_gemm.c.sha256"
+    if not (SOURCE.is_file() and stamp.is_file()):
+        return
+    if stamp.read_text().strip() != hashlib.sha256(SOURCE.read_bytes()).hexdigest():
+        raise KernelUnavailable(
+            f"{built} was built from another version of {SOURCE.name}: run `{BUILD_COMMAND}`"
+        )
+
+
+_PACKERS = ("pack_q4_0", "pack_q4_1", "pack_q4_k", "pack_q8_0")
+
+
+@functools.cache
+def load(isa: str) -> ctypes.CDLL:
+    """The `isa` build ("avx512", "avx2" or "portable"), with its functions' signatures."""
+    if isa not in REQUIRED_FLAGS:
+        raise KernelUnavailable(f"no kernel build {isa!r} (one of {', '.join(REQUIRED_FLAGS)})")
+    path = _locate(isa)
+    lib = ctypes.CDLL(str(path))
+    if lib.packed_gemm_simd() != SIMD_BITS[isa]:
+        raise KernelUnavailable(
+            f"{path} reports {lib.packed_gemm_simd()}-bit vectors, not {isa}'s "
+            f"{SIMD_BITS[isa]}: run `{BUILD_COMMAND}`"
+        )
+    # Arrays go as plain addresses (tensor.data_ptr()): converting an int is a tenth of the
+    # cost of a typed ctypes pointer, and a decode step makes a few hundred calls. Every
+    # caller checks dtype and contiguity first.
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.q4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.q8_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.q4_dequantize.argtypes = [ptr, ptr, i64, i64, ptr]
+    lib.q8_dequantize.argtypes = [ptr, ptr, i64, i64, ptr]
+    for name in _PACKERS:
+        getattr(lib, name).argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr]
+    lib.rms_norm.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
+    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.decode_attention.argtypes += [ctypes.c_float, ptr, ptr]
+    functions = (
+        "q4_gemm",
+        "q8_gemm",
+        "q4_dequantize",
+        "q8_dequantize",
+        "rms_norm",
+        "decode_attention",
+        *_PACKERS,
+    )
+    for name in functions:
+        getattr(lib, name).restype = None
+    return lib
