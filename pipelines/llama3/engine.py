@@ -1,11 +1,10 @@
 """Load a GGUF checkpoint, then prefill and greedy-decode with the KV cache."""
 
-import collections
 import dataclasses
+import functools
 import gc
 import os
 import pathlib
-import threading
 import time
 from collections.abc import Sequence
 
@@ -55,15 +54,24 @@ class _ParsedCheckpoint:
     verified: set[str]  # tensors already checked for NaN and infinity
 
 
-# Parsed files by (real path, inode, size, mtime, ctime): a file replaced or rewritten gets a
-# new entry. Each entry keeps its file mapped, so only a few; but more than the golden suite's
-# checkpoints (5 and the 8B), which a test process visits once per mode: with fewer, the
-# least recently used one is always the next one needed.
-_PARSED_CACHE: collections.OrderedDict[tuple[str, int, int, int, int], _ParsedCheckpoint] = (
-    collections.OrderedDict()
-)
+@dataclasses.dataclass(frozen=True)
+class _FileVersion:
+    """A file as it is on disk now: equal for the same real path, inode, size, mtime and
+    ctime (a file replaced or rewritten is another version), whatever the spelling of `path`."""
+
+    real_path: str
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    path: pathlib.Path = dataclasses.field(compare=False)  # as the caller named it (messages)
+
+
+# How many parsed files `_parse` keeps (the least recently used goes first). Each keeps its
+# file mapped, so only a few; but more than the golden suite's checkpoints (5 and the 8B),
+# which a test process visits once per mode: with fewer, the least recently used one would
+# always be the next one needed.
 _PARSED_CACHE_SIZE = 8
-_PARSED_CACHE_LOCK = threading.Lock()
 
 
 def _parsed_checkpoint(path: pathlib.Path) -> _ParsedCheckpoint:
@@ -71,35 +79,31 @@ def _parsed_checkpoint(path: pathlib.Path) -> _ParsedCheckpoint:
         stat = os.stat(path)
     except FileNotFoundError:
         raise CheckpointError(path, "no such file") from None
-    key = (
+    version = _FileVersion(
         os.path.realpath(path),
         stat.st_ino,
         stat.st_size,
         stat.st_mtime_ns,
         stat.st_ctime_ns,
+        path,
     )
-    with _PARSED_CACHE_LOCK:
-        parsed = _PARSED_CACHE.get(key)
-        if parsed is not None:
-            _PARSED_CACHE.move_to_end(key)
-            return parsed
+    return _parse(version)
+
+
+@functools.lru_cache(maxsize=_PARSED_CACHE_SIZE)
+def _parse(version: _FileVersion) -> _ParsedCheckpoint:
+    path = version.path
     reader = open_gguf(path)
     config = read_config(reader, path)
     tokenizer = None
     if metadata_value(reader, "tokenizer.ggml.tokens") is not None:
         tokenizer = Tokenizer.from_gguf_reader(reader, path)
-    parsed = _ParsedCheckpoint(reader, config, tokenizer, set())
-    with _PARSED_CACHE_LOCK:
-        _PARSED_CACHE[key] = parsed
-        while len(_PARSED_CACHE) > _PARSED_CACHE_SIZE:
-            _PARSED_CACHE.popitem(last=False)
-    return parsed
+    return _ParsedCheckpoint(reader, config, tokenizer, set())
 
 
 def clear_checkpoint_cache() -> None:
     """Forget every parsed file (the next from_gguf parses again)."""
-    with _PARSED_CACHE_LOCK:
-        _PARSED_CACHE.clear()
+    _parse.cache_clear()
 
 
 def freeze_imported_objects() -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipelines.llama3 import Llama3Engine, load_config
+from pipelines.llama3 import engine as engine_module
 from pipelines.llama3.model import rope_inverse_frequencies
 from pipelines.llama3.tests.recompute import greedy_decode_without_cache
 from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
@@ -173,6 +174,19 @@ def test_a_replaced_file_is_parsed_again(tmp_path: pathlib.Path) -> None:
     (tmp_path / "other.gguf").replace(path)
     after = Llama3Engine.from_gguf(path)
     assert (before.config.ffn_dim, after.config.ffn_dim) == (128, 64)
+
+
+def test_one_file_under_two_names_is_parsed_once(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    (tmp_path / "link.gguf").symlink_to(path)
+    engine_module.clear_checkpoint_cache()
+    Llama3Engine.from_gguf(path)
+    Llama3Engine.from_gguf(tmp_path / "link.gguf")
+    info = engine_module._parse.cache_info()
+    assert (info.misses, info.hits, info.currsize) == (1, 1, 1)
+    engine_module.clear_checkpoint_cache()
+    assert engine_module._parse.cache_info().currsize == 0
 
 
 def test_compiled_mode_runs_compiled_graphs_and_follows_eager(tmp_path: pathlib.Path) -> None:

@@ -15,12 +15,11 @@ CUDA. The bound is growth per cycle below RSS_GROWTH_BOUND_MIB, set from measure
 there). The growth of each cycle is printed (`pytest -s`) and recorded as the JUnit
 properties `rss_mib` and `rss_growth_per_cycle_mib`.
 
-The last test checks that the engine's cache of parsed files (`_PARSED_CACHE`, each entry
-keeps its file mapped) stays at its cap when more distinct files are loaded, and that the
-evicted files are unmapped.
+The last test checks that the engine's cache of parsed files (`_parse`, an lru_cache whose
+entries each keep their file mapped) stays at its cap when more distinct files are loaded,
+and that the evicted files are unmapped.
 """
 
-import collections
 import ctypes
 import gc
 import itertools
@@ -140,23 +139,25 @@ def test_repeated_load_does_not_grow_memory(
         assert cuda[-1] == cuda[0], f"CUDA memory allocated grew: {cuda} MiB"
 
 
-def test_parsed_checkpoint_cache_stays_at_its_cap(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_parsed_checkpoint_cache_stays_at_its_cap(tmp_path: pathlib.Path) -> None:
     """More distinct files than the cache holds: it keeps the most recent
     _PARSED_CACHE_SIZE, and a dropped entry's file is no longer mapped."""
-    monkeypatch.setattr(engine_module, "_PARSED_CACHE", collections.OrderedDict())
+    engine_module.clear_checkpoint_cache()
     cap = engine_module._PARSED_CACHE_SIZE
+    assert cap == 8
     paths = [tmp_path / f"tiny_{seed}.gguf" for seed in range(cap + 3)]
     sizes = []
     for seed, path in enumerate(paths):
         write_tiny_llama(path, seed=seed, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32)
         Llama3Engine.from_gguf(path).forward_logits(PROMPT)
-        sizes.append(len(engine_module._PARSED_CACHE))
+        sizes.append(engine_module._parse.cache_info().currsize)
     assert sizes == [min(i + 1, cap) for i in range(len(paths))]
-    resolved = [path.resolve() for path in paths]  # the cache keys by real path
-    kept = {pathlib.Path(key[0]) for key in engine_module._PARSED_CACHE}
-    assert kept == set(resolved[-cap:])
+    # The last `cap` files are the ones kept: loading them again parses nothing.
+    misses = engine_module._parse.cache_info().misses
+    for path in reversed(paths[-cap:]):
+        Llama3Engine.from_gguf(path)
+    assert engine_module._parse.cache_info().misses == misses
+    resolved = [path.resolve() for path in paths]  # as /proc/self/maps names them
     gc.collect()
     mapped = {
         pathlib.Path(line.split(maxsplit=5)[5])
