@@ -7,15 +7,24 @@ Example:
 """
 
 import argparse
+import os
+import pathlib
 import sys
 
 import torch
 
 from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
-from goldens.cli_files import user_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def user_path(path: str) -> pathlib.Path:
+    """`path` as the user meant it: `bazel run` starts programs in their runfiles, and names
+    the directory the user ran it from $BUILD_WORKING_DIRECTORY. (The repository's tools share
+    goldens.cli_files for this; pipelines/ stands alone and imports nothing outside it.)"""
+    base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
+    return pathlib.Path(base, os.path.expanduser(path))
 
 
 def _parser() -> argparse.ArgumentParser:
