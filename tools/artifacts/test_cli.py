@@ -209,7 +209,7 @@ def test_next_publishes_the_version_after_the_newest_and_never_renumbers_the_sam
     (only,) = _store_files(scratch_repo)
     assert only.relative_to(scratch_repo).parts[:3] == ("artifacts", "test_llama_golden", "1")
     goldens[0].write_text('{"tokens": [9]}\n')
-    code, out, err = _run(capsys, "test_llama_golden", "next", *files, *flags, "--update-module")
+    code, _, err = _run(capsys, "test_llama_golden", "next", *files, *flags, "--update-module")
     assert code == 0, err
     assert "as the next version, 2" in err
     versions = {p.relative_to(scratch_repo).parts[2] for p in _store_files(scratch_repo)}

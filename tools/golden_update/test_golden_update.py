@@ -1,0 +1,238 @@
+"""golden_update in a scratch repository: review first, publish only what changed, on purpose.
+
+The goldens are synthetic (the regeneration is injected), the store, MODULE.bazel and the
+distdir fragment are scratch copies, so every test checks what was published and pinned.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from goldens import schema
+from goldens.artifacts import archive, stanza
+from goldens.artifacts.sample_module import SAMPLE_MODULE
+from goldens.artifacts.store import ref_from_url
+from tools.artifacts import upload_artifact
+from tools.golden_update import golden_update
+
+VOCAB, STEPS, TOP_K = 64, 4, 20
+FLOAT32 = "tinyllama_float32_all_golden.json"
+Q4_K = "tinyllama_q4_k_all_golden.json"
+TORCH = "torch_tinyllama_float32_golden.json"
+
+
+def _provenance(producer: str, encoding: str) -> schema.Provenance:
+    return schema.Provenance(
+        producer=producer,
+        producer_version="llama3-engine/2" if producer == "engine" else "transformers/5",
+        model="tinyllama",
+        encoding=encoding,
+        hardware="all",
+        device="cpu",
+        dtype="float32",
+        checkpoint="tiny_llama.gguf",
+        checkpoint_sha256="a" * 64,
+        torch_version="2.13.0",
+        logits_dtype="float32",
+    )
+
+
+def _logits(seed: int) -> np.ndarray:
+    rows = np.cos(np.arange(VOCAB)[None, :] * (np.arange(STEPS)[:, None] + 1) * 0.7 + seed)
+    logits = rows.astype(np.float32) * 2.0
+    for i in range(STEPS):
+        logits[i, 3 * i + 1] = 8.0
+    return logits
+
+
+def _golden(producer: str, encoding: str, logits: np.ndarray) -> schema.Golden:
+    steps = [
+        schema.step_from_logits(row, int(np.argmax(row)), f" t{int(np.argmax(row))}", TOP_K)
+        for row in logits
+    ]
+    case = schema.Case("prose", "The capital of France is", [128000, 791], steps)
+    return schema.Golden(_provenance(producer, encoding), [case])
+
+
+BASE = {
+    FLOAT32: _golden("engine", "float32", _logits(0)),
+    Q4_K: _golden("engine", "q4_k", _logits(1)),
+    TORCH: _golden("torch", "float32", _logits(0)),
+}
+
+
+@pytest.fixture
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A scratch repository whose store holds version 1 of both archives, pinned."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("BUILD_WORKING_DIRECTORY", raising=False)
+    monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(golden_update, "_torch_inputs_changed", lambda pinned: [])
+    root = tmp_path / "repo"
+    (root / "third_party").mkdir(parents=True)
+    (root / "MODULE.bazel").write_text(SAMPLE_MODULE)
+    files = tmp_path / "v1"
+    files.mkdir()
+    for name, golden in BASE.items():
+        schema.write(golden, files / name)
+    for name, members in (("test_llama_golden", [FLOAT32, Q4_K]), ("torch_llama_golden", [TORCH])):
+        paths = [str(files / m) for m in members]
+        code = upload_artifact.main(
+            ["upload", name, "1", *paths, "--update-module", *_flags(root)[1:]]
+        )
+        assert code == 0
+    return root
+
+
+def _flags(root: Path) -> list[str]:
+    return [
+        f"--pending-dir={root / '.goldens-pending'}",
+        f"--artifacts-dir={root / 'artifacts'}",
+        f"--module-file={root / 'MODULE.bazel'}",
+        f"--distdir-bazelrc={root / 'third_party' / 'golden_distdir.bazelrc'}",
+    ]
+
+
+def _regenerating(goldens: dict[str, schema.Golden]):
+    """A regeneration that writes `goldens` (the engine's; torch's when asked) into pending."""
+    calls = []
+
+    def regenerate(pending: Path, args, with_torch: bool) -> None:
+        calls.append(with_torch)
+        for name, golden in goldens.items():
+            if with_torch or not name.startswith("torch_"):
+                schema.write(golden, pending / name)
+
+    regenerate.calls = calls
+    return regenerate
+
+
+def _moved() -> dict[str, schema.Golden]:
+    logits = _logits(0)
+    logits[2, 12] += 0.5  # over own/float32/cpu's 1e-4, greedy token unchanged
+    return BASE | {FLOAT32: _golden("engine", "float32", logits)}
+
+
+def _pins(root: Path) -> dict[str, int]:
+    pins = stanza.parse((root / "MODULE.bazel").read_text())
+    return {name: ref_from_url(pin.url).version for name, pin in pins.items()}
+
+
+def _store(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in (root / "artifacts").rglob("*.tar.gz"))
+
+
+def test_an_unchanged_engine_publishes_nothing_and_says_so(repo: Path, capsys) -> None:
+    before = (repo / "MODULE.bazel").read_text(), _store(repo)
+    assert golden_update.main(["--accept", *_flags(repo)], _regenerating(BASE)) == 0
+    out = capsys.readouterr().out
+    assert "test_llama_golden: nothing to publish (identical)" in out
+    assert ((repo / "MODULE.bazel").read_text(), _store(repo)) == before
+
+
+def test_a_header_only_change_is_noise_and_publishes_nothing(repo: Path, capsys) -> None:
+    changed = BASE[FLOAT32]
+    other_cpu = schema.Golden(
+        schema.Provenance(**{**changed.provenance.__dict__, "torch_version": "2.14.0"}),
+        changed.cases,
+    )
+    assert (
+        golden_update.main(["--accept", *_flags(repo)], _regenerating(BASE | {FLOAT32: other_cpu}))
+        == 0
+    )
+    assert "test_llama_golden: nothing to publish (noise)" in capsys.readouterr().out
+    assert _pins(repo) == {"test_llama_golden": 1, "torch_llama_golden": 1}
+
+
+def test_dry_run_names_the_next_version_and_writes_nothing(repo: Path, capsys) -> None:
+    before = _store(repo)
+    assert golden_update.main(["--dry-run", *_flags(repo)], _regenerating(_moved())) == 0
+    out = capsys.readouterr().out
+    assert f"{FLOAT32}: changed [over tolerance]" in out
+    assert f"would publish test_llama_golden version 2 with {FLOAT32} (dry run" in out
+    assert _store(repo) == before and _pins(repo)["test_llama_golden"] == 1
+
+
+def test_accept_publishes_the_next_version_of_the_changed_archive_only(repo: Path) -> None:
+    regenerate = _regenerating(_moved())
+    assert golden_update.main(["--accept", "--no-test", *_flags(repo)], regenerate) == 0
+    assert regenerate.calls == [False]  # torch's inputs did not change: not regenerated
+    assert _pins(repo) == {"test_llama_golden": 2, "torch_llama_golden": 1}
+    pin = stanza.parse((repo / "MODULE.bazel").read_text())["test_llama_golden"]
+    (published,) = (repo / "artifacts" / "test_llama_golden" / "2").rglob("*.tar.gz")
+    assert archive.sha256_hex(published.read_bytes()) == pin.sha256
+    members = archive.unpack_members(published.read_bytes())
+    assert sorted(members) == [FLOAT32, Q4_K]
+    assert members[FLOAT32] == schema.to_json(_moved()[FLOAT32]).encode()
+    assert pin.sha256 in (repo / "third_party" / "golden_distdir.bazelrc").read_text()
+
+
+def test_without_accept_the_review_is_printed_and_nothing_published(repo: Path, capsys) -> None:
+    assert golden_update.main(_flags(repo), _regenerating(_moved())) == 1  # stdin is no tty
+    assert "nothing accepted; publish with --accept" in capsys.readouterr().out
+    assert _pins(repo)["test_llama_golden"] == 1
+
+
+def test_under_ci_nothing_is_ever_published(repo: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("CI", "true")
+    assert golden_update.main(["--accept", *_flags(repo)], _regenerating(_moved())) == 2
+    assert "CI=true: golden_update never publishes under CI" in capsys.readouterr().err
+    assert _pins(repo)["test_llama_golden"] == 1
+
+
+def test_torch_goldens_are_regenerated_when_their_inputs_changed(repo: Path, monkeypatch) -> None:
+    monkeypatch.setattr(
+        golden_update, "_torch_inputs_changed", lambda pinned: ["made by transformers/4"]
+    )
+    regenerate = _regenerating(BASE)
+    assert golden_update.main(["--dry-run", *_flags(repo)], regenerate) == 0
+    assert regenerate.calls == [True]
+
+
+def _outputs(tmp_path: Path, golden: schema.Golden) -> Path:
+    outputs = tmp_path / "outputs.zip"
+    with zipfile.ZipFile(outputs, "w") as zipped:
+        zipped.writestr(FLOAT32, schema.to_json(golden))
+        zipped.writestr("golden_report_tiny-float32-llama3_1_x.html", "<html></html>")
+    return outputs
+
+
+def test_a_failing_tests_kept_run_is_accepted_without_recomputing(repo: Path, tmp_path) -> None:
+    outputs = _outputs(tmp_path, _moved()[FLOAT32])
+    never = _regenerating({})
+    args = ["--accept", "--no-test", f"--from={outputs}", *_flags(repo)]
+    assert golden_update.main(args, never) == 0
+    assert never.calls == []
+    assert _pins(repo) == {"test_llama_golden": 2, "torch_llama_golden": 1}
+
+
+def test_a_kept_run_whose_tokens_changed_is_shown_not_accepted(
+    repo: Path, tmp_path, capsys
+) -> None:
+    logits = _logits(0)
+    logits[1] = -logits[1]  # another greedy token at step 1: later steps were teacher-forced
+    outputs = _outputs(tmp_path, _golden("engine", "float32", logits))
+    args = ["--accept", "--no-test", f"--from={outputs}", *_flags(repo)]
+    assert golden_update.main(args, _regenerating({})) == 0
+    out = capsys.readouterr().out
+    assert f"{FLOAT32}: tokens changed" in out and "without --from to recompute it" in out
+    assert _pins(repo)["test_llama_golden"] == 1
+
+
+def test_help_shows_the_examples(capsys) -> None:
+    assert golden_update.main(["--help"]) == 0
+    assert "./bazelw run //tools:golden_update -- --accept" in capsys.readouterr().out
+
+
+def test_a_pending_folder_never_holds_a_previous_run(repo: Path) -> None:
+    stale = repo / ".goldens-pending"
+    stale.mkdir()
+    (stale / "tinyllama_bfloat16_all_golden.json").write_text(json.dumps({"old": True}))
+    assert golden_update.main(["--dry-run", *_flags(repo)], _regenerating(BASE)) == 0
+    assert not (stale / "tinyllama_bfloat16_all_golden.json").exists()
