@@ -175,6 +175,20 @@ def test_fetch_and_verify_refuse_a_corrupted_local_archive(
     assert code == 1 and "checksum mismatch" in err
 
 
+def test_verify_names_the_commands_that_bring_back_a_missing_pinned_archive(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = _repo_flags(scratch_repo)
+    assert _run(capsys, "g", "1", str(goldens[0]), *flags, "--update-module")[0] == 0
+    (published,) = _store_files(scratch_repo)
+    published.unlink()
+    code, _, err = _run(capsys, "verify", *flags)
+    assert code == 1
+    assert f"g: {published} is missing from the local store, so Bazel cannot fetch" in err
+    assert f"git checkout -- {published.parent}" in err
+    assert "./bazelw run //tools:golden_update -- --accept" in err
+
+
 def test_add_publishes_the_pinned_files_plus_new_ones_as_the_next_version(
     scratch_repo: Path, goldens: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -263,7 +263,12 @@ def _verify(args: argparse.Namespace) -> int:
         if ref.sha256 != pin.sha256:
             problems.append(f"{pin.name}: sha256 {pin.sha256} differs from its URL's {ref.sha256}")
         elif not path.is_file():
-            problems.append(f"{pin.name}: {path} is missing from the local store")
+            problems.append(
+                f"{pin.name}: {path} is missing from the local store, so Bazel cannot fetch the "
+                f"pinned archive; restore it (git checkout -- {path.parent}), fetch it from "
+                f"the store it was published to (upload_artifact fetch {pin.name} --bucket=...), "
+                "or rebuild and pin the goldens (./bazelw run //tools:golden_update -- --accept)"
+            )
         elif (actual := archive.sha256_hex(path.read_bytes())) != pin.sha256:
             problems.append(
                 f"{pin.name}: checksum mismatch: {path} has sha256 {actual}, MODULE.bazel pins "
