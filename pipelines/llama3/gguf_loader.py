@@ -174,6 +174,19 @@ def _dequantize(
         ) from None
 
 
+def permute_qk(weight, n_heads: int):
+    """llama.cpp's convert-time row permutation of wq/wk (convert_hf_to_gguf.py's
+    LlamaModel.permute), which `unpermute_qk` undoes: each head's two halves (x[:d/2],
+    x[d/2:], Hugging Face's layout) interleaved into pairs (x0, x1), (x2, x3)... A numpy array
+    or a torch tensor, [n_heads * head_dim, ...]: whole rows move, so raw quantized rows too."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's convert-time row permutation of wq/wk.
 

@@ -10,7 +10,8 @@ goldens pass max_tests/integration/architectures/llama3/test_golden_sanity.py (n
 few near-ties).
 
 The file follows llama.cpp's conventions (convert_hf_to_gguf.py for a Llama 3.1 checkpoint):
-the weights are defined in Hugging Face layout and Q/K rows are permuted into llama.cpp's
+the weights are defined in Hugging Face layout and pipelines/llama3/gguf_writer.py (the one
+GGUF writer, shared with the engine's tests) permutes the Q/K rows into llama.cpp's
 interleaved rotary layout on the way out; the Llama 3.1 rope scaling is carried by the
 `rope_freqs` tensor, not by metadata keys.
 """
@@ -23,9 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType, LlamaFileType
 from gguf.quants import quantize as gguf_quantize
 
+from pipelines.llama3 import gguf_writer
+from pipelines.llama3.config import LlamaConfig
 from tools.gen_tiny_model import counter_rng, nvfp4, q4_k
 from tools.gen_tiny_model.llama3_tokenizer import GGUFVocab
 
@@ -82,6 +85,30 @@ class TinyLlamaConfig:
     def head_dim(self) -> int:
         return self.hidden_dim // self.n_heads
 
+    def llama_config(self) -> LlamaConfig:
+        """The engine's LlamaConfig of the same model (the file's metadata comes from it)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            dim=self.hidden_dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            ffn_dim=self.intermediate_dim,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            rms_norm_eps=self.rms_norm_eps,
+            context_length=self.context_length,
+            tie_word_embeddings=True,
+            rope_scaling_type="llama3",
+            rope_scaling_factor=self.rope_factor,
+            rope_low_freq_factor=self.rope_low_freq_factor,
+            rope_high_freq_factor=self.rope_high_freq_factor,
+            rope_original_context_length=self.rope_original_context,
+            rope_freq_factors=tuple(float(f) for f in rope_freq_factors(self)),
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+        )
+
     def hf_config(self) -> dict[str, object]:
         """The Hugging Face LlamaConfig (config.json) of the same model."""
         return {
@@ -137,16 +164,6 @@ def rope_freq_factors(config: TinyLlamaConfig) -> np.ndarray:
             )
             factors.append(1.0 / ((1 - smooth) / config.rope_factor + smooth))
     return np.array(factors, dtype=np.float32)
-
-
-def permute_for_gguf(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """Hugging Face (half-split) rotary rows -> llama.cpp (interleaved), like convert_hf_to_gguf."""
-    rows = weight.shape[0]
-    return (
-        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
 
 
 def unit_rows(weight: np.ndarray) -> np.ndarray:
@@ -272,58 +289,32 @@ def hf_config_for(config: TinyLlamaConfig, encoding: str) -> dict[str, object]:
     return hf_config
 
 
-def gguf_tensors(
-    config: TinyLlamaConfig, encoding: str, seed: int
-) -> Iterator[tuple[str, np.ndarray, GGMLQuantizationType]]:
-    """(name, raw data, storage type) of each tensor as it goes into the file."""
-    weight_type = WEIGHT_TYPE[encoding]
-    for name, weight in hf_weights(config, seed):
-        if name.endswith(".attn_q.weight"):
-            weight = permute_for_gguf(weight, config.n_heads)
-        elif name.endswith(".attn_k.weight"):
-            weight = permute_for_gguf(weight, config.n_kv_heads)
-        if weight.ndim == 1 or weight_type == GGMLQuantizationType.F32:
-            yield name, weight, GGMLQuantizationType.F32
-        elif weight_type in QUANTIZERS:  # gguf-py has no quantizer for these
-            yield name, QUANTIZERS[weight_type](weight), weight_type
-        else:
-            yield name, gguf_quantize(weight, weight_type), weight_type
+def quantize(weight: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """A matrix's blocks: this package's quantizers where gguf-py has none (Q4_K, NVFP4)."""
+    if qtype in QUANTIZERS:
+        return QUANTIZERS[qtype](weight)
+    return gguf_quantize(weight, qtype)
 
 
 def write_gguf(
     path: Path, config: TinyLlamaConfig, encoding: str, seed: int, vocab: GGUFVocab
 ) -> None:
     """Write the checkpoint to `path` (the caller makes it atomic)."""
-    writer = GGUFWriter(path, ARCHITECTURE)
-    writer.add_type("model")
-    writer.add_name(f"tiny-llama-3.1-{encoding}")
-    writer.add_block_count(config.n_layers)
-    writer.add_context_length(config.context_length)
-    writer.add_embedding_length(config.hidden_dim)
-    writer.add_feed_forward_length(config.intermediate_dim)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_file_type(FILE_TYPE[encoding])
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_types(vocab.token_types)
-    writer.add_token_merges(vocab.merges)
-    writer.add_bos_token_id(vocab.bos_token_id)
-    writer.add_eos_token_id(vocab.eos_token_id)
-    writer.add_add_bos_token(True)
-    writer.add_chat_template(vocab.chat_template)
-    writer.add_quantization_version(2)  # GGML_QNT_VERSION, as llama.cpp's converter writes it
-    for name, data, storage in gguf_tensors(config, encoding, seed):
-        if storage == GGMLQuantizationType.F32:
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, data, raw_dtype=storage)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_writer.write_gguf(
+        path,
+        config.llama_config(),
+        hf_weights(config, seed),
+        WEIGHT_TYPE[encoding],
+        vocab=gguf_writer.Vocabulary(
+            tokens=vocab.tokens,
+            token_types=vocab.token_types,
+            merges=vocab.merges,
+            bos_token_id=vocab.bos_token_id,
+            eos_token_id=vocab.eos_token_id,
+            chat_template=vocab.chat_template,
+        ),
+        quantize=quantize,
+        name=f"tiny-llama-3.1-{encoding}",
+        file_type=FILE_TYPE[encoding],
+        quantization_version=2,  # GGML_QNT_VERSION, as llama.cpp's converter writes it
+    )

@@ -14,7 +14,7 @@ filler of up to 5000 positions), and checks three properties:
   teacher-forced `generate` (`forced_tokens`): the same sequence run in one batch or step by step;
 - every logit is finite, from `forward_logits` and `generate` alike.
 
-Each property runs FUZZ_EXAMPLES (25) examples; the whole file takes about 25 s on 2 cores,
+Each property runs FUZZ_EXAMPLES (25) examples; the whole file takes about 70 s on 2 cores,
 most of it hypothesis shrinking the planted bugs' failures.
 The runs use testing/fuzz.py's settings: deterministic (derandomize=True, no example
 database), so CI sees the same examples every time; on a failure hypothesis prints the falsifying
@@ -24,19 +24,22 @@ The `test_planted_*` tests prove each property can fail: each plants one bug wit
 and asserts the property raises, and that it found the bug within its FUZZ_EXAMPLES examples
 (not only while shrinking).
 
-Checkpoints are written with tools/gen_tiny_model's `write_gguf` (the generator of the committed
-tiny checkpoints, with its weight scheme and GGUF conventions: Q/K permutation, `rope_freqs`
-tensor) but with the 263-token byte-level vocabulary of tiny_checkpoint.py instead of Llama 3.1's
-128256 tokens, so a file takes milliseconds. The properties feed token ids directly; no text is
-tokenized. Each distinct model is written once per session.
+Checkpoints are written with tiny_checkpoint.py's `write_tiny_llama` (random weights, its
+263-token byte-level vocabulary, tied embeddings as the committed tiny checkpoints have) through
+gguf_writer.write_gguf, the writer of the committed tiny checkpoints, with their GGUF
+conventions: Q/K permutation, a `rope_freqs` tensor. A file takes milliseconds. The properties
+feed token ids directly; no text is tokenized. Each distinct model is written once per session.
 """
 
+import dataclasses
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -44,10 +47,8 @@ from pipelines.llama3 import Llama3Engine
 from pipelines.llama3 import model as model_module
 from pipelines.llama3.model import Transformer
 from pipelines.llama3.tests.recompute import greedy_decode_without_cache
-from pipelines.llama3.tests.tiny_checkpoint import tiny_vocab
+from pipelines.llama3.tests.tiny_checkpoint import tiny_vocab, write_tiny_llama
 from testing.fuzz import first_failure, fuzz_settings
-from tools.gen_tiny_model.llama3_tokenizer import GGUFVocab
-from tools.gen_tiny_model.tiny_llama import TinyLlamaConfig, write_gguf
 
 FUZZ_EXAMPLES = 25
 
@@ -59,38 +60,46 @@ DECODE_ATOL = 1e-5
 # it; the planted bug below moves logits by whole units.
 FORWARD_RTOL_OF_MAX = 1e-5
 
-TOKENS, MERGES, TOKEN_TYPES = tiny_vocab()
-VOCAB = GGUFVocab(
-    tokens=TOKENS,
-    token_types=TOKEN_TYPES,
-    merges=MERGES,
-    bos_token_id=TOKENS.index("<|begin_of_text|>"),
-    eos_token_id=TOKENS.index("<|end_of_text|>"),
-    chat_template="",
-)
+TOKENS, _, _ = tiny_vocab()
 # Config overrides that switch Llama 3.1 RoPE scaling off although the file has rope_freqs
-# (tiny_llama always writes the tensor).
+# (every file here has the tensor).
 NO_ROPE_SCALING = {"rope_freq_factors": None, "rope_scaling_type": None}
+STORAGE = {"float32": GGMLQuantizationType.F32, "bfloat16": GGMLQuantizationType.BF16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One random model: its shape, storage, weight seed and whether RoPE scaling is on."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    dim: int
+    ffn_dim: int
+    rope_theta: float
+    storage: str  # a key of STORAGE
+    seed: int
+    rope_scaling: bool
 
 
 @st.composite
-def model_specs(draw: st.DrawFn) -> tuple[TinyLlamaConfig, str, int, bool]:
-    """(config, storage encoding, weight seed, RoPE scaling on) under gen_tiny_model's rules:
-    hidden % 8 == 0, n_heads | hidden with an even head dim, n_kv_heads | n_heads."""
+def model_specs(draw: st.DrawFn) -> ModelSpec:
+    """Shapes under gen_tiny_model's rules: hidden % 8 == 0, n_heads | hidden with an even
+    head dim, n_kv_heads | n_heads."""
     hidden = draw(st.sampled_from([8, 16, 24, 32, 48, 64]))
     n_heads = draw(st.sampled_from([h for h in range(1, hidden + 1) if hidden % (2 * h) == 0]))
     n_kv_heads = draw(st.sampled_from([k for k in range(1, n_heads + 1) if n_heads % k == 0]))
-    config = TinyLlamaConfig(
+    return ModelSpec(
         n_layers=draw(st.integers(1, 3)),
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
-        hidden_dim=hidden,
-        intermediate_dim=draw(st.sampled_from([8, 32, 4 * hidden])),
-        vocab_size=len(TOKENS),
+        dim=hidden,
+        ffn_dim=draw(st.sampled_from([8, 32, 4 * hidden])),
         rope_theta=draw(st.sampled_from([10000.0, 500000.0])),
+        storage=draw(st.sampled_from(list(STORAGE))),
+        seed=draw(st.integers(0, 2)),
+        rope_scaling=draw(st.booleans()),
     )
-    encoding = draw(st.sampled_from(["float32", "bfloat16"]))
-    return config, encoding, draw(st.integers(0, 2)), draw(st.booleans())
 
 
 token_ids = st.integers(0, len(TOKENS) - 1)
@@ -125,14 +134,29 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Llama3Eng
     every example loads its own engine (milliseconds), so no KV cache, RoPE table or planted
     bug carries over from one example or test to the next."""
     folder = tmp_path_factory.mktemp("fuzz_checkpoints")
-    written: dict[tuple[TinyLlamaConfig, str, int, bool], pathlib.Path] = {}
+    written: dict[ModelSpec, pathlib.Path] = {}
 
-    def engine(spec: tuple[TinyLlamaConfig, str, int, bool]) -> Llama3Engine:
-        config, encoding, seed, rope_scaling = spec
+    def engine(spec: ModelSpec) -> Llama3Engine:
         if spec not in written:
             written[spec] = folder / f"model_{len(written)}.gguf"
-            write_gguf(written[spec], config, encoding, seed, VOCAB)
-        overrides = None if rope_scaling else NO_ROPE_SCALING
+            head_dim = spec.dim // spec.n_heads
+            write_tiny_llama(
+                written[spec],
+                seed=spec.seed,
+                dim=spec.dim,
+                n_layers=spec.n_layers,
+                n_heads=spec.n_heads,
+                n_kv_heads=spec.n_kv_heads,
+                ffn_dim=spec.ffn_dim,
+                tied=True,
+                rope_theta=spec.rope_theta,
+                context_length=131072,
+                # Divisors of the frequencies from 1 to 8, Llama 3.1's range: the tensor turns
+                # the file's rope scaling on (test_gguf_loader checks how it is read).
+                rope_freqs=np.linspace(1.0, 8.0, head_dim // 2),
+                weight_type=STORAGE[spec.storage],
+            )
+        overrides = None if spec.rope_scaling else NO_ROPE_SCALING
         return Llama3Engine.from_gguf(written[spec], overrides=overrides)
 
     return engine
@@ -180,7 +204,7 @@ def check_logits_are_finite(engine: Llama3Engine, prompt: list[int], max_new_tok
 @given(spec=model_specs(), prompt=prompts(), max_new_tokens=st.integers(1, 12))
 def test_kv_cache_decode_equals_recomputation(
     engines: Callable[..., Llama3Engine],
-    spec: tuple[TinyLlamaConfig, str, int, bool],
+    spec: ModelSpec,
     prompt: list[int],
     max_new_tokens: int,
 ) -> None:
@@ -191,7 +215,7 @@ def test_kv_cache_decode_equals_recomputation(
 @given(spec=model_specs(), prompt=prompts(), forced=st.lists(token_ids, min_size=1, max_size=12))
 def test_full_forward_equals_teacher_forced_steps(
     engines: Callable[..., Llama3Engine],
-    spec: tuple[TinyLlamaConfig, str, int, bool],
+    spec: ModelSpec,
     prompt: list[int],
     forced: list[int],
 ) -> None:
@@ -202,7 +226,7 @@ def test_full_forward_equals_teacher_forced_steps(
 @given(spec=model_specs(), prompt=prompts(), max_new_tokens=st.integers(1, 12))
 def test_logits_are_finite(
     engines: Callable[..., Llama3Engine],
-    spec: tuple[TinyLlamaConfig, str, int, bool],
+    spec: ModelSpec,
     prompt: list[int],
     max_new_tokens: int,
 ) -> None:

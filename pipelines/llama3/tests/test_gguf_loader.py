@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from pipelines.llama3 import CheckpointError, Llama3Engine, load_config
-from pipelines.llama3.gguf_loader import load_weights, open_gguf, read_config, unpermute_qk
-from pipelines.llama3.tests.tiny_checkpoint import llama_cpp_permute, write_tiny_llama
+from pipelines.llama3.gguf_loader import (
+    load_weights,
+    open_gguf,
+    permute_qk,
+    read_config,
+    unpermute_qk,
+)
+from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +67,17 @@ def test_weights_are_unpermuted_back_to_the_written_layout(tiny_gguf: pathlib.Pa
         assert torch.equal(weights[param], torch.from_numpy(written[gguf_name]))
 
 
-def test_unpermute_inverts_llama_cpp_permute() -> None:
+def test_permute_interleaves_each_heads_halves_as_llama_cpp_does() -> None:
+    # Head rows (x0, x1, x2, y0, y1, y2): rotate-half pairs (x_i, y_i) -> adjacent rows.
+    assert permute_qk(np.arange(12), 2).tolist() == [0, 3, 1, 4, 2, 5, 6, 9, 7, 10, 8, 11]
+
+
+def test_unpermute_inverts_permute() -> None:
     weight = np.arange(8 * 3 * 5, dtype=np.float32).reshape(8 * 3, 5)  # 3 heads of head_dim 8
-    restored = unpermute_qk(torch.from_numpy(llama_cpp_permute(weight, 3)), 3)
+    restored = unpermute_qk(torch.from_numpy(permute_qk(weight, 3)), 3)
     assert torch.equal(restored, torch.from_numpy(weight))
+    as_tensor = permute_qk(torch.from_numpy(weight), 3)  # torch tensors permute alike
+    assert torch.equal(as_tensor, torch.from_numpy(permute_qk(weight, 3)))
 
 
 def test_overrides_replace_config_fields(tiny_gguf: pathlib.Path) -> None:

@@ -1,12 +1,16 @@
-"""Tiny random Llama GGUF files written with gguf-py, for fast tests of the loader and model.
+"""Tiny random Llama GGUF files, for fast tests of the loader and model.
 
-Q/K rows are permuted the way llama.cpp's converter does, so the engine must undo it.
+Written by gguf_writer.write_gguf (the writer of the committed tiny checkpoints too), which
+permutes the Q/K rows the way llama.cpp's converter does, so the engine must undo it.
 """
 
 import pathlib
 
 import gguf
 import numpy as np
+
+from pipelines.llama3.config import LlamaConfig
+from pipelines.llama3.gguf_writer import Vocabulary, write_gguf
 
 # A byte-level vocabulary: the 256 byte characters, a few merges, and two control tokens.
 _SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>"]
@@ -26,15 +30,6 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, token_types
 
 
-def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute."""
-    return (
-        weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
 def write_tiny_llama(
     path: pathlib.Path,
     *,
@@ -45,6 +40,8 @@ def write_tiny_llama(
     n_kv_heads: int = 2,
     ffn_dim: int = 128,
     tied: bool = False,
+    rope_theta: float = 10000.0,
+    context_length: int = 256,
     rope_freqs: np.ndarray | None = None,
     weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     architecture: str = "llama",
@@ -79,41 +76,36 @@ def write_tiny_llama(
             f"blk.{i}.ffn_down.weight": randn(dim, ffn_dim),
         }
 
-    writer = gguf.GGUFWriter(path, architecture)
-    writer.add_block_count(n_layers)
-    writer.add_context_length(256)
-    writer.add_embedding_length(dim)
-    writer.add_feed_forward_length(ffn_dim)
-    writer.add_head_count(n_heads)
-    writer.add_head_count_kv(n_kv_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_vocab_size(vocab)
-    if with_tokenizer:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(tokenizer_pre)
-        writer.add_token_list(tokens)
-        writer.add_token_merges(merges)
-        writer.add_token_types(token_types)
-        writer.add_bos_token_id(tokens.index("<|begin_of_text|>"))
-        writer.add_eos_token_id(tokens.index("<|end_of_text|>"))
-        writer.add_add_bos_token(True)
-    for name, weight in weights.items():
-        stored = weight
-        if name.endswith("attn_q.weight"):
-            stored = llama_cpp_permute(weight, n_heads)
-        elif name.endswith("attn_k.weight"):
-            stored = llama_cpp_permute(weight, n_kv_heads)
-        if stored.ndim == 2 and weight_type != gguf.GGMLQuantizationType.F32:
-            packed = gguf.quants.quantize(stored, weight_type)
-            writer.add_tensor(name, packed, raw_dtype=weight_type)
-        else:
-            writer.add_tensor(name, stored)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=ffn_dim,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        rms_norm_eps=1e-5,
+        context_length=context_length,
+        tie_word_embeddings=tied,
+    )
+    vocabulary = Vocabulary(
+        tokens=tokens,
+        token_types=token_types,
+        merges=merges,
+        bos_token_id=tokens.index("<|begin_of_text|>"),
+        eos_token_id=tokens.index("<|end_of_text|>"),
+        pre=tokenizer_pre,
+    )
+    tensors = list(weights.items())
     if rope_freqs is not None:
-        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        tensors.append(("rope_freqs.weight", rope_freqs.astype(np.float32)))
+    write_gguf(
+        path,
+        config,
+        tensors,
+        weight_type,
+        vocab=vocabulary if with_tokenizer else None,
+        architecture=architecture,
+    )
     return weights
