@@ -158,6 +158,8 @@ def load(isa: str) -> ctypes.CDLL:
     lib.rms_norm.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
     lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.decode_attention.argtypes += [ctypes.c_float, ptr, ptr]
+    lib.decode_attention_paged.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64]
+    lib.decode_attention_paged.argtypes += [ctypes.c_float, ptr, ptr]
     functions = (
         "q4_gemm",
         "q8_gemm",
@@ -165,6 +167,7 @@ def load(isa: str) -> ctypes.CDLL:
         "q8_dequantize",
         "rms_norm",
         "decode_attention",
+        "decode_attention_paged",
         *_PACKERS,
     )
     for name in functions:

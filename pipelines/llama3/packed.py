@@ -199,11 +199,53 @@ class PackedAttention(Attention):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # One product for q, k and v, and one rotation for the q and k heads together
         # (elementwise, so each head is rotated exactly as Attention.project rotates it).
-        bsz, seqlen, _ = x.shape
+        return self.rotate(self.wqkv(x), cos, sin)
+
+    def rotate(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`project` after the fused product: qkv [bsz, seq, (n_heads + 2 n_kv_heads) *
+        head_dim] into rotated queries, rotated keys and values (the serving engine computes
+        qkv once for a batch whose decode rows go to the kernel unrotated)."""
+        bsz, seqlen, _ = qkv.shape
         qk_heads = self.n_heads + self.n_kv_heads
-        qkv = self.wqkv(x).view(bsz, seqlen, qk_heads + self.n_kv_heads, self.head_dim)
+        qkv = qkv.view(bsz, seqlen, qk_heads + self.n_kv_heads, self.head_dim)
         qk = apply_rotary_emb(qkv[:, :, :qk_heads].transpose(1, 2), cos, sin)
         return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, :, qk_heads:].transpose(1, 2)
+
+    def decode_paged(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One new position's attention output before wo, [n_heads * head_dim], over a paged
+        cache (`decode_attention_paged`): qkv [(n_heads + 2 n_kv_heads) * head_dim] unrotated
+        (rotated in place), caches [slots, n_kv_heads, head_dim] float32, slots[t] the slot of
+        position t, the last one where the new keys and values are written."""
+        pos = slots.numel() - 1
+        if self._scores.numel() < pos + 1:
+            self._scores = torch.empty(max(pos + 1, 2 * self._scores.numel()), dtype=torch.float32)
+        out = torch.empty(self.n_heads * self.head_dim, dtype=torch.float32)
+        self._lib.decode_attention_paged(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cache_k.data_ptr(),
+            cache_v.data_ptr(),
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            slots.data_ptr(),
+            pos,
+            self.scale,
+            self._scores.data_ptr(),
+            out.data_ptr(),
+        )
+        return out
 
     def _decode_applies(self, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Whether the kernel reads these tables and caches: float32, contiguous."""

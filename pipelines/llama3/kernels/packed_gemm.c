@@ -392,11 +392,11 @@ void rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float e
  * positions 0..pos of its KV head (n_heads / n_kv_heads q heads per KV head):
  * out[h] = softmax(q_h . K^T * scale) V, float32. scores: scratch of pos + 1 floats.
  * Replaces ten torch operators per layer (rotation, cache writes, SDPA, reshapes). */
-void decode_attention(float *qkv, const float *cos, const float *sin, float *cache_k,
-                      float *cache_v, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                      int64_t max_seq, int64_t pos, float scale, float *scores, float *out) {
-    const int64_t half = head_dim / 2, group = n_heads / n_kv_heads, T = pos + 1;
-    for (int64_t h = 0; h < n_heads + n_kv_heads; h++) {
+/* The rotation of the q and k heads of qkv, in place (Attention.project's, bit for bit). */
+static void rotate_heads(float *qkv, const float *cos, const float *sin, int64_t heads,
+                         int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
         float *x = qkv + h * head_dim;
         for (int64_t i = 0; i < half; i++) {
             const float a = x[i], b = x[i + half];
@@ -406,18 +406,24 @@ void decode_attention(float *qkv, const float *cos, const float *sin, float *cac
             x[i + half] = high_cos + high_sin;
         }
     }
-    const float *k = qkv + n_heads * head_dim, *v = k + n_kv_heads * head_dim;
-    for (int64_t j = 0; j < n_kv_heads; j++) {
-        memcpy(cache_k + (j * max_seq + pos) * head_dim, k + j * head_dim, head_dim * 4);
-        memcpy(cache_v + (j * max_seq + pos) * head_dim, v + j * head_dim, head_dim * 4);
-    }
+}
+
+/* Grouped-query attention of one query position over T keys and values: key t of KV head g
+ * is at cache + ((slots ? slots[t] : t) * t_stride + g * g_stride) * head_dim, for the
+ * contiguous cache (t_stride 1, g_stride max_seq) and the paged one (slots, t_stride
+ * n_kv_heads, g_stride 1) alike, in one summation order. */
+static void attend(const float *qkv, const float *cache_k, const float *cache_v,
+                   const int64_t *slots, int64_t t_stride, int64_t g_stride, int64_t n_heads,
+                   int64_t n_kv_heads, int64_t head_dim, int64_t T, float scale, float *scores,
+                   float *out) {
+    const int64_t group = n_heads / n_kv_heads;
     for (int64_t h = 0; h < n_heads; h++) {
         const float *q = qkv + h * head_dim;
-        const float *keys = cache_k + (h / group) * max_seq * head_dim;
-        const float *values = cache_v + (h / group) * max_seq * head_dim;
+        const int64_t g = (h / group) * g_stride;
         float peak = -__builtin_inff();
         for (int64_t t = 0; t < T; t++) {
-            scores[t] = dot8(q, keys + t * head_dim, head_dim) * scale;
+            const int64_t row = (slots ? slots[t] : t) * t_stride + g;
+            scores[t] = dot8(q, cache_k + row * head_dim, head_dim) * scale;
             if (scores[t] > peak) peak = scores[t];
         }
         float total = 0.0f;
@@ -428,8 +434,39 @@ void decode_attention(float *qkv, const float *cos, const float *sin, float *cac
         float *o = out + h * head_dim;
         for (int64_t i = 0; i < head_dim; i++) o[i] = 0.0f;
         for (int64_t t = 0; t < T; t++) {
-            const float p = scores[t] / total, *vt = values + t * head_dim;
+            const int64_t row = (slots ? slots[t] : t) * t_stride + g;
+            const float p = scores[t] / total, *vt = cache_v + row * head_dim;
             for (int64_t i = 0; i < head_dim; i++) o[i] += p * vt[i];
         }
     }
+}
+
+void decode_attention(float *qkv, const float *cos, const float *sin, float *cache_k,
+                      float *cache_v, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                      int64_t max_seq, int64_t pos, float scale, float *scores, float *out) {
+    rotate_heads(qkv, cos, sin, n_heads + n_kv_heads, head_dim);
+    const float *k = qkv + n_heads * head_dim, *v = k + n_kv_heads * head_dim;
+    for (int64_t j = 0; j < n_kv_heads; j++) {
+        memcpy(cache_k + (j * max_seq + pos) * head_dim, k + j * head_dim, head_dim * 4);
+        memcpy(cache_v + (j * max_seq + pos) * head_dim, v + j * head_dim, head_dim * 4);
+    }
+    attend(qkv, cache_k, cache_v, NULL, 1, max_seq, n_heads, n_kv_heads, head_dim, pos + 1,
+           scale, scores, out);
+}
+
+/* decode_attention over a paged cache (pipelines/llama3/serving.py's block pool): the cache is
+ * [slots, n_kv_heads, head_dim], slots[t] is where position t lives (t = 0..pos; the new
+ * position's keys and values are written at slots[pos]). Bit-identical to decode_attention on
+ * the same keys. */
+void decode_attention_paged(float *qkv, const float *cos, const float *sin, float *cache_k,
+                            float *cache_v, int64_t n_heads, int64_t n_kv_heads,
+                            int64_t head_dim, const int64_t *slots, int64_t pos, float scale,
+                            float *scores, float *out) {
+    rotate_heads(qkv, cos, sin, n_heads + n_kv_heads, head_dim);
+    const float *k = qkv + n_heads * head_dim, *v = k + n_kv_heads * head_dim;
+    const int64_t at = slots[pos] * n_kv_heads * head_dim;
+    memcpy(cache_k + at, k, n_kv_heads * head_dim * 4);
+    memcpy(cache_v + at, v, n_kv_heads * head_dim * 4);
+    attend(qkv, cache_k, cache_v, slots, n_kv_heads, 1, n_heads, n_kv_heads, head_dim,
+           pos + 1, scale, scores, out);
 }

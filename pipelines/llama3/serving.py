@@ -1,0 +1,458 @@
+"""The paths a serving engine takes: many requests at once over a paged KV cache.
+
+`ServingEngine(engine, block_size=16, ...)` serves a list of `Request`s the way vLLM, SGLang or
+llama.cpp's server do, with the engine's own weights and modules:
+
+- **Paged KV cache** (`BlockPool`): keys and values live in a pool of fixed-size blocks,
+  [layers, blocks, block_size, kv_heads, head_dim]; each sequence has a block table, position p
+  lives in slot `table[p // block_size] * block_size + p % block_size`.
+- **Continuous batching** (`step`): one forward pass runs the next piece of every running
+  sequence, prefill chunks and single decode tokens of different sequences together, ragged:
+  their rows are concatenated, never padded. Projections and feed-forward run over all rows;
+  attention runs per sequence over the keys its block table names.
+- **Chunked prefill**: a prompt enters `chunk_size` tokens per step (None: whole).
+- **Prefix caching**: a full block is published under a hash chained on its parent block's
+  hash; a new request reuses the longest run of its full blocks already in the pool
+  (reference counted; a block nobody uses stays cached and is evicted least recently used).
+- **Preemption**: when the pool has no free block for a running sequence, the most recently
+  admitted one gives its blocks back and is recomputed later from its tokens (prompt and what
+  it was fed), then continues exactly.
+- **The quantized mode's decode kernel reads the paged cache**: a decode row runs
+  `decode_attention_paged` over its block table's slots (bit-identical to the contiguous
+  kernel `generate` uses); prefill pieces run SDPA over the gathered keys.
+- **Teacher forcing per request**: `Request.forced_tokens` feeds the golden's tokens, as
+  `Llama3Engine.generate` does; `prompt_positions` returns logits of those prompt positions
+  (positions read from the prefix cache are not computed, so not returned).
+
+Each request's result is a `GenerationOutput`, as from `Llama3Engine.generate`. The single
+sequence path stays `generate` (its contiguous cache); the golden tests hold both to the same
+goldens (their `solo` lane and the serving scenarios). The methods `_slot`, `_write_slot`,
+`_positions`, `_context_slots`, `_block_hash` and `_resume_from` are the seams the scenario
+mutations of the golden tests replace. CPU and CUDA share this code (torch operators only);
+it is tested on the CPU only.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pipelines.llama3.engine import GenerationOutput, Llama3Engine
+from pipelines.llama3.model import causal_mask, precompute_rope
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """A request's result: what `Llama3Engine.generate` returns, and how it was served."""
+
+    output: GenerationOutput
+    prompt_positions: list[int]  # the positions whose logits were computed (not cached)
+    cached_prefix: int  # prompt positions read from the prefix cache
+    preemptions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    id: str
+    prompt: list[int]
+    max_new_tokens: int
+    forced_tokens: list[int] | None = None  # teacher forcing: fed instead of the greedy choice
+    prompt_positions: tuple[int, ...] = ()  # prompt positions whose logits to return
+
+
+class PoolExhausted(RuntimeError):
+    """A single sequence needs more blocks than the whole pool holds."""
+
+
+class BlockPool:
+    """Fixed-size KV blocks with reference counts and a prefix cache (hash -> block)."""
+
+    def __init__(self, engine: Llama3Engine, num_blocks: int, block_size: int) -> None:
+        config = engine.config
+        shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
+        self.v = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free: collections.deque[int] = collections.deque(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.cached: dict[bytes, int] = {}  # prefix hash -> block
+        self.hash_of: dict[int, bytes] = {}  # block -> its prefix hash
+        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
+        self.hits = 0
+
+    def available(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    def allocate(self) -> int | None:
+        """A block for new keys: a free one, else the least recently used cached one."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.hash_of.pop(block)]
+        else:
+            return None
+        self.refs[block] = 1
+        return block
+
+    def lookup(self, key: bytes) -> int | None:
+        """The cached block of this prefix hash, now referenced once more; None if absent."""
+        block = self.cached.get(key)
+        if block is None:
+            return None
+        if self.refs[block] == 0:
+            del self.evictable[block]
+        self.refs[block] += 1
+        self.hits += 1
+        return block
+
+    def publish(self, block: int, key: bytes) -> None:
+        """Make a full block findable by its prefix hash (the first block with a hash keeps it)."""
+        if key not in self.cached and block not in self.hash_of:
+            self.cached[key] = block
+            self.hash_of[block] = key
+
+    def release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.hash_of:
+                self.evictable[block] = None  # kept for later hits until evicted
+            else:
+                self.free.append(block)
+
+
+@dataclasses.dataclass
+class _Sequence:
+    request: Request
+    order: int  # admission order: the last admitted is preempted first
+    fed: list[int]  # tokens whose keys are computed or pending: prompt, then fed tokens
+    computed: int = 0  # positions of `fed` whose keys are in the pool
+    table: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its full blocks
+    tokens: list[int] = dataclasses.field(default_factory=list)  # greedy choice per step
+    logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    prompt_logits: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    cached_prefix: int = 0  # prompt positions read from the prefix cache
+    preemptions: int = 0
+    skip: set[int] = dataclasses.field(default_factory=set)  # positions not recomputed
+    done: bool = False
+
+
+class ServingEngine:
+    """Serves requests with continuous batching over a paged KV cache (module docstring)."""
+
+    def __init__(
+        self,
+        engine: Llama3Engine,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        chunk_size: int | None = None,
+        max_batch: int | None = None,
+        prefix_caching: bool = False,
+        max_context: int = 16384,
+    ) -> None:
+        if block_size < 1 or (chunk_size is not None and chunk_size < 1):
+            raise ValueError(f"block_size {block_size} and chunk_size {chunk_size} must be >= 1")
+        self.engine, self.model = engine, engine.model
+        self.num_blocks = num_blocks  # None: enough for every request of a `serve` at once
+        self.pool: BlockPool | None = None
+        self.block_size, self.chunk_size, self.max_batch = block_size, chunk_size, max_batch
+        self.prefix_caching = prefix_caching
+        self.cos, self.sin = precompute_rope(engine.config, max_context, engine.device)
+        self.max_context = max_context
+        self.preemptions = 0
+        self.steps = 0
+
+    # --- the seams the scenario mutations replace --------------------------------------------
+
+    def _slot(self, seq: _Sequence, position: int) -> int:
+        """Where position `position` of `seq` lives in the pool's flattened slots."""
+        return seq.table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _write_slot(self, seq: _Sequence, position: int, decoding: bool) -> int:
+        """Where the keys and values of a new position go: its own slot."""
+        return self._slot(seq, position)
+
+    def _positions(self, seq: _Sequence, start: int, count: int) -> list[int]:
+        """The sequence positions of a piece of `count` tokens from `start` (its RoPE angles)."""
+        return list(range(start, start + count))
+
+    def _context_slots(self, batch: list[tuple[_Sequence, int, int]], index: int) -> list[int]:
+        """The slots whose keys sequence `index` of the batch attends to: its own positions."""
+        seq, start, count = batch[index]
+        return [self._slot(seq, p) for p in range(start + count)]
+
+    def _block_hash(self, parent: bytes, tokens: Sequence[int]) -> bytes:
+        """A full block's prefix hash: chained on its parent's, so equal tokens after a
+        different history never share a block."""
+        return hashlib.sha256(parent + b"|" + ",".join(map(str, tokens)).encode()).digest()
+
+    def _resume_from(self, seq: _Sequence) -> list[int]:
+        """The positions a preempted sequence recomputes when it is admitted again: all."""
+        return list(range(len(seq.fed)))
+
+    # --- serving ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def serve(self, requests: Sequence[Request]) -> dict[str, Served]:
+        """Every request to completion; requests beyond `max_batch` wait for a place. The
+        pool (and its prefix cache) lives on across calls."""
+        self._checked(requests)
+        if self.pool is None:
+            needed = sum(
+                -(-(len(r.prompt) + r.max_new_tokens) // self.block_size) for r in requests
+            )
+            self.pool = BlockPool(self.engine, self.num_blocks or needed + 1, self.block_size)
+        waiting = collections.deque(_Sequence(r, i, list(r.prompt)) for i, r in enumerate(requests))
+        running: list[_Sequence] = []
+        finished: dict[str, _Sequence] = {}
+        start = time.perf_counter()
+        while waiting or running:
+            while waiting and (self.max_batch is None or len(running) < self.max_batch):
+                if not self._admit(waiting[0]):
+                    break
+                running.append(waiting.popleft())
+            if not running:
+                raise PoolExhausted(
+                    f"request {waiting[0].request.id!r} needs more than the pool's "
+                    f"{self.pool.num_blocks} blocks of {self.block_size}"
+                )
+            pieces = self._schedule(running, waiting)
+            if pieces:
+                self._forward(pieces)
+            for seq in [s for s in running if s.done]:
+                running.remove(seq)
+                for block in seq.table:
+                    self.pool.release(block)
+                seq.table = []
+                finished[seq.request.id] = seq
+        seconds = time.perf_counter() - start
+        return {r.id: self._output(finished[r.id], seconds) for r in requests}
+
+    def _checked(self, requests: Sequence[Request]) -> Sequence[Request]:
+        vocab = self.engine.config.vocab_size
+        for r in requests:
+            if not r.prompt or r.max_new_tokens < 1:
+                raise ValueError(f"request {r.id!r}: empty prompt or max_new_tokens < 1")
+            if any(not 0 <= t < vocab for t in [*r.prompt, *(r.forced_tokens or [])]):
+                raise ValueError(f"request {r.id!r}: token ids outside the vocabulary")
+            if any(not 0 <= p < len(r.prompt) - 1 for p in r.prompt_positions):
+                raise ValueError(f"request {r.id!r}: prompt positions outside the prompt")
+            if len(r.prompt) + r.max_new_tokens > self.max_context:
+                raise ValueError(f"request {r.id!r}: longer than max_context {self.max_context}")
+        return requests
+
+    def _admit(self, seq: _Sequence) -> bool:
+        """Give `seq` its cached prefix blocks (prefix caching); False when the pool has no
+        block for its first piece now."""
+        recompute = self._resume_from(seq) if seq.preemptions else None
+        hits: list[int] = []
+        if self.prefix_caching and not seq.preemptions:
+            parent = b""
+            # At least the last prompt token is computed: its logits are the first step's.
+            for b in range((len(seq.fed) - 1) // self.block_size):
+                key = self._block_hash(
+                    parent, seq.fed[b * self.block_size : (b + 1) * self.block_size]
+                )
+                block = self.pool.lookup(key)
+                if block is None:
+                    break
+                hits.append(block)
+                seq.hashes.append(key)
+                parent = key
+        if self.pool.available() < 1:
+            for block in hits:
+                self.pool.release(block)
+            seq.hashes.clear()
+            return False
+        seq.table = hits
+        seq.computed = len(hits) * self.block_size
+        seq.cached_prefix = seq.computed
+        if recompute is not None:
+            seq.skip = set(range(len(seq.fed))) - set(recompute)
+        return True
+
+    def _schedule(
+        self, running: list[_Sequence], waiting: collections.deque
+    ) -> list[tuple[_Sequence, int, int]]:
+        """This step's pieces (seq, start, count), blocks allocated; preempts the last
+        admitted sequences while the pool runs out."""
+        pieces = []
+        for seq in list(running):
+            if seq not in running:
+                continue
+            remaining = len(seq.fed) - seq.computed
+            count = remaining if self.chunk_size is None else min(self.chunk_size, remaining)
+            end = seq.computed + count
+            while len(seq.table) * self.block_size < end:
+                block = self.pool.allocate()
+                if block is not None:
+                    seq.table.append(block)
+                    continue
+                victim = max(running, key=lambda s: s.order)
+                self._preempt(victim, running, waiting)
+                pieces = [p for p in pieces if p[0] is not victim]
+                if victim is seq:
+                    break
+            if seq in running:
+                pieces.append((seq, seq.computed, count))
+        return pieces
+
+    def _preempt(self, seq: _Sequence, running: list[_Sequence], waiting: collections.deque):
+        """Free `seq`'s blocks; it waits at the head of the queue and is recomputed."""
+        if len(running) == 1:
+            raise PoolExhausted(
+                f"request {seq.request.id!r} needs more than the pool's {self.pool.num_blocks} "
+                f"blocks of {self.block_size}"
+            )
+        running.remove(seq)
+        for block in seq.table:
+            self.pool.release(block)
+        seq.table, seq.hashes, seq.computed = [], [], 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        waiting.appendleft(seq)
+
+    def _forward(self, pieces: list[tuple[_Sequence, int, int]]) -> None:
+        """One forward pass over every piece's tokens, ragged; then each sequence's step."""
+        model, pool = self.model, self.pool
+        device = self.engine.device
+        tokens, positions, slots, rows = [], [], [], []
+        for seq, start, count in pieces:
+            tokens += seq.fed[start : start + count]
+            positions += self._positions(seq, start, count)
+            slots += [self._write_slot(seq, p, count == 1) for p in range(start, start + count)]
+        token_ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=device)
+        write = torch.tensor(slots, dtype=torch.long, device=device)
+        skip = [self._skipped(seq, start, count) for seq, start, count in pieces]
+        kernel = self._decode_kernel()
+        # A decode row the quantized kernel runs: it writes that position's keys itself.
+        by_kernel = [kernel and count == 1 for _, _, count in pieces]
+        keep = torch.tensor(
+            [not s and not k for piece, k in zip(skip, by_kernel, strict=True) for s in piece],
+            dtype=torch.bool,
+        )
+        contexts = [
+            torch.tensor(self._context_slots(pieces, i), dtype=torch.long, device=device)
+            for i in range(len(pieces))
+        ]
+        for i, (seq, start, _) in enumerate(pieces):
+            if by_kernel[i]:  # the kernel's slots: the context, the new position's write slot
+                contexts[i][-1] = self._write_slot(seq, start, True)
+        h = model.tok_embeddings(token_ids)[None]  # [1, T, dim]
+        cos, sin = self.cos[position_ids], self.sin[position_ids]
+        for index, layer in enumerate(model.layers):
+            attention = layer.attention
+            x = layer.attention_norm(h)
+            qkv = attention.wqkv(x) if kernel else None
+            if kernel:
+                xq, xk, xv = attention.rotate(qkv, cos, sin)
+            else:
+                xq, xk, xv = attention.project(x, cos, sin)
+            k_slots = pool.k[index].view(-1, attention.n_kv_heads, attention.head_dim)
+            v_slots = pool.v[index].view(-1, attention.n_kv_heads, attention.head_dim)
+            new_k, new_v = xk[0].transpose(0, 1), xv[0].transpose(0, 1)  # [T, kv_heads, hd]
+            k_slots[write[keep]] = new_k[keep].to(k_slots.dtype)
+            v_slots[write[keep]] = new_v[keep].to(v_slots.dtype)
+            outputs, offset = [], 0
+            for i, ((_, start, count), context) in enumerate(zip(pieces, contexts, strict=True)):
+                if by_kernel[i]:
+                    row = qkv[0, offset].clone()  # the kernel rotates it in place
+                    out = attention.decode_paged(
+                        row, cos[offset], sin[offset], k_slots, v_slots, context
+                    )
+                    outputs.append(out.view(1, attention.n_heads, 1, attention.head_dim))
+                    offset += 1
+                    continue
+                q = xq[:, :, offset : offset + count]
+                keys = k_slots[context].transpose(0, 1)[None]  # [1, kv_heads, ctx, hd]
+                values = v_slots[context].transpose(0, 1)[None]
+                mask = None if count == 1 or start == 0 else causal_mask(count, start, q.device)
+                out = F.scaled_dot_product_attention(
+                    q.float(),
+                    keys.float(),
+                    values.float(),
+                    attn_mask=mask,
+                    is_causal=mask is None and count > 1,
+                    scale=attention.scale,
+                    enable_gqa=True,
+                ).to(q.dtype)
+                outputs.append(out)
+                offset += count
+            out = torch.cat(outputs, dim=2).transpose(1, 2).reshape(1, len(tokens), -1)
+            h = h + attention.wo(out)
+            h = h + layer.feed_forward(layer.ffn_norm(h))
+        offset = 0
+        for seq, start, count in pieces:
+            wanted = [
+                p
+                for p in seq.request.prompt_positions
+                if start <= p < start + count and p not in seq.prompt_logits
+            ]
+            last = start + count == len(seq.fed)
+            rows = [offset + p - start for p in wanted] + ([offset + count - 1] if last else [])
+            logits = model._logits(h[0, rows]) if rows else None
+            for j, p in enumerate(wanted):
+                seq.prompt_logits[p] = logits[j].cpu()
+            seq.computed = start + count
+            self._publish_full_blocks(seq)
+            if last:
+                self._step(seq, logits[-1].cpu())
+            offset += count
+        self.steps += 1
+
+    def _decode_kernel(self) -> bool:
+        """Whether decode rows run the quantized mode's paged kernel: packed attention on the
+        CPU, float32 pool (the kernel's types)."""
+        attention = self.model.layers[0].attention
+        return (
+            hasattr(attention, "decode_paged")
+            and self.pool.k.dtype == torch.float32
+            and self.pool.k.device.type == "cpu"
+        )
+
+    def _skipped(self, seq: _Sequence, start: int, count: int) -> list[bool]:
+        return [p in seq.skip for p in range(start, start + count)]
+
+    def _publish_full_blocks(self, seq: _Sequence) -> None:
+        if not self.prefix_caching:
+            return
+        while (len(seq.hashes) + 1) * self.block_size <= seq.computed:
+            b = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else b""
+            size = self.block_size
+            key = self._block_hash(parent, seq.fed[b * size : (b + 1) * size])
+            seq.hashes.append(key)
+            self.pool.publish(seq.table[b], key)
+
+    def _step(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        """The logits after the last fed token: one generated step."""
+        request = seq.request
+        token = int(torch.argmax(logits))
+        seq.logits.append(logits)
+        seq.tokens.append(token)
+        step = len(seq.tokens) - 1
+        if step == request.max_new_tokens - 1:
+            seq.done = True
+            return
+        if request.forced_tokens is not None:
+            token = request.forced_tokens[step]
+        elif token in (self.engine.tokenizer.eos_ids if self.engine.tokenizer else set()):
+            seq.done = True
+            return
+        seq.fed.append(token)
+
+    def _output(self, seq: _Sequence, seconds: float) -> Served:
+        positions = [p for p in seq.request.prompt_positions if p in seq.prompt_logits]
+        prompt_logits = (
+            torch.stack([seq.prompt_logits[p] for p in positions]) if positions else None
+        )
+        output = GenerationOutput(seq.tokens, torch.stack(seq.logits), seconds, 0.0, prompt_logits)
+        return Served(output, positions, seq.cached_prefix, seq.preemptions)

@@ -1,0 +1,151 @@
+"""The serving engine against the single-sequence path: same tokens, same logits.
+
+Every request is teacher-forced on `generate`'s own greedy tokens, so both compute the same
+positions; the golden tests (test_llama_serving) hold the scenarios to the goldens too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.llama3 import Llama3Engine
+from pipelines.llama3.serving import BlockPool, PoolExhausted, Request, ServingEngine
+
+TESTDATA = Path(
+    os.environ.get("PIPELINES_TESTDATA", "max_tests/integration/architectures/llama3/testdata")
+)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    return",
+    "Why is the sky blue? Because the",
+    "Hi",
+]
+STEPS = 6
+
+
+@pytest.fixture(
+    scope="module", params=[("tiny_llama.gguf", "eager"), ("tiny_llama_q4_k.gguf", "quantized")]
+)
+def served(request):
+    """(engine, requests teacher-forced on generate's tokens, generate's outputs)."""
+    file_name, mode = request.param
+    engine = Llama3Engine.from_gguf(TESTDATA / file_name, mode=mode)
+    prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
+    with torch.inference_mode():
+        solo = [engine.generate(p, STEPS, prompt_positions=range(len(p) - 1)) for p in prompts]
+    requests = [
+        Request(str(i), p, STEPS, s.tokens, tuple(range(len(p) - 1)))
+        for i, (p, s) in enumerate(zip(prompts, solo, strict=True))
+    ]
+    return engine, requests, solo
+
+
+def _worst(results, requests, solo) -> float:
+    """Max |Δ log-prob| of the served requests against generate, steps and prompt positions."""
+    worst = 0.0
+    for request, reference in zip(requests, solo, strict=True):
+        out = results[request.id].output
+        assert out.tokens == reference.tokens, request.id
+        pairs = [(out.logits, reference.logits)]
+        if out.prompt_logits is not None:
+            index = [
+                request.prompt_positions.index(p) for p in results[request.id].prompt_positions
+            ]
+            pairs.append((out.prompt_logits, reference.prompt_logits[index]))
+        for a, b in pairs:
+            delta = (torch.log_softmax(a, -1) - torch.log_softmax(b, -1)).abs().max()
+            worst = max(worst, float(delta))
+    return worst
+
+
+def test_one_request_is_bitwise_the_single_sequence_path(served) -> None:
+    """Paged cache, gathered keys, the paged decode kernel: the same numbers as generate."""
+    engine, requests, solo = served
+    for request, reference in zip(requests, solo, strict=True):
+        out = ServingEngine(engine, block_size=4).serve([request])[request.id].output
+        assert out.tokens == reference.tokens
+        assert torch.equal(out.logits, reference.logits)
+        assert torch.equal(out.prompt_logits, reference.prompt_logits)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"chunk_size": 1},
+        {"chunk_size": 3, "block_size": 4},
+        {"block_size": 4},
+        {"block_size": 16},
+    ],
+    ids=["batch", "chunk1", "chunk3-block4", "block4", "block16"],
+)
+def test_a_ragged_batch_gives_every_request_its_own_numbers(served, config) -> None:
+    engine, requests, solo = served
+    for order in (requests, requests[::-1]):
+        results = ServingEngine(engine, **config).serve(order)
+        assert _worst(results, requests, solo) < 2e-4
+
+
+def test_the_quantized_batch_is_bitwise_where_the_kernels_see_the_same_rows(served) -> None:
+    """Whole-prompt prefill and decode through the same kernels: row for row the same."""
+    engine, requests, solo = served
+    results = ServingEngine(engine).serve(requests)
+    if engine.mode == "quantized":
+        assert _worst(results, requests, solo) == 0.0
+
+
+def test_a_pool_too_small_preempts_and_resumed_requests_continue_exactly(served) -> None:
+    engine, requests, solo = served
+    serving = ServingEngine(engine, block_size=4, num_blocks=6)
+    results = serving.serve(requests)
+    assert serving.preemptions > 0
+    assert sum(r.preemptions for r in results.values()) == serving.preemptions
+    assert _worst(results, requests, solo) < 2e-4
+
+
+def test_a_request_larger_than_the_pool_is_refused_naming_it(served) -> None:
+    engine, requests, _ = served
+    with pytest.raises(PoolExhausted, match="request '0' needs more than the pool's 2 blocks"):
+        ServingEngine(engine, block_size=2, num_blocks=2).serve([requests[0]])
+
+
+def test_a_shared_prefix_is_read_from_the_cache_and_changes_nothing(served) -> None:
+    engine, requests, solo = served
+    first = requests[2]
+    sibling = Request("sibling", [*first.prompt[:8], 1, 2, 3], 1)
+    serving = ServingEngine(engine, block_size=4, prefix_caching=True, max_batch=1)
+    results = serving.serve([sibling, first])
+    assert results[first.id].cached_prefix == 8  # two full blocks of the sibling's
+    assert serving.pool.hits == 2
+    assert results[first.id].prompt_positions == [p for p in first.prompt_positions if p >= 8]
+    assert _worst({first.id: results[first.id]}, [first], [solo[2]]) < 2e-4
+
+
+def test_equal_block_tokens_after_a_different_history_are_not_shared(served) -> None:
+    engine, requests, _ = served
+    first = requests[2]
+    shifted = Request("shifted", [*first.prompt[4:8], 5, 6], 1)  # block 1's tokens at block 0
+    sharing = Request("sharing", [*first.prompt[:4], 7, 8], 1)  # block 0 shared
+    serving = ServingEngine(engine, block_size=4, prefix_caching=True, max_batch=1)
+    results = serving.serve([shifted, sharing, first])
+    # Block 0 from `sharing`; block 1 has `shifted`'s first block's tokens, not its history.
+    assert results[first.id].cached_prefix == 4
+
+
+def test_the_pool_counts_references_and_evicts_the_least_recently_used(served) -> None:
+    engine, _, _ = served
+    pool = BlockPool(engine, num_blocks=2, block_size=4)
+    a, b = pool.allocate(), pool.allocate()
+    assert pool.allocate() is None
+    pool.publish(a, b"a")
+    pool.publish(b, b"b")
+    pool.release(a)
+    pool.release(b)
+    assert pool.available() == 2 and pool.lookup(b"a") == a  # a is used again
+    pool.release(a)
+    assert pool.allocate() == b  # b was used least recently: evicted first
+    assert pool.lookup(b"b") is None and pool.lookup(b"a") == a
