@@ -168,6 +168,7 @@ class ServingEngine:
         self.max_context = max_context
         self.preemptions = 0
         self.steps = 0
+        self.batch: list[tuple[_Sequence, int, int]] = []
 
     # --- the seams the scenario mutations replace --------------------------------------------
 
@@ -321,6 +322,7 @@ class ServingEngine:
 
     def _forward(self, pieces: list[tuple[_Sequence, int, int]]) -> None:
         """One forward pass over every piece's tokens, ragged; then each sequence's step."""
+        self.batch = pieces  # this step's pieces, for the seams
         model, pool = self.model, self.pool
         device = self.engine.device
         tokens, positions, slots, rows = [], [], [], []
@@ -362,7 +364,7 @@ class ServingEngine:
             k_slots[write[keep]] = new_k[keep].to(k_slots.dtype)
             v_slots[write[keep]] = new_v[keep].to(v_slots.dtype)
             outputs, offset = [], 0
-            for i, ((_, start, count), context) in enumerate(zip(pieces, contexts, strict=True)):
+            for i, ((_, _, count), context) in enumerate(zip(pieces, contexts, strict=True)):
                 if by_kernel[i]:
                     row = qkv[0, offset].clone()  # the kernel rotates it in place
                     out = attention.decode_paged(
@@ -374,7 +376,8 @@ class ServingEngine:
                 q = xq[:, :, offset : offset + count]
                 keys = k_slots[context].transpose(0, 1)[None]  # [1, kv_heads, ctx, hd]
                 values = v_slots[context].transpose(0, 1)[None]
-                mask = None if count == 1 or start == 0 else causal_mask(count, start, q.device)
+                past = len(context) - count  # the chunk is the context's last `count` keys
+                mask = None if count == 1 or past == 0 else causal_mask(count, past, q.device)
                 out = F.scaled_dot_product_attention(
                     q.float(),
                     keys.float(),

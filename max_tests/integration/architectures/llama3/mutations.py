@@ -16,6 +16,7 @@ from max_tests.integration.architectures.llama3 import engine_runs
 from max_tests.integration.architectures.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.config import LlamaConfig
+from pipelines.llama3.serving import ServingEngine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +202,111 @@ MUTATIONS = [
     ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}
+
+
+# --- serving-path bugs (pipelines/llama3/serving.py): each in the seam it names -------------
+
+
+def _serving(method: str, replacement: Callable) -> Callable[[Llama3Engine], None]:
+    """A patch giving the engine a serving engine whose `method` is `replacement`."""
+
+    def patch(engine: Llama3Engine) -> None:
+        base = getattr(engine, "serving_class", ServingEngine)
+        engine.serving_class = type(f"Mutated{base.__name__}", (base,), {method: replacement})
+
+    return patch
+
+
+def _sees_the_neighbours_key(self, batch, index):
+    own = ServingEngine._context_slots(self, batch, index)
+    if index == 0:
+        return own
+    neighbour = batch[index - 1][0]
+    return [self._slot(neighbour, 0), *own]
+
+
+def _block_table_off_by_one(self, seq, position):
+    block, offset = divmod(position, self.block_size)
+    if offset == 0 and block > 0:
+        block -= 1  # a block's first position in the previous block's first slot
+    return seq.table[block] * self.block_size + offset
+
+
+def _rope_late_at_chunk_start(self, seq, start, count):
+    positions = list(range(start, start + count))
+    if 0 < start < len(seq.request.prompt):  # a prefill chunk after the first
+        positions[0] -= 1
+    return positions
+
+
+def _block_hash_of_own_tokens(self, parent, tokens):
+    return ServingEngine._block_hash(self, b"", tokens)
+
+
+def _resumed_without_last_kv(self, seq):
+    last = len(seq.fed) - 2  # the last position computed before the preemption
+    return [p for p in range(len(seq.fed)) if p != last]
+
+
+def _decode_written_to_another_sequence(self, seq, position, decoding):
+    others = [s for s, _, count in self.batch if s is not seq and count == 1]
+    if decoding and others:
+        return self._slot(others[0], 0)
+    return ServingEngine._write_slot(self, seq, position, decoding)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingMutation(Mutation):
+    """A serving-path bug and the scenario that must catch it (scenarios.py); the solo lane,
+    `generate`, never takes that path."""
+
+    scenario: str = ""
+
+
+SERVING_MUTATIONS = [
+    ServingMutation(
+        "cross_sequence_keys",
+        "a sequence's attention also sees its neighbour's first key (ragged batch)",
+        {},
+        _serving("_context_slots", _sees_the_neighbours_key),
+        scenario="batch",
+    ),
+    ServingMutation(
+        "block_table_off_by_one",
+        "a block's first position stored in the previous block (paged cache)",
+        {},
+        _serving("_slot", _block_table_off_by_one),
+        scenario="paged",
+    ),
+    ServingMutation(
+        "rope_chunk_boundary",
+        "RoPE one position early at the start of each prefill chunk after the first",
+        {},
+        _serving("_positions", _rope_late_at_chunk_start),
+        scenario="chunked",
+    ),
+    ServingMutation(
+        "prefix_hash_unchained",
+        "prefix blocks keyed by their own tokens only, not their history",
+        {},
+        _serving("_block_hash", _block_hash_of_own_tokens),
+        scenario="prefix",
+    ),
+    ServingMutation(
+        "resume_without_last_kv",
+        "a preempted sequence resumed without its last token's keys and values",
+        {},
+        _serving("_resume_from", _resumed_without_last_kv),
+        scenario="preempt",
+    ),
+    ServingMutation(
+        "decode_into_other_sequence",
+        "a decode token's keys and values written into another sequence's cache",
+        {},
+        _serving("_write_slot", _decode_written_to_another_sequence),
+        scenario="batch",
+    ),
+]
 
 # Sub-blocks of a layer, each with a mutation confined to it (`in_layer`).
 _LAYER_PATCHES: dict[str, Callable[[torch.nn.Module], None]] = {

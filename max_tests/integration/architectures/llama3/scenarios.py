@@ -1,0 +1,217 @@
+"""The serving scenarios of the golden tests: the same golden cases, served the ways a serving
+engine serves them (pipelines/llama3/serving.py), held to the same goldens and tolerances.
+
+- `solo`: one case at a time through `Llama3Engine.generate` (its contiguous cache): today's
+  test_llama.
+- `batch`: all cases of a golden in one ragged batch, in their order and reversed, and split
+  into two batches one after the other.
+- `chunked`: prefill in chunks of 1, 3 and 16 tokens (the long cases: 512 and 1000), so
+  prompts cross chunk boundaries; all cases batched.
+- `paged`: blocks of 4 and 16 positions (long cases: 16 and 64), so cases cross block
+  boundaries.
+- `prefix`: each case served after two sibling requests, one sharing its first blocks (read
+  from the prefix cache) and one holding its second block's tokens at the start (equal block
+  tokens after another history must not be shared). Prompt positions inside the cached prefix
+  are not computed, so not compared (the verdict says how many).
+- `preempt`: all cases batched in a pool too small for them: sequences are preempted and
+  recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from goldens import schema
+from goldens.record import CaseSpec
+from max_tests.integration.architectures.llama3.engine_runs import Run
+from pipelines.llama3 import Llama3Engine
+from pipelines.llama3.serving import Request, ServingEngine
+
+SCENARIOS = ("solo", "batch", "chunked", "paged", "prefix", "preempt")
+# The scenarios the long cases (thousands of positions) run: where their length matters.
+LONG_SCENARIOS = ("solo", "chunked", "paged", "prefix")
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """One way to serve a golden's cases."""
+
+    name: str
+    block_size: int = 16
+    chunk_size: int | None = None
+    order: str = "as given"  # as given | reversed | split
+    prefix: bool = False
+    tight_pool: bool = False
+
+
+SERVINGS = {
+    "batch": (
+        Serving("batch"),
+        Serving("reversed", order="reversed"),
+        Serving("split", order="split"),
+    ),
+    "chunked": (
+        Serving("chunk1", chunk_size=1),
+        Serving("chunk3", chunk_size=3),
+        Serving("chunk16", chunk_size=16),
+    ),
+    "paged": (Serving("block4", block_size=4), Serving("block16", block_size=16)),
+    "prefix": (Serving("prefix", block_size=2, prefix=True),),
+    "preempt": (Serving("preempt", block_size=4, tight_pool=True),),
+}
+LONG_SERVINGS = {
+    "chunked": (Serving("chunk512", chunk_size=512), Serving("chunk1000", chunk_size=1000)),
+    "paged": (
+        Serving("block16", block_size=16, chunk_size=2048),
+        Serving("block64", block_size=64),
+    ),
+    "prefix": (Serving("prefix", block_size=64, prefix=True, chunk_size=2048),),
+}
+
+
+def servings(scenario: str, lane: str) -> tuple[Serving, ...]:
+    """The servings of a scenario in a lane ("long": the long cases' own sizes)."""
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario {scenario!r} is not one of {', '.join(SCENARIOS)}")
+    table = LONG_SERVINGS if lane == "long" else SERVINGS
+    return table.get(scenario, ())
+
+
+def serving_engine(engine: Llama3Engine, **config) -> ServingEngine:
+    """The engine's serving engine (a scenario mutation replaces its class on the engine)."""
+    return getattr(engine, "serving_class", ServingEngine)(engine, **config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    runs: list[Run]
+    cached_positions: int  # golden prompt positions read from the prefix cache: not compared
+    preemptions: int
+
+
+def served_runs(engine: Llama3Engine, golden: schema.Golden, serving: Serving) -> Served:
+    """Every case of `golden` teacher-forced through the serving engine as `serving` says."""
+    requests = [_request(engine, case) for case in golden.cases]
+    max_context = max(len(r.prompt) + r.max_new_tokens for r in requests) + 8
+    config = dict(
+        block_size=serving.block_size,
+        chunk_size=serving.chunk_size,
+        prefix_caching=serving.prefix,
+        max_context=max_context,
+    )
+    if serving.tight_pool:
+        size = serving.block_size
+        config["num_blocks"] = (
+            max(-(-(len(r.prompt) + r.max_new_tokens) // size) for r in requests) + 2
+        )
+    results = {}
+    if serving.prefix:
+        # One pool for every case and its siblings: the cache the case reads is theirs.
+        blocks = _prefix_pool(requests, serving)
+        server = serving_engine(engine, max_batch=1, num_blocks=blocks, **config)
+        for request in requests:
+            family = [*_siblings(request, serving.block_size, engine.config.vocab_size), request]
+            results[request.id] = server.serve(family)[request.id]
+    elif serving.order == "split":
+        server = serving_engine(engine, **config, num_blocks=_all_blocks(requests, serving))
+        half = len(requests) // 2
+        results.update(server.serve(requests[:half]))
+        results.update(server.serve(requests[half:]))
+    else:
+        server = serving_engine(engine, **config)
+        order = requests[::-1] if serving.order == "reversed" else requests
+        results = server.serve(order)
+    runs, cached, preemptions = [], 0, 0
+    for case, request in zip(golden.cases, requests, strict=True):
+        served = results[request.id]
+        out = served.output
+        spec = CaseSpec(case.id, case.prompt, len(case.steps), len(case.steps[0].topk_ids))
+        prompt_logits = None if out.prompt_logits is None else out.prompt_logits.numpy()
+        runs.append(
+            Run(
+                spec,
+                request.prompt,
+                list(out.tokens),
+                out.logits.numpy(),
+                out.prefill_seconds,
+                list(served.prompt_positions),
+                prompt_logits,
+            )
+        )
+        cached += len(request.prompt_positions) - len(served.prompt_positions)
+        preemptions += served.preemptions
+    return Served(runs, cached, preemptions)
+
+
+def _request(engine: Llama3Engine, case: schema.Case) -> Request:
+    input_ids = engine.tokenizer.encode(case.prompt)
+    positions = tuple(p for p in case.positions if p < len(input_ids) - 1)
+    return Request(case.id, input_ids, len(case.steps), list(case.token_ids), positions)
+
+
+def _siblings(request: Request, block_size: int, vocab: int) -> list[Request]:
+    """The requests served before a case in `prefix`: one holding the case's second block's
+    tokens at its start (another history), then one sharing the case's full blocks."""
+    prompt, full = request.prompt, (len(request.prompt) - 1) // block_size
+    other = [(t + 1) % vocab for t in prompt[-3:]]  # differs from what follows the blocks
+    siblings = []
+    if full >= 2:
+        shifted = [*prompt[block_size : 2 * block_size], *other]
+        siblings.append(Request(f"{request.id}/shifted", shifted, 1))
+    if full >= 1:
+        siblings.append(Request(f"{request.id}/sharing", [*prompt[: full * block_size], *other], 1))
+    return siblings
+
+
+def _prefix_pool(requests: list[Request], serving: Serving) -> int:
+    """Blocks for every case and its siblings at once: nothing is evicted during the run."""
+    return 3 * _all_blocks(requests, serving)
+
+
+def _all_blocks(requests: list[Request], serving: Serving) -> int:
+    size = serving.block_size
+    return sum(-(-(len(r.prompt) + r.max_new_tokens + 3) // size) for r in requests) + 1
+
+
+def restricted(golden: schema.Golden, runs: list[Run]) -> schema.Golden:
+    """`golden` with each case's prompt positions cut to those its run computed (a position
+    inside a cached prefix is not computed again)."""
+    computed = {run.spec.id: set(run.positions) for run in runs}
+    cases = []
+    for case in golden.cases:
+        keep = [i for i, p in enumerate(case.positions) if p in computed.get(case.id, ())]
+        cases.append(
+            dataclasses.replace(
+                case,
+                positions=[case.positions[i] for i in keep],
+                position_steps=[case.position_steps[i] for i in keep],
+            )
+        )
+    return dataclasses.replace(golden, cases=cases)
+
+
+def max_logprob_delta(runs: list[Run], solo: list[Run]) -> float:
+    """Max |Δ log-prob| between served and solo runs of the same cases (steps and the prompt
+    positions both computed): 0.0 is bitwise the same distribution."""
+    by_id = {run.spec.id: run for run in solo}
+    worst = 0.0
+    for run in runs:
+        other = by_id[run.spec.id]
+        pairs = [(run.logits, other.logits)]
+        rows = other.prompt_logits if other.positions else []
+        theirs = dict(zip(other.positions, rows, strict=True))
+        pairs += [
+            (run.prompt_logits[i][None], theirs[p][None])
+            for i, p in enumerate(run.positions)
+            if p in theirs
+        ]
+        for a, b in pairs:
+            worst = max(worst, float(np.abs(_log_softmax(a) - _log_softmax(b)).max()))
+    return worst
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))

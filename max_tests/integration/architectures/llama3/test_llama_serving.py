@@ -1,0 +1,112 @@
+"""The engine's serving paths against the same goldens: every case of every checkpoint served
+in a ragged batch, in chunks, over small and large KV blocks, from the prefix cache and with
+preemption (scenarios.py), teacher-forced and compared under the same tolerances as
+test_llama's solo runs.
+
+Id `{size}-{encoding}-{arch}-{scenario}` for eager, `{size}-{encoding}-{arch}-{mode}-{scenario}`
+for the quantized mode; one alone:
+  ./bazelw test //max_tests/integration/architectures/llama3:test_llama_serving \\
+      --test_arg=-k --test_arg='test_llama_serving[tiny-float32-llama3_1-batch]'
+$LLAMA_TEST_LANE picks the cases as in test_llama (`long`: the long cases, through the
+scenarios where length matters); $LLAMA_TEST_SCENARIOS (comma-separated) the scenarios.
+
+Batch invariance, measured: each serving's max |Δ log-prob| against the solo run of the same
+cases (`Llama3Engine.generate`) is printed and recorded as the JUnit property
+`invariance` (`SERVING|REFERENCE|DELTA`); 0 is bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from goldens.tolerances import tolerance
+from max_tests.integration.architectures.llama3 import (
+    engine_runs,
+    failure_report,
+    judge,
+    scenarios,
+)
+from max_tests.integration.architectures.llama3.variants import Variant, variants
+
+VARIANTS = variants()
+MODES = ("eager", "quantized")
+LANE_ENV = "LLAMA_TEST_LANE"
+SCENARIOS_ENV = "LLAMA_TEST_SCENARIOS"
+
+
+def _scenarios(lane: str) -> list[str]:
+    available = scenarios.LONG_SCENARIOS if lane == "long" else scenarios.SCENARIOS
+    chosen = os.environ.get(SCENARIOS_ENV, ",".join(available)).split(",")
+    unknown = sorted(set(chosen) - set(scenarios.SCENARIOS))
+    if unknown:
+        raise ValueError(f"${SCENARIOS_ENV}: {unknown} not among {', '.join(scenarios.SCENARIOS)}")
+    return [s for s in available if s in chosen and s != "solo"]
+
+
+def _case_id(variant: Variant, mode: str, scenario: str) -> str:
+    mode_part = "" if mode == "eager" else f"-{mode}"
+    return f"{variant.test_id}{mode_part}-{scenario}"
+
+
+def _cases() -> list:
+    lane = os.environ.get(LANE_ENV, "all")
+    return [
+        pytest.param(v, mode, scenario, id=_case_id(v, mode, scenario))
+        for scenario in _scenarios(lane)
+        for mode in MODES
+        for v in VARIANTS
+    ]
+
+
+@pytest.mark.parametrize(("variant", "mode", "scenario"), _cases())
+def test_llama_serving(
+    variant: Variant, mode: str, scenario: str, goldens, record_property, tmp_path: Path
+) -> None:
+    if variant.path is None:
+        pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
+    lane = os.environ.get(LANE_ENV, "all")
+    engine = engine_runs.load_engine(variant, "cpu", mode=mode)
+    solo_memo: dict = {}
+    reports = failure_report.report_directory(tmp_path)
+    failures = []
+    for reference in ("own", "torch"):
+        golden, source = goldens.load(reference, variant)
+        golden = judge.in_lane(golden, variant.model, lane)
+        tol = tolerance(reference, variant.encoding, "cpu")
+        solo = engine_runs.forced_runs(engine, golden, solo_memo)
+        for serving in scenarios.servings(scenario, lane):
+            served = scenarios.served_runs(engine, golden, serving)
+            compared = scenarios.restricted(golden, served.runs)
+            verdict = judge.compare_runs(
+                served.runs,
+                compared,
+                source,
+                reference,
+                tol,
+                variant,
+                engine.tokenizer.decode,
+                lane=lane,
+            )
+            delta = scenarios.max_logprob_delta(served.runs, solo)
+            record_property("invariance", f"{serving.name}|{reference}|{delta:.6g}")
+            extra = []
+            if served.cached_positions:
+                extra.append(f"{served.cached_positions} prompt positions from the prefix cache")
+            if served.preemptions:
+                extra.append(f"{served.preemptions} preemptions")
+            print(
+                f"  {serving.name}: {verdict.summary()}; vs solo max |Δ log-prob| {delta:.3g}"
+                + (" (bitwise)" if delta == 0 else "")
+                + "".join(f"; {e}" for e in extra)
+            )
+            failures += failure_report.failures_with_report(
+                verdict,
+                compared,
+                engine.tokenizer.decode,
+                reports,
+                f"{_case_id(variant, mode, scenario)}-{serving.name}",
+            )
+    assert not failures, "\n\n".join(failures)

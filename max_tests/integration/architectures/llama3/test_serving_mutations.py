@@ -1,0 +1,87 @@
+"""Every serving-path bug fails the goldens in the scenario that takes its path, and the solo
+lane alone lets each through: the matrix (rows: unmutated and the bugs of
+mutations.SERVING_MUTATIONS; columns: solo and the scenarios; cells: PASS or the first
+failing check) is printed, for the engine's own goldens of the tiny float32 (eager) and Q4_K
+(quantized, where decode rows run the paged kernel) checkpoints, short cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from goldens import compare
+from goldens.tolerances import tolerance
+from max_tests.integration.architectures.llama3 import engine_runs, judge, mutations, scenarios
+from max_tests.integration.architectures.llama3.variants import Variant, variants
+
+COLUMNS = scenarios.SCENARIOS  # solo first
+
+
+def _variant(encoding: str) -> Variant:
+    return next(v for v in variants("tinyllama", encoding) if v.path is not None)
+
+
+def _cell(verdict: judge.Verdict) -> str:
+    if not verdict.failures:
+        return "PASS"
+    failing = next((r for r in verdict.reports if r.status == compare.FAIL), None)
+    if failing is None:  # the case list itself differs
+        return "FAIL"
+    check = failing.first_failing
+    return f"FAIL@p{check.position}" if check.in_prompt else f"FAIL@step{check.step}"
+
+
+def _verdicts(engine, golden, source, tol, variant, scenario) -> list[judge.Verdict]:
+    if scenario == "solo":
+        return [judge.check(engine, golden, source, "own", tol, variant, lane="short")]
+    verdicts = []
+    for serving in scenarios.servings(scenario, "short"):
+        served = scenarios.served_runs(engine, golden, serving)
+        compared = scenarios.restricted(golden, served.runs)
+        verdicts.append(
+            judge.compare_runs(
+                served.runs,
+                compared,
+                source,
+                "own",
+                tol,
+                variant,
+                engine.tokenizer.decode,
+                lane="short",
+            )
+        )
+    return verdicts
+
+
+@pytest.mark.parametrize(("encoding", "mode"), [("float32", "eager"), ("q4_k", "quantized")])
+def test_each_serving_bug_fails_in_its_scenario_and_only_solo_misses_it(
+    goldens, encoding: str, mode: str
+) -> None:
+    variant = _variant(encoding)
+    golden, source = goldens.load("own", variant)
+    golden = judge.in_lane(golden, variant.model, "short")
+    tol = tolerance("own", encoding, "cpu")
+    rows = [None, *mutations.SERVING_MUTATIONS]
+    matrix: dict[tuple[str, str], str] = {}
+    for mutation in rows:
+        engine = engine_runs.load_engine(variant, mode=mode)
+        if mutation is not None:
+            mutation.patch(engine)  # serving bugs have no config overrides
+        name = "unmutated" if mutation is None else mutation.name
+        for scenario in COLUMNS:
+            verdicts = _verdicts(engine, golden, source, tol, variant, scenario)
+            failing = [v for v in verdicts if v.failures]
+            matrix[name, scenario] = _cell(failing[0]) if failing else "PASS"
+    width = max(len(r.name) for r in mutations.SERVING_MUTATIONS) + 2
+    lines = [" " * width + " ".join(f"{c:>14}" for c in COLUMNS)]
+    for mutation in rows:
+        name = "unmutated" if mutation is None else mutation.name
+        lines.append(f"{name:<{width}}" + " ".join(f"{matrix[name, c]:>14}" for c in COLUMNS))
+    print(f"\n{variant.test_id} ({mode}), own golden, short cases:\n" + "\n".join(lines))
+
+    assert all(matrix["unmutated", c] == "PASS" for c in COLUMNS), "\n".join(lines)
+    for mutation in mutations.SERVING_MUTATIONS:
+        assert matrix[mutation.name, "solo"] == "PASS", f"{mutation.name}: solo takes its path?"
+        assert matrix[mutation.name, mutation.scenario] != "PASS", (
+            f"{mutation.name} passes its scenario {mutation.scenario}:\n" + "\n".join(lines)
+        )
