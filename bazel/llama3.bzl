@@ -6,7 +6,6 @@ golden archives (`TEST_LLAMA_GOLDENS`, `TORCH_LLAMA_GOLDENS`), which
 goldens/locate.py reads in preference to anything in the source tree.
 """
 
-load("@pip//:requirements.bzl", "requirement")
 load("@rules_python//python:defs.bzl", "py_binary")
 load("//bazel:pytest.bzl", "gpu_pytest_test", "pytest_test")
 
