@@ -119,6 +119,28 @@ def attention_mask(seqlen: int, start_pos: int, device: torch.device) -> torch.T
     return causal_mask(seqlen, start_pos, device)
 
 
+def grouped_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """SDPA of q [bsz, heads, seq, hd] over keys and values [bsz, kv_heads, ctx, hd] in
+    float32, rounded to q's dtype once at the end (each KV head serves heads / kv_heads
+    query heads)."""
+    return F.scaled_dot_product_attention(
+        q.float(),
+        keys.float(),
+        values.float(),
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=True,
+    ).to(q.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -151,15 +173,7 @@ class Attention(nn.Module):
         # kernels round the softmax probabilities to bfloat16, and which way each rounds
         # depends on the vectorized exp of the CPU's kernel level (portable kernels moved
         # bfloat16 log-probabilities by 0.151); the transformers reference does the same.
-        output = F.scaled_dot_product_attention(
-            xq.float(),
-            keys.float(),
-            values.float(),
-            attn_mask=mask,
-            is_causal=mask is None and seqlen > 1,
-            scale=self.scale,
-            enable_gqa=True,
-        ).to(xq.dtype)
+        output = grouped_attention(xq, keys, values, mask, mask is None and seqlen > 1, self.scale)
         output = output.transpose(1, 2).reshape(bsz, seqlen, -1)  # [bsz, seq, heads * head_dim]
         return self.wo(output)
 

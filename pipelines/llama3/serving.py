@@ -41,10 +41,9 @@ import time
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from pipelines.llama3.engine import GenerationOutput, Llama3Engine
-from pipelines.llama3.model import causal_mask, precompute_rope
+from pipelines.llama3.model import causal_mask, grouped_attention, precompute_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,15 +377,8 @@ class ServingEngine:
                 values = v_slots[context].transpose(0, 1)[None]
                 past = len(context) - count  # the chunk is the context's last `count` keys
                 mask = None if count == 1 or past == 0 else causal_mask(count, past, q.device)
-                out = F.scaled_dot_product_attention(
-                    q.float(),
-                    keys.float(),
-                    values.float(),
-                    attn_mask=mask,
-                    is_causal=mask is None and count > 1,
-                    scale=attention.scale,
-                    enable_gqa=True,
-                ).to(q.dtype)
+                causal = mask is None and count > 1
+                out = grouped_attention(q, keys, values, mask, causal, attention.scale)
                 outputs.append(out)
                 offset += count
             out = torch.cat(outputs, dim=2).transpose(1, 2).reshape(1, len(tokens), -1)
