@@ -170,7 +170,7 @@ def _upload(args: argparse.Namespace) -> int:
     data = _pack(archive.read_members(files), name)
     if version is None:
         newest = max(store.versions(name), default=0)
-        same = _stored_with_same_files(store, name, newest, data)
+        same = stored_with_same_files(store, name, newest, data)
         if same is not None:
             # `next` of what is already the newest version would only renumber it.
             _progress(
@@ -183,9 +183,7 @@ def _upload(args: argparse.Namespace) -> int:
     return _publish_and_pin(args, store, name, version, data, module_file)
 
 
-def _stored_with_same_files(
-    store: Store, name: str, version: int, data: bytes
-) -> ArchiveRef | None:
+def stored_with_same_files(store: Store, name: str, version: int, data: bytes) -> ArchiveRef | None:
     """The archive at NAME/VERSION holding the same files as `data`, if there is one."""
     if version < 1:
         return None

@@ -30,6 +30,7 @@ import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from goldens.artifacts import archive
 from goldens.artifacts.store_options import add_store_arguments, store_from_args
 from goldens.cli_files import OneLineParser, repo_root, user_path
 from goldens.diff import (
@@ -311,13 +312,24 @@ def _publish(
     members = fetch_members(inputs.store, pin, f"pinned {name}")
     for file_name in files:
         members[file_name] = _new_bytes(file_name, pending, args)
+    # The same files as a stored version (a change reverted after its goldens were published):
+    # pin that version again instead of publishing a copy of it.
+    data = archive.pack_members(members)
+    version = "next"
+    for stored in sorted(inputs.store.versions(name), reverse=True):
+        same = upload_artifact.stored_with_same_files(inputs.store, name, stored, data)
+        if same is not None:
+            _progress(f"{name} version {stored} already holds these files: pinning it again")
+            version = str(stored)
+            break
     with tempfile.TemporaryDirectory(prefix="golden_update_") as scratch:
         paths = []
-        for member, data in sorted(members.items()):
-            (Path(scratch) / member).write_bytes(data)
+        for member, content in sorted(members.items()):
+            (Path(scratch) / member).write_bytes(content)
             paths.append(str(Path(scratch) / member))
         forwarded = _forwarded_flags(args)
-        code = upload_artifact.main(["upload", name, "next", *paths, "--update-module", *forwarded])
+        upload = ["upload", name, version, *paths, "--update-module", *forwarded]
+        code = upload_artifact.main(upload)
     if code != 0:
         raise UpdateError(f"publishing {name} failed (exit {code}, above)")
     _progress(f"published and pinned {name}: {', '.join(files)}")

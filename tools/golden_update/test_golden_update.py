@@ -236,3 +236,14 @@ def test_a_pending_folder_never_holds_a_previous_run(repo: Path) -> None:
     (stale / "tinyllama_bfloat16_all_golden.json").write_text(json.dumps({"old": True}))
     assert golden_update.main(["--dry-run", *_flags(repo)], _regenerating(BASE)) == 0
     assert not (stale / "tinyllama_bfloat16_all_golden.json").exists()
+
+
+def test_a_reverted_change_pins_the_earlier_version_again_and_publishes_nothing(repo: Path) -> None:
+    assert (
+        golden_update.main(["--accept", "--no-test", *_flags(repo)], _regenerating(_moved())) == 0
+    )
+    assert _pins(repo)["test_llama_golden"] == 2
+    stored = _store(repo)
+    assert golden_update.main(["--accept", "--no-test", *_flags(repo)], _regenerating(BASE)) == 0
+    assert _pins(repo)["test_llama_golden"] == 1  # version 1 holds these files
+    assert _store(repo) == stored  # nothing new in the store
