@@ -332,7 +332,8 @@ def _publish(
         code = upload_artifact.main(upload)
     if code != 0:
         raise UpdateError(f"publishing {name} failed (exit {code}, above)")
-    _progress(f"published and pinned {name}: {', '.join(files)}")
+    done = "published and pinned" if version == "next" else f"pinned version {version} of"
+    _progress(f"{done} {name}: {', '.join(files)}")
 
 
 def _new_bytes(file_name: str, pending: Path | None, args: argparse.Namespace) -> bytes:
