@@ -65,6 +65,11 @@ class Request:
     prompt_positions: tuple[int, ...] = ()  # prompt positions whose logits to return
 
 
+def blocks_for(positions: int, block_size: int) -> int:
+    """How many blocks `positions` keys take."""
+    return -(-positions // block_size)
+
+
 class PoolExhausted(RuntimeError):
     """A single sequence needs more blocks than the whole pool holds."""
 
@@ -161,6 +166,7 @@ class ServingEngine:
         self.engine, self.model = engine, engine.model
         self.num_blocks = num_blocks  # None: enough for every request of a `serve` at once
         self.pool: BlockPool | None = None
+        self.kernel = False  # decode rows through the paged kernel (set with the pool)
         self.block_size, self.chunk_size, self.max_batch = block_size, chunk_size, max_batch
         self.prefix_caching = prefix_caching
         self.cos, self.sin = precompute_rope(engine.config, max_context, engine.device)
@@ -203,12 +209,12 @@ class ServingEngine:
     def serve(self, requests: Sequence[Request]) -> dict[str, Served]:
         """Every request to completion; requests beyond `max_batch` wait for a place. The
         pool (and its prefix cache) lives on across calls."""
-        self._checked(requests)
+        self._check(requests)
         if self.pool is None:
-            needed = sum(
-                -(-(len(r.prompt) + r.max_new_tokens) // self.block_size) for r in requests
-            )
+            lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
+            needed = sum(blocks_for(n, self.block_size) for n in lengths)
             self.pool = BlockPool(self.engine, self.num_blocks or needed + 1, self.block_size)
+            self.kernel = self._decode_kernel()
         waiting = collections.deque(_Sequence(r, i, list(r.prompt)) for i, r in enumerate(requests))
         running: list[_Sequence] = []
         finished: dict[str, _Sequence] = {}
@@ -228,14 +234,12 @@ class ServingEngine:
                 self._forward(pieces)
             for seq in [s for s in running if s.done]:
                 running.remove(seq)
-                for block in seq.table:
-                    self.pool.release(block)
-                seq.table = []
+                self._release(seq)
                 finished[seq.request.id] = seq
         seconds = time.perf_counter() - start
         return {r.id: self._output(finished[r.id], seconds) for r in requests}
 
-    def _checked(self, requests: Sequence[Request]) -> Sequence[Request]:
+    def _check(self, requests: Sequence[Request]) -> None:
         vocab = self.engine.config.vocab_size
         for r in requests:
             if not r.prompt or r.max_new_tokens < 1:
@@ -246,7 +250,6 @@ class ServingEngine:
                 raise ValueError(f"request {r.id!r}: prompt positions outside the prompt")
             if len(r.prompt) + r.max_new_tokens > self.max_context:
                 raise ValueError(f"request {r.id!r}: longer than max_context {self.max_context}")
-        return requests
 
     def _admit(self, seq: _Sequence) -> bool:
         """Give `seq` its cached prefix blocks (prefix caching); False when the pool has no
@@ -254,18 +257,14 @@ class ServingEngine:
         recompute = self._resume_from(seq) if seq.preemptions else None
         hits: list[int] = []
         if self.prefix_caching and not seq.preemptions:
-            parent = b""
             # At least the last prompt token is computed: its logits are the first step's.
             for b in range((len(seq.fed) - 1) // self.block_size):
-                key = self._block_hash(
-                    parent, seq.fed[b * self.block_size : (b + 1) * self.block_size]
-                )
+                key = self._key_of_block(seq, b)
                 block = self.pool.lookup(key)
                 if block is None:
                     break
                 hits.append(block)
                 seq.hashes.append(key)
-                parent = key
         if self.pool.available() < 1:
             for block in hits:
                 self.pool.release(block)
@@ -312,19 +311,29 @@ class ServingEngine:
                 f"blocks of {self.block_size}"
             )
         running.remove(seq)
-        for block in seq.table:
-            self.pool.release(block)
-        seq.table, seq.hashes, seq.computed = [], [], 0
+        self._release(seq)
+        seq.hashes, seq.computed = [], 0
         seq.preemptions += 1
         self.preemptions += 1
         waiting.appendleft(seq)
+
+    def _release(self, seq: _Sequence) -> None:
+        """Give back `seq`'s blocks (cached ones stay findable until evicted)."""
+        for block in seq.table:
+            self.pool.release(block)
+        seq.table = []
+
+    def _key_of_block(self, seq: _Sequence, b: int) -> bytes:
+        """The prefix hash of `seq`'s full block `b`, chained on block b - 1's (in seq.hashes)."""
+        parent = seq.hashes[b - 1] if b else b""
+        return self._block_hash(parent, seq.fed[b * self.block_size : (b + 1) * self.block_size])
 
     def _forward(self, pieces: list[tuple[_Sequence, int, int]]) -> None:
         """One forward pass over every piece's tokens, ragged; then each sequence's step."""
         self.batch = pieces  # this step's pieces, for the seams
         model, pool = self.model, self.pool
         device = self.engine.device
-        tokens, positions, slots, rows = [], [], [], []
+        tokens, positions, slots = [], [], []
         for seq, start, count in pieces:
             tokens += seq.fed[start : start + count]
             positions += self._positions(seq, start, count)
@@ -333,7 +342,7 @@ class ServingEngine:
         position_ids = torch.tensor(positions, dtype=torch.long, device=device)
         write = torch.tensor(slots, dtype=torch.long, device=device)
         skip = [self._skipped(seq, start, count) for seq, start, count in pieces]
-        kernel = self._decode_kernel()
+        kernel = self.kernel
         # A decode row the quantized kernel runs: it writes that position's keys itself.
         by_kernel = [kernel and count == 1 for _, _, count in pieces]
         keep = torch.tensor(
@@ -420,12 +429,9 @@ class ServingEngine:
         if not self.prefix_caching:
             return
         while (len(seq.hashes) + 1) * self.block_size <= seq.computed:
-            b = len(seq.hashes)
-            parent = seq.hashes[-1] if seq.hashes else b""
-            size = self.block_size
-            key = self._block_hash(parent, seq.fed[b * size : (b + 1) * size])
+            key = self._key_of_block(seq, len(seq.hashes))
+            self.pool.publish(seq.table[len(seq.hashes)], key)
             seq.hashes.append(key)
-            self.pool.publish(seq.table[b], key)
 
     def _step(self, seq: _Sequence, logits: torch.Tensor) -> None:
         """The logits after the last fed token: one generated step."""

@@ -27,7 +27,7 @@ from goldens import schema
 from goldens.record import CaseSpec
 from max_tests.integration.architectures.llama3.engine_runs import Run
 from pipelines.llama3 import Llama3Engine
-from pipelines.llama3.serving import Request, ServingEngine
+from pipelines.llama3.serving import Request, ServingEngine, blocks_for
 
 SCENARIOS = ("solo", "batch", "chunked", "paged", "prefix", "preempt")
 # The scenarios the long cases (thousands of positions) run: where their length matters.
@@ -102,10 +102,8 @@ def served_runs(engine: Llama3Engine, golden: schema.Golden, serving: Serving) -
         max_context=max_context,
     )
     if serving.tight_pool:
-        size = serving.block_size
-        config["num_blocks"] = (
-            max(-(-(len(r.prompt) + r.max_new_tokens) // size) for r in requests) + 2
-        )
+        lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
+        config["num_blocks"] = max(blocks_for(n, serving.block_size) for n in lengths) + 2
     results = {}
     if serving.prefix:
         # One pool for every case and its siblings: the cache the case reads is theirs.
@@ -171,8 +169,9 @@ def _prefix_pool(requests: list[Request], serving: Serving) -> int:
 
 
 def _all_blocks(requests: list[Request], serving: Serving) -> int:
-    size = serving.block_size
-    return sum(-(-(len(r.prompt) + r.max_new_tokens + 3) // size) for r in requests) + 1
+    # + 3: a sibling's own tokens after the blocks it shares
+    lengths = [len(r.prompt) + r.max_new_tokens + 3 for r in requests]
+    return sum(blocks_for(n, serving.block_size) for n in lengths) + 1
 
 
 def restricted(golden: schema.Golden, runs: list[Run]) -> schema.Golden:
