@@ -72,41 +72,50 @@ def test_llama_serving(
     solo_memo: dict = {}
     reports = failure_report.report_directory(tmp_path)
     failures = []
+    # The short and the long cases each take their own servings (scenarios.servings): in
+    # lane "all" (plain pytest) both, as the two Bazel targets run them.
+    lanes = ("short", "long") if lane == "all" else (lane,)
     for reference in ("own", "torch"):
-        golden, source = goldens.load(reference, variant)
-        golden = judge.in_lane(golden, variant.model, lane)
+        full, source = goldens.load(reference, variant)
         tol = tolerance(reference, variant.encoding, "cpu")
-        solo = engine_runs.forced_runs(engine, golden, solo_memo)
-        for serving in scenarios.servings(scenario, lane):
-            served = scenarios.served_runs(engine, golden, serving)
-            compared = scenarios.restricted(golden, served.runs)
-            verdict = judge.compare_runs(
-                served.runs,
-                compared,
-                source,
-                reference,
-                tol,
-                variant,
-                engine.tokenizer.decode,
-                lane=lane,
-            )
-            delta = scenarios.max_logprob_delta(served.runs, solo)
-            record_property("invariance", f"{serving.name}|{reference}|{delta:.6g}")
-            extra = []
-            if served.cached_positions:
-                extra.append(f"{served.cached_positions} prompt positions from the prefix cache")
-            if served.preemptions:
-                extra.append(f"{served.preemptions} preemptions")
-            print(
-                f"  {serving.name}: {verdict.summary()}; vs solo max |Δ log-prob| {delta:.3g}"
-                + (" (bitwise)" if delta == 0 else "")
-                + "".join(f"; {e}" for e in extra)
-            )
-            failures += failure_report.failures_with_report(
-                verdict,
-                compared,
-                engine.tokenizer.decode,
-                reports,
-                f"{_case_id(variant, mode, scenario)}-{serving.name}",
-            )
+        for case_lane in lanes:
+            golden = judge.in_lane(full, variant.model, case_lane)
+            servings = scenarios.servings(scenario, case_lane)
+            if not golden.cases or not servings:
+                continue
+            solo = engine_runs.forced_runs(engine, golden, solo_memo)
+            for serving in servings:
+                served = scenarios.served_runs(engine, golden, serving)
+                compared = scenarios.restricted(golden, served.runs)
+                verdict = judge.compare_runs(
+                    served.runs,
+                    compared,
+                    source,
+                    reference,
+                    tol,
+                    variant,
+                    engine.tokenizer.decode,
+                    lane=case_lane,
+                )
+                delta = scenarios.max_logprob_delta(served.runs, solo)
+                record_property("invariance", f"{serving.name}|{reference}|{delta:.6g}")
+                extra = []
+                if served.cached_positions:
+                    extra.append(
+                        f"{served.cached_positions} prompt positions from the prefix cache"
+                    )
+                if served.preemptions:
+                    extra.append(f"{served.preemptions} preemptions")
+                print(
+                    f"  {serving.name}: {verdict.summary()}; vs solo max |Δ log-prob| {delta:.3g}"
+                    + (" (bitwise)" if delta == 0 else "")
+                    + "".join(f"; {e}" for e in extra)
+                )
+                failures += failure_report.failures_with_report(
+                    verdict,
+                    compared,
+                    engine.tokenizer.decode,
+                    reports,
+                    f"{_case_id(variant, mode, scenario)}-{serving.name}",
+                )
     assert not failures, "\n\n".join(failures)
