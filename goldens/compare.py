@@ -13,6 +13,21 @@ step records the run's greedy choice and its full next-token logits. At every st
      top-1, the golden's top-1 is within the margin of the run's top-1 in the run's logits,
      and checks 1-3 pass at that step. Anything else is a FAIL.
 
+A run may know only its own top-k at a step (an HTTP server's log-probabilities,
+`TopLogprobs`): then what is known is compared and what is bounded is bounded, never guessed
+(a partial verdict fails only where the full one would):
+
+  1. a golden id in the run's top-k: its |Δ| as above; one missing from it has a run
+     log-probability at most the run's k-th, so |Δ| is at least (golden - run's k-th) and
+     that lower bound is checked (the step counts it in `bounded`);
+  2. top-k overlap: the golden's top-k ids among the run's first k;
+  3. KL over the golden ids the run knows plus one bucket for everything else on both sides
+     (the golden's tail and the missing ids, the run's mass outside them): merging outcomes
+     never raises a KL, so this is a lower bound of check 3's, equal to it when the run's
+     top-k holds the golden's;
+  4. the greedy token is the run's top-1; when the golden's token is not in the run's top-k,
+     the run prefers its own by at least its top-1 minus its k-th.
+
 The golden's recorded prompt positions (long prompts: a spread of thousands of positions from
 one prefill) are checked by the same rules 1-4, the greedy token being the argmax there.
 
@@ -38,13 +53,51 @@ PASS, FAIL, AMBIGUOUS = "PASS", "FAIL", "AMBIGUOUS"
 
 
 @dataclasses.dataclass(frozen=True)
+class TopLogprobs:
+    """A run's next-token distribution where only its top-k is known: ids and log-probabilities,
+    best first (what an OpenAI-compatible server answers). Every other id's log-probability is
+    at most the last one's."""
+
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ids or len(self.ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.ids)} ids and {len(self.logprobs)} log-probabilities")
+        if any(b > a for a, b in zip(self.logprobs, self.logprobs[1:], strict=False)):
+            raise ValueError(f"log-probabilities not in descending order: {self.logprobs}")
+        if len(set(self.ids)) != len(self.ids):
+            raise ValueError(f"repeated ids in a top-k: {self.ids}")
+
+    @classmethod
+    def from_logits(cls, row: np.ndarray, k: int) -> TopLogprobs:
+        """The top-k of a full row of logits, as a server would answer it."""
+        log_probs = np.asarray(row, dtype=np.float64) - logsumexp(row)
+        ids = top_k_ids(row, k)
+        return cls(tuple(int(i) for i in ids), tuple(float(log_probs[i]) for i in ids))
+
+    @property
+    def token(self) -> int:
+        """The run's greedy choice: its top-1."""
+        return self.ids[0]
+
+    @property
+    def bound(self) -> float:
+        """The k-th log-probability: no id outside the top-k has more."""
+        return self.logprobs[-1]
+
+
+@dataclasses.dataclass(frozen=True)
 class LogprobDiff:
     token_id: int
     expected: float  # the golden's log-probability
-    actual: float  # the run's
+    actual: float  # the run's; with `bounded`, the most it can be (its top-k's last)
+    bounded: bool = False  # the id is not in the run's top-k: |Δ| is at least abs_diff
 
     @property
     def abs_diff(self) -> float:
+        if self.bounded:
+            return max(self.expected - self.actual, 0.0)
         return abs(self.actual - self.expected)
 
 
@@ -63,6 +116,7 @@ class StepCheck:
     worst: list[LogprobDiff]
     position: int = -1  # the sequence position whose next-token logits these are
     in_prompt: bool = False  # a recorded prompt position, not a generated step
+    bounded: int = 0  # golden top-k ids outside a partial run's top-k (only bounded there)
 
     @property
     def where(self) -> str:
@@ -136,19 +190,35 @@ def bucket_kl(golden_lp: np.ndarray, run_lp_topk: np.ndarray, run_tail: float) -
     return max(kl, 0.0)
 
 
+Row = np.ndarray | TopLogprobs  # a run's full next-token logits, or only its top-k
+
+
+def _as_row(row: Row) -> Row:
+    return row if isinstance(row, TopLogprobs) else np.asarray(row, dtype=np.float32)
+
+
+def _greedy(row: Row) -> int:
+    return row.token if isinstance(row, TopLogprobs) else int(np.argmax(row))
+
+
 def compare_case(
     golden: Case,
-    input_ids: Sequence[int],
+    input_ids: Sequence[int] | None,
     tokens: Sequence[int],
-    logits: np.ndarray,
+    logits: np.ndarray | Sequence[Row],
     tolerance: Tolerance,
-    prompt_logits: Mapping[int, np.ndarray] | None = None,
+    prompt_logits: Mapping[int, Row] | None = None,
 ) -> CaseReport:
     """Compare a teacher-forced run (its input ids, its greedy choice at each step and the
-    per-step full logits, row i after the golden's first i tokens) with a golden case.
-    `prompt_logits` maps a prompt position to the run's logits there (the golden's recorded
-    positions; one the run lacks fails as missing)."""
-    logits = np.asarray(logits, dtype=np.float32)
+    per-step logits, row i after the golden's first i tokens: full rows, or `TopLogprobs`
+    where the run knows only its top-k) with a golden case. `prompt_logits` maps a prompt
+    position to the run's row there (the golden's recorded positions; one the run lacks fails
+    as missing). `input_ids` None: the run could not say how it tokenizes the prompt (it was
+    given the golden's ids), so only the logits are compared."""
+    if isinstance(logits, np.ndarray):
+        logits = np.asarray(logits, dtype=np.float32)
+    else:
+        logits = [_as_row(row) for row in logits]
     prompt_logits = prompt_logits or {}
     last_prompt = len(golden.input_ids) - 1
     checks = []
@@ -165,10 +235,10 @@ def compare_case(
         if row is None:
             check = _missing_step(j, gstep, "the run has no logits at this prompt position")
         else:
-            row = np.asarray(row, dtype=np.float32)
-            check = _check_step(j, gstep, int(np.argmax(row)), row, tolerance)
+            row = _as_row(row)
+            check = _check_step(j, gstep, _greedy(row), row, tolerance)
         prompt_checks.append(dataclasses.replace(check, position=position, in_prompt=True))
-    input_ids_match = list(input_ids) == list(golden.input_ids)
+    input_ids_match = input_ids is None or list(input_ids) == list(golden.input_ids)
     failed = not input_ids_match or any(c.status == FAIL for c in [*prompt_checks, *checks])
     return CaseReport(
         case_id=golden.id,
@@ -197,14 +267,11 @@ def _missing_step(i: int, gstep: Step, detail: str) -> StepCheck:
     )
 
 
-def _check_step(i: int, gstep: Step, token: int, row: np.ndarray, tol: Tolerance) -> StepCheck:
+def _full_evidence(gstep: Step, row: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float]:
     ids = np.asarray(gstep.topk_ids)
     golden_lp = gstep.topk_log_probs()
     run_lp_all = row.astype(np.float64) - logsumexp(row)
     run_lp = run_lp_all[ids]
-    diffs = np.abs(run_lp - golden_lp)
-    worst_order = np.argsort(-diffs, kind="stable")[:5]
-    worst = [LogprobDiff(int(ids[j]), float(golden_lp[j]), float(run_lp[j])) for j in worst_order]
     k = len(ids)
     run_topk = top_k_ids(row, k)
     overlap = len(set(run_topk.tolist()) & set(ids.tolist())) / k
@@ -212,15 +279,63 @@ def _check_step(i: int, gstep: Step, token: int, row: np.ndarray, tol: Tolerance
     outside = np.ones(row.size, dtype=bool)
     outside[ids] = False
     kl = bucket_kl(golden_lp, run_lp, float(np.exp(run_lp_all[outside]).sum()))
+    return run_lp, np.ones(k, dtype=bool), overlap, kl
+
+
+def _partial_evidence(gstep: Step, top: TopLogprobs) -> tuple[np.ndarray, np.ndarray, float, float]:
+    ids = list(gstep.topk_ids)
+    if len(top.ids) < len(ids):
+        raise ValueError(
+            f"the run's top-{len(top.ids)} is shorter than the golden's top-{len(ids)}: ask the "
+            f"engine for {len(ids)} log-probabilities per position"
+        )
+    golden_lp = gstep.topk_log_probs()
+    run = dict(zip(top.ids, top.logprobs, strict=True))
+    known = np.array([i in run for i in ids], dtype=bool)
+    run_lp = np.array([run.get(i, top.bound) for i in ids], dtype=np.float64)
+    k = len(ids)
+    # Known golden ids one by one; the golden's tail and its ids the run does not know merged
+    # into one bucket, against the run's mass outside the known ids: 1 minus their sum, at
+    # least what its other top-k ids hold, and not below float32 rounding of that sum (servers
+    # compute log-probs in float32). A larger rest only lowers the KL: still a lower bound.
+    known_lp = run_lp[known]
+    known_mass = float(np.exp(known_lp).sum())
+    golden_ids = set(ids)
+    overlap = len(set(top.ids[:k]) & golden_ids) / k
+    others = sum(
+        math.exp(lp) for i, lp in zip(top.ids, top.logprobs, strict=True) if i not in golden_ids
+    )
+    run_rest = max(1.0 - known_mass, others, known_mass * 2.0**-24)
+    kl = bucket_kl(golden_lp[known], known_lp, run_rest)
+    return run_lp, known, overlap, kl
+
+
+def _check_step(i: int, gstep: Step, token: int, row: Row, tol: Tolerance) -> StepCheck:
+    ids = np.asarray(gstep.topk_ids)
+    golden_lp = gstep.topk_log_probs()
+    if isinstance(row, TopLogprobs):
+        run_lp, known, overlap, kl = _partial_evidence(gstep, row)
+    else:
+        run_lp, known, overlap, kl = _full_evidence(gstep, row)
+    # A golden id the run's top-k lacks: its log-prob is at most run_lp (the run's k-th), so
+    # |Δ| is at least golden - run_lp (and nothing is known when the golden's is lower).
+    diffs = np.where(known, np.abs(run_lp - golden_lp), np.maximum(golden_lp - run_lp, 0.0))
+    worst_order = np.argsort(-diffs, kind="stable")[:5]
+    worst = [
+        LogprobDiff(int(ids[j]), float(golden_lp[j]), float(run_lp[j]), not bool(known[j]))
+        for j in worst_order
+    ]
+    k = len(ids)
     max_diff = float(diffs.max())
 
     metric, detail = "", ""
     if max_diff > tol.logprob_atol:
         j = int(np.argmax(diffs))
         metric = "logprob"
+        run_text = f"{run_lp[j]:.5g}" if known[j] else f"at most {run_lp[j]:.5g} (not in its top-k)"
         detail = (
             f"max |Δ log-prob| {max_diff:.3g} > {tol.logprob_atol:g} over the golden top-{k} "
-            f"(id {int(ids[j])}: golden {golden_lp[j]:.5g}, run {run_lp[j]:.5g})"
+            f"(id {int(ids[j])}: golden {golden_lp[j]:.5g}, run {run_text})"
         )
     elif overlap < tol.topk_overlap_min:
         metric, detail = "topk_overlap", f"top-{k} overlap {overlap:.2f} < {tol.topk_overlap_min:g}"
@@ -229,13 +344,13 @@ def _check_step(i: int, gstep: Step, token: int, row: np.ndarray, tol: Tolerance
     status = FAIL if metric else PASS
 
     if token != gstep.token_id:
-        tie = _tie_reason(gstep, golden_lp, ids, token, row, tol.near_tie_margin)
+        run_gap = _run_gap(row, token, gstep.token_id)
+        tie = _tie_reason(gstep, golden_lp, ids, token, run_gap, tol.near_tie_margin)
         if status == PASS and tie is None:
             status, metric = AMBIGUOUS, "token"
             detail = (
                 f"greedy token differs at a near-tie (golden gap {gstep.top_gap:.3g}, run gap "
-                f"{float(row[token] - row[gstep.token_id]):.3g} < margin "
-                f"{tol.near_tie_margin:g}) and every other check passes"
+                f"{run_gap:.3g} < margin {tol.near_tie_margin:g}) and every other check passes"
             )
         elif status == PASS:
             status, metric, detail = FAIL, "token", f"greedy token differs: {tie}"
@@ -253,11 +368,21 @@ def _check_step(i: int, gstep: Step, token: int, row: np.ndarray, tol: Tolerance
         kl=kl,
         topk_overlap=overlap,
         worst=worst,
+        bounded=int((~known).sum()),
     )
 
 
+def _run_gap(row: Row, token: int, golden_token: int) -> float:
+    """How much the run prefers its `token` to the golden's: exact from a full row; from a
+    top-k without the golden's token, the least it can be (its top-1 minus its k-th)."""
+    if not isinstance(row, TopLogprobs):
+        return float(row[token] - row[golden_token])
+    run = dict(zip(row.ids, row.logprobs, strict=True))
+    return run.get(token, row.bound) - run.get(golden_token, row.bound)
+
+
 def _tie_reason(
-    gstep: Step, golden_lp: np.ndarray, ids: np.ndarray, token: int, row: np.ndarray, margin: float
+    gstep: Step, golden_lp: np.ndarray, ids: np.ndarray, token: int, run_gap: float, margin: float
 ) -> str | None:
     """Why a different greedy token is not a fair near-tie answer; None when it is."""
     where = np.flatnonzero(ids == token)
@@ -269,7 +394,6 @@ def _tie_reason(
             f"the golden ranks the run's token {golden_gap:.3g} below its top-1 "
             f"(near-tie margin {margin:g})"
         )
-    run_gap = float(row[token] - row[gstep.token_id])
     if run_gap >= margin:
         return (
             f"the run ranks the golden's token {run_gap:.3g} below its own top-1 "
@@ -351,7 +475,7 @@ def format_failure(
             for d in step.worst:
                 lines.append(
                     f"    {d.token_id:>8}  {decode([d.token_id])!r:<16} {d.expected:>12.6g} "
-                    f"{d.actual:>12.6g} {d.abs_diff:>10.3g}"
+                    f"{_run_value(d):>12} {d.abs_diff:>10.3g}"
                 )
         lines.append(
             f"  at this step: KL {step.kl:.3g}, top-k overlap {step.topk_overlap:.2f}, "
@@ -359,3 +483,8 @@ def format_failure(
         )
     lines.append(f"  regenerate the golden (if the change is intended): {regenerate}")
     return "\n".join(lines)
+
+
+def _run_value(d: LogprobDiff) -> str:
+    """The run's log-probability as a table cell: '<= x' where only its bound is known."""
+    return f"<={d.actual:.6g}" if d.bounded else f"{d.actual:.6g}"

@@ -294,6 +294,172 @@ def test_top_k_ids_equals_a_stable_full_sort(row: np.ndarray, k: int) -> None:
     np.testing.assert_array_equal(schema.top_k_ids(row, k), expected)
 
 
+@st.composite
+def reranked_runs(
+    draw: st.DrawFn,
+    subject: Subject,
+    swap: bool | None = None,
+    bump: float | None = None,
+    seed: int | None = None,
+) -> np.ndarray:
+    """A run that ranks new ids into its top-k: at every step a few ids outside the golden's
+    top-k lifted near the top (above or below its top-1), and possibly the golden's runner-up
+    swapped above its top-1 (a near-tie answer, or not). Golden ids fall out of the run's top-k
+    while the run still values them: where a partial verdict knows least."""
+    run = subject.logits.copy()
+    if seed is None:
+        seed = draw(st.integers(0, 2**32 - 1), label="rerank seed")
+    rng = np.random.default_rng(seed)
+    intruders = draw(st.integers(1, 3), label="intruders")
+    lift = draw(st.floats(-2.0, 0.5), label="lift")
+    if swap is None:
+        swap = draw(st.booleans(), label="swap runner-up")
+    if bump is None:
+        bump = draw(st.floats(1e-6, 1.0), label="runner-up above the top-1 by")
+    for row in run:
+        order = np.argsort(-row, kind="stable")
+        top = row[order[0]]
+        outside = order[subject.top_k :]
+        if outside.size:
+            chosen = rng.choice(outside, size=min(intruders, outside.size), replace=False)
+            # With a swap, the new ids sit between the golden's top-1 and its runner-up: the
+            # golden's choice leaves the run's top-k while the run still almost ties it.
+            spread = bump if swap else lift
+            row[chosen] = top + np.float32(spread) * rng.random(chosen.size).astype(np.float32)
+        if swap:
+            row[order[1]] = max(top + np.float32(bump), np.nextafter(row.max(), np.inf))
+    return run
+
+
+def _partial(run: np.ndarray, k: int) -> list[compare.TopLogprobs]:
+    """What a server answering with its top-k would return for these logits."""
+    return [compare.TopLogprobs.from_logits(row, min(k, row.size)) for row in run]
+
+
+def _compare_partial(golden: Case, run: np.ndarray, k: int, tol: Tolerance) -> compare.CaseReport:
+    return compare.compare_case(golden, INPUT_IDS, _greedy(run), _partial(run, k), tol)
+
+
+@fuzz_settings(FUZZ_EXAMPLES)
+@given(subject=subjects(), tol=tolerances(), data=st.data())
+def test_a_partial_run_fails_only_where_the_full_run_fails(
+    subject: Subject, tol: Tolerance, data: st.DataObject
+) -> None:
+    """Soundness of the partial rules: from a run's top-k (k from the golden's to the
+    vocabulary's) every
+    |Δ log-prob| and KL is at most the full row's, and a step that FAILs partially FAILs in
+    full. A partial verdict may miss a failure (what it cannot see), never invent one."""
+    # Often a small golden top-k: there a few new ids push the golden's top-1 out of the run's.
+    top_k = data.draw(st.integers(2, 4) | st.just(subject.top_k), label="golden top-k")
+    subject = dataclasses.replace(subject, top_k=min(top_k, subject.vocab))
+    run = data.draw(runs(subject) | reranked_runs(subject), label="run")
+    assume(not _tie_near_top(run, subject.top_k))
+    # Mostly the golden's own k (a server asked for it), where golden ids fall out most.
+    wider = st.integers(subject.top_k, subject.vocab)
+    k = data.draw(st.just(subject.top_k) | wider, label="run top-k")
+    golden = _golden(subject.logits, subject.top_k)
+    full = _compare(golden, run, tol)
+    partial = _compare_partial(golden, run, k, tol)
+    for f, p in zip(full.steps, partial.steps, strict=True):
+        assert p.max_logprob_diff <= f.max_logprob_diff + ROUNDING, (
+            f"partial |Δ| above the full one at step {f.step}: {p.max_logprob_diff} > "
+            f"{f.max_logprob_diff}"
+        )
+        assert p.kl <= f.kl * (1 + 1e-9) + ROUNDING, (
+            f"partial KL above the full one at step {f.step}: {p.kl} > {f.kl}"
+        )
+        if p.status == compare.FAIL:
+            assert f.status == compare.FAIL, (
+                f"partial FAIL where the full run is {f.status} at step {f.step} ({p.detail})"
+            )
+
+
+@fuzz_settings(FUZZ_EXAMPLES)
+@given(subject=subjects(), tol=tolerances(), data=st.data())
+def test_a_partial_run_that_holds_the_goldens_top_k_is_judged_as_the_full_run(
+    subject: Subject, tol: Tolerance, data: st.DataObject
+) -> None:
+    """Exactness: when the run's top-k contains the golden's (k_run >= k, here the top-k of
+    the same ids), the partial comparison sees every golden id: the same |Δ log-prob|,
+    overlap and token checks as the full row, and its KL at most the full one's."""
+    run = data.draw(runs(subject), label="run")
+    assume(not _tie_near_top(run, subject.top_k))
+    golden = _golden(subject.logits, subject.top_k)
+    covering = [
+        max(
+            subject.top_k,
+            int(np.flatnonzero(np.isin(schema.top_k_ids(row, subject.vocab), s.topk_ids)).max())
+            + 1,
+        )
+        for row, s in zip(run, golden.steps, strict=False)
+    ]
+    assume(covering)
+    full = _compare(golden, run, tol)
+    partial = _compare_partial(golden, run, max(covering), tol)
+    for f, p in zip(full.steps, partial.steps, strict=True):
+        assert p.bounded == 0
+        assert p.max_logprob_diff == pytest.approx(f.max_logprob_diff, rel=1e-9, abs=ROUNDING)
+        assert p.topk_overlap == f.topk_overlap
+        assert p.kl <= f.kl * (1 + 1e-9) + ROUNDING
+        if f.metric in ("", "token", "logprob", "topk_overlap"):
+            assert (p.status, p.metric) == (f.status, f.metric), f"step {f.step}: {p.detail}"
+
+
+@fuzz_settings(FUZZ_EXAMPLES)
+@given(subject=subjects(), data=st.data())
+def test_a_near_tie_answer_whose_golden_token_left_the_runs_top_k_stays_ambiguous(
+    subject: Subject, data: st.DataObject
+) -> None:
+    """The tie rule from a top-k: the golden's top-1 pushed out of the run's top-k by new ids
+    that sit between it and the run's choice (the golden's runner-up, now just above it).
+    Under loose numeric thresholds the full row calls such a swap AMBIGUOUS when both gaps are
+    under the margin; the partial verdict, bounding the run's gap by its top-1 minus its k-th,
+    must not call it a FAIL."""
+    top_k = data.draw(st.integers(2, 4), label="golden top-k")
+    subject = dataclasses.replace(subject, top_k=min(top_k, subject.vocab))
+    margin = data.draw(st.floats(0.05, 2.0), label="near-tie margin")
+    tol = Tolerance("fuzz/loose/cpu", 10.0, 10.0, 0.0, margin, "fuzz")
+    logits = subject.logits.copy()
+    for row in logits:
+        order = np.argsort(-row, kind="stable")
+        fraction = data.draw(st.floats(0.0, 0.9), label="golden gap / margin")
+        row[order[1]] = row[order[0]] - np.float32(fraction * margin)
+    golden = _golden(logits, subject.top_k)
+    bump = data.draw(st.floats(1e-3, 0.9), label="run gap / margin") * margin
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    run = data.draw(
+        reranked_runs(dataclasses.replace(subject, logits=logits), swap=True, bump=bump, seed=seed)
+    )
+    full = _compare(golden, run, tol)
+    partial = _compare_partial(golden, run, subject.top_k, tol)
+    for f, p in zip(full.steps, partial.steps, strict=True):
+        if f.status == compare.AMBIGUOUS:
+            assert p.status == compare.AMBIGUOUS, (
+                f"partial {p.status} where the full run is AMBIGUOUS at step {f.step} ({p.detail})"
+            )
+
+
+def test_a_run_top_k_shorter_than_the_goldens_is_refused():
+    logits = np.linspace(4.0, -4.0, 64, dtype=np.float32)[None, :]
+    with pytest.raises(ValueError, match="ask the engine for 20 log-probabilities"):
+        _compare_partial(_golden(logits, 20), logits, 5, entries("own", "float32")[0])
+
+
+def test_a_golden_id_below_the_runs_top_k_is_bounded_not_guessed():
+    logits = np.linspace(4.0, -4.0, 64, dtype=np.float32)[None, :]
+    golden = _golden(logits, 20)
+    run = logits.copy()
+    run[0, 19] = -30.0  # the golden's 20th id falls far out of the run's distribution
+    tol = entries("own", "float32")[0]
+    report = _compare_partial(golden, run, 20, tol)
+    step = report.steps[0]
+    assert step.bounded == 1
+    assert step.status == compare.FAIL and step.metric == "logprob"
+    assert "not in its top-k" in step.detail
+    # The full row knows the value; the partial verdict only a lower bound of its |Δ|.
+    assert step.max_logprob_diff < _compare(golden, run, tol).steps[0].max_logprob_diff
+
+
 def _plant(monkeypatch: pytest.MonkeyPatch, function: Callable, old: str, new: str) -> None:
     """Replace `function` in its module (and where compare.py imported it) by a copy of its
     source with `old` edited to `new`."""
@@ -336,7 +502,9 @@ def test_planted_tie_rule_without_the_run_side_fails_the_token_property(monkeypa
 
 def test_planted_tail_by_position_fails_the_order_property(monkeypatch):
     # The run's tail bucket taken as ids k.. (as if the golden's top-k were ids 0..k-1).
-    _plant(monkeypatch, compare._check_step, "outside[ids] = False", "outside[: len(ids)] = False")
+    _plant(
+        monkeypatch, compare._full_evidence, "outside[ids] = False", "outside[: len(ids)] = False"
+    )
     planted = first_failure(
         monkeypatch, test_the_verdict_does_not_depend_on_the_order_of_ids, match="differ"
     )
@@ -347,7 +515,7 @@ def test_planted_run_normalized_by_the_goldens_logsumexp_fails_the_shift_propert
     # The run's log-probs taken against the golden's stored logsumexp instead of its own.
     _plant(
         monkeypatch,
-        compare._check_step,
+        compare._full_evidence,
         "row.astype(np.float64) - logsumexp(row)",
         "row.astype(np.float64) - gstep.logsumexp",
     )
@@ -361,4 +529,49 @@ def test_planted_top_k_without_the_kth_ties_fails_the_sort_property(monkeypatch)
     # Candidates strictly above the k-th value: the k-th and its ties are lost.
     _plant(monkeypatch, schema.top_k_ids, "negated <= kth", "negated < kth")
     planted = first_failure(monkeypatch, test_top_k_ids_equals_a_stable_full_sort)
+    assert planted.first <= FUZZ_EXAMPLES
+
+
+def test_planted_bound_taken_as_the_value_fails_the_partial_soundness_property(monkeypatch):
+    # A golden id missing from the run's top-k compared as if its log-prob were the k-th's.
+    _plant(
+        monkeypatch,
+        compare._check_step,
+        "np.maximum(golden_lp - run_lp, 0.0)",
+        "np.abs(run_lp - golden_lp)",
+    )
+    planted = first_failure(
+        monkeypatch, test_a_partial_run_fails_only_where_the_full_run_fails, match="partial"
+    )
+    assert planted.first <= FUZZ_EXAMPLES
+
+
+def test_planted_rest_without_the_missing_ids_fails_the_partial_soundness_property(monkeypatch):
+    # The run's rest bucket as the mass outside its top-k only: the golden ids it lacks lose
+    # their share, and the KL comes out above the full one.
+    _plant(
+        monkeypatch,
+        compare._partial_evidence,
+        "max(1.0 - known_mass, others, known_mass * 2.0**-24)",
+        "max(1.0 - float(np.exp(top.logprobs).sum()), known_mass * 2.0**-24)",
+    )
+    planted = first_failure(
+        monkeypatch, test_a_partial_run_fails_only_where_the_full_run_fails, match="partial"
+    )
+    assert planted.first <= FUZZ_EXAMPLES
+
+
+def test_planted_tie_gap_without_the_bound_fails_the_partial_soundness_property(monkeypatch):
+    # A golden token outside the run's top-k taken as infinitely unlikely: near-ties fail.
+    _plant(
+        monkeypatch,
+        compare._run_gap,
+        "run.get(golden_token, row.bound)",
+        "run.get(golden_token, -math.inf)",
+    )
+    planted = first_failure(
+        monkeypatch,
+        test_a_near_tie_answer_whose_golden_token_left_the_runs_top_k_stays_ambiguous,
+        match="partial",
+    )
     assert planted.first <= FUZZ_EXAMPLES
