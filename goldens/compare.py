@@ -197,7 +197,7 @@ def _as_row(row: Row) -> Row:
     return row if isinstance(row, TopLogprobs) else np.asarray(row, dtype=np.float32)
 
 
-def _greedy(row: Row) -> int:
+def greedy_token(row: Row) -> int:
     return row.token if isinstance(row, TopLogprobs) else int(np.argmax(row))
 
 
@@ -236,7 +236,7 @@ def compare_case(
             check = _missing_step(j, gstep, "the run has no logits at this prompt position")
         else:
             row = _as_row(row)
-            check = _check_step(j, gstep, _greedy(row), row, tolerance)
+            check = _check_step(j, gstep, greedy_token(row), row, tolerance)
         prompt_checks.append(dataclasses.replace(check, position=position, in_prompt=True))
     input_ids_match = input_ids is None or list(input_ids) == list(golden.input_ids)
     failed = not input_ids_match or any(c.status == FAIL for c in [*prompt_checks, *checks])
