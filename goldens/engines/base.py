@@ -41,11 +41,13 @@ class Engine(Protocol):
         """Text of token ids, for failure messages (ids as text where it cannot say)."""
         ...
 
-    def next_token_rows(
-        self, ids: Sequence[int], positions: Sequence[int], top_k: int
-    ) -> list[Row]:
-        """The next-token distribution after each prefix `ids[: p + 1]`, p in `positions`
-        (ascending): full logits, or at least `top_k` log-probabilities."""
+    def teacher_forced(
+        self, prompt: Sequence[int], tokens: Sequence[int], positions: Sequence[int], top_k: int
+    ) -> tuple[list[Row], list[Row]]:
+        """(step rows, prompt rows): the next-token distribution after `prompt` plus the first
+        i of `tokens`, for each i < len(tokens), and after `prompt[: p + 1]` for each prompt
+        position p in `positions` (ascending): full logits, or at least `top_k`
+        log-probabilities."""
         ...
 
     def close(self) -> None: ...
@@ -65,18 +67,15 @@ class ForcedRun:
 
 def forced_run(engine: Engine, case: Case) -> ForcedRun:
     """`engine` teacher-forced on `case`: every step's prefix (the prompt and the golden's
-    first i tokens) and every recorded prompt position, in one `next_token_rows` call."""
+    first i tokens) and every recorded prompt position, in one `teacher_forced` call."""
     top_k = len(case.steps[0].topk_ids)
     own_ids = engine.tokenize(case.prompt)
     prompt = list(case.input_ids) if own_ids is None else own_ids
     # The golden's prompt positions, where this prompt has them (a tokenization that differs
     # fails on input ids anyway).
     positions = [p for p in case.positions if p < len(prompt) - 1]
-    sequence = prompt + list(case.token_ids)
-    steps = [len(prompt) - 1 + i for i in range(len(case.steps))]
     start = time.perf_counter()
-    rows = engine.next_token_rows(sequence, positions + steps, top_k)
+    step_rows, prompt_rows = engine.teacher_forced(prompt, list(case.token_ids), positions, top_k)
     seconds = time.perf_counter() - start
-    prompt_rows, step_rows = rows[: len(positions)], rows[len(positions) :]
     tokens = [greedy_token(row) for row in step_rows]
     return ForcedRun(own_ids, tokens, step_rows, positions, prompt_rows, seconds)

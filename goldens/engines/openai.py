@@ -83,6 +83,14 @@ class OpenAIEngine:
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(f"<{i}>" for i in ids)
 
+    def teacher_forced(
+        self, prompt: Sequence[int], tokens: Sequence[int], positions: Sequence[int], top_k: int
+    ) -> tuple[list[TopLogprobs], list[TopLogprobs]]:
+        sequence = [*prompt, *tokens]
+        steps = [len(prompt) - 1 + i for i in range(len(tokens))]
+        rows = self.next_token_rows(sequence, [*positions, *steps], top_k)
+        return rows[len(positions) :], rows[: len(positions)]
+
     def next_token_rows(
         self, ids: Sequence[int], positions: Sequence[int], top_k: int
     ) -> list[TopLogprobs]:
