@@ -82,3 +82,15 @@ def llama3_tool(name, srcs, deps, goldens = False, env = {}, visibility = None):
         visibility = visibility,
         deps = deps,
     )
+
+def llama3_tool_test(name, srcs, deps, size = "medium", env = {}):
+    """A pytest test of a tool outside the llama3 package, over the tiny checkpoints, SmolLM2
+    and the pinned golden archives (what `llama3_tool(goldens = True)` sees)."""
+    pytest_test(
+        name = name,
+        size = size,
+        srcs = srcs,
+        data = _CHECKPOINTS + _SMOLLM2 + _GOLDEN_ARCHIVES,
+        env = _CHECKPOINTS_ENV | _SMOLLM2_ENV | _GOLDEN_ARCHIVES_ENV | env,
+        deps = deps,
+    )

@@ -33,8 +33,12 @@ def log_softmax(row: np.ndarray) -> np.ndarray:
 
 
 class FakeServer:
-    def __init__(self, shape: str = "llama.cpp", shift: float = 0.0, delay: float = 0.0):
+    def __init__(
+        self, shape: str = "llama.cpp", shift: float = 0.0, delay: float = 0.0, logits=None
+    ):
+        """`logits`: prefix -> next-token logits, the model it serves (default `logits_of`)."""
         self.shape, self.shift, self.delay = shape, shift, delay
+        self.logits = logits or (lambda prefix: logits_of(prefix, shift))
         self.requests: list[dict] = []
         server = self
 
@@ -80,7 +84,7 @@ class FakeServer:
         self.httpd.server_close()
 
     def top(self, prefix: list[int], k: int) -> list[tuple[int, float]]:
-        lp = log_softmax(logits_of(prefix, self.shift))
+        lp = log_softmax(self.logits(prefix))
         order = np.argsort(-lp, kind="stable")[:k]
         return [(int(i), float(lp[i])) for i in order]
 

@@ -67,9 +67,9 @@ def scale_tensor(reader: GGUFReader, name: str, factor: float) -> None:
     blocks = tensor.data.reshape(-1).view(np.uint8).reshape(-1, size)
     for offset in offsets:
         scales = blocks[:, offset : offset + 2].copy().view(np.float16)
-        blocks[:, offset : offset + 2] = (scales.astype(np.float32) * factor).astype(
-            np.float16
-        ).view(np.uint8).reshape(-1, 2)
+        blocks[:, offset : offset + 2] = (
+            (scales.astype(np.float32) * factor).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        )
 
 
 def change_norm(reader: GGUFReader, name: str, index: int, factor: float) -> None:

@@ -1,0 +1,88 @@
+"""golden_check end to end without llama.cpp: a loopback OpenAI-compatible server that serves
+this engine's own numbers passes the pinned goldens; the same server on a mutated checkpoint
+fails them; an address where nothing listens, a checkpoint that does not exist and an engine x
+encoding that is not judged exit 2 with one line. (llama.cpp itself: test_llama_cpp.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+
+from goldens.engines.tests.fake_server import FakeServer
+from max_tests.integration.architectures.llama3 import checkpoint_mutations, engine_runs
+from tools.golden_check import golden_check
+
+
+def _served(path):
+    """A fake server whose model is this engine on the GGUF at `path`."""
+    (variant,) = [v for v in golden_check.checkpoints().values() if v.encoding == "float32"]
+    engine = engine_runs.load_engine(dataclasses.replace(variant, path=path))
+
+    def logits(prefix):
+        return engine.generate(list(prefix), 1).logits[0].float().numpy()
+
+    return variant, FakeServer("token_ids", logits=logits)
+
+
+def _check(url: str, *extra: str) -> int:
+    argv = ["--engine=openai", f"--url={url}", "--checkpoint=tinyllama-float32", "--lane=short"]
+    return golden_check.main([*argv, "--report-dir", *extra])
+
+
+def test_a_server_with_this_engines_numbers_passes_and_a_mutated_checkpoint_fails(tmp_path, capsys):
+    variant, server = _served(golden_check.checkpoints()["tinyllama-float32"].path)
+    with server:
+        assert _check(server.url, str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "own/float32/external" in out and "torch/float32/external" in out
+    assert out.strip().endswith("verdict: PASS")
+    assert len(list(tmp_path.glob("golden_report_*.html"))) == 2
+
+    mutation = checkpoint_mutations.BY_NAME["weight_scaled"]
+    copy = checkpoint_mutations.mutated_copy(variant.path, mutation, tmp_path)
+    _, server = _served(copy)
+    with server:
+        assert _check(server.url, str(tmp_path)) == 1
+    out = capsys.readouterr().out
+    assert "golden mismatch in case 'prose'" in out
+    assert out.strip().endswith("verdict: FAIL")
+
+
+def test_nothing_listening_exits_2_with_one_line_naming_the_url(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    assert (
+        golden_check.main(["--engine=openai", f"--url={url}", "--checkpoint=tinyllama-float32"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"nothing answers at {url}" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine=openai", "--checkpoint=nope", "--url=http://x/v1"], "is not one of"),
+        (["--engine=openai", "--checkpoint=tinyllama-float32"], "needs --url"),
+        (["--engine=llama_cpp", "--checkpoint=tinyllama-q4_k"], "is not judged"),
+        (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
+          "--mutations"], "--mutations needs"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_naming_it(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        code = golden_check.main(argv)
+        raise SystemExit(code)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+
+
+def test_list_names_every_checkpoint(capsys):
+    assert golden_check.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "tinyllama-float32" in out and "tiny_llama.gguf" in out
