@@ -127,14 +127,16 @@ def test_too_few_log_probabilities_ask_for_the_goldens_k():
     with FakeServer() as server:
         engine = OpenAIEngine(server.url)
         engine.extra_body = lambda: {"logprobs": 5}  # a server that caps k at 5
-        with pytest.raises(EngineError, match="returned 5 log-probabilities .* needs 8"):
+        with pytest.raises(EngineError, match=r"returned 5 log-probabilities .* needs 8"):
             engine.next_token_rows(PROMPT, [4], 8)
 
 
 def test_a_slow_server_times_out_with_the_url():
-    with FakeServer("slow", delay=1.0) as server:
-        with pytest.raises(EngineError, match="did not answer within 0.2 s"):
-            OpenAIEngine(server.url, timeout=0.2).next_token_rows(PROMPT, [4], 8)
+    with (
+        FakeServer("slow", delay=1.0) as server,
+        pytest.raises(EngineError, match=r"did not answer within 0\.2 s"),
+    ):
+        OpenAIEngine(server.url, timeout=0.2).next_token_rows(PROMPT, [4], 8)
 
 
 def test_a_url_that_is_not_http_is_refused():
