@@ -84,8 +84,18 @@ def llama3_tool(name, srcs, deps, goldens = False, env = {}, visibility = None):
     )
 
 def llama3_tool_test(name, srcs, deps, size = "medium", env = {}):
-    """A pytest test of a tool outside the llama3 package, over the tiny checkpoints, SmolLM2
-    and the pinned golden archives (what `llama3_tool(goldens = True)` sees)."""
+    """A pytest test of a tool outside the llama3 package, with the golden data.
+
+    It sees the tiny checkpoints, SmolLM2 and the pinned golden archives, as
+    `llama3_tool(goldens = True)` does.
+
+    Args:
+      name: the target.
+      srcs: the test files and what they import of the tool.
+      deps: what they import.
+      size: the test's size.
+      env: more environment for the test.
+    """
     pytest_test(
         name = name,
         size = size,
