@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs Debian's llama.cpp command-line tools (llama-server, llama-bench, and from
-# llama.cpp-tools-extra llama-batched-bench), the peer the serving benchmark runs
-# (//tools:bench_serving). Idempotent:
+# llama.cpp-tools-extra llama-batched-bench): the server the llama.cpp lane judges
+# (//max_tests/integration:tests_engines, `golden_check --engine=llama_cpp`) and the peer the
+# serving benchmark runs (//tools:bench_serving). Idempotent:
 #
 #   tools/llama_cpp/install.sh    prints llama-batched-bench's path; installs it first
 #
@@ -11,7 +12,7 @@
 # from here (not root, no apt-get, or no unstable suite: run ./bazelw first).
 set -euo pipefail
 
-if path="$(command -v llama-batched-bench)"; then
+if command -v llama-server >/dev/null && path="$(command -v llama-batched-bench)"; then
   echo "$path"
   exit 0
 fi

@@ -1,0 +1,136 @@
+"""The llama.cpp lane: Debian's llama-server judged by the goldens through the OpenAI adapter.
+
+For each checkpoint a llama-server is started on a free loopback port (goldens/engines/
+llama_server.py: one thread, float32 KV cache, no flash attention) and stopped after, also
+when the test fails. On the float32 file llama.cpp must PASS both goldens (own, torch) under
+its tolerance entry (`*/float32/llama_cpp`), every case; every checkpoint mutation
+(checkpoint_mutations.py) must FAIL it, and this engine too. On the other files llama.cpp's
+numerics differ by design (8-bit activations, its own bfloat16): their entries say
+`judged: false` with the measured distance, and the test checks that the distance is still
+what the entry records. Without llama-server the tests skip with the install command;
+.ci/run installs it (tools/llama_cpp/install.sh) and sets CI_REQUIRE_LLAMA_CPP=1, under which
+they fail instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+
+import pytest
+
+from goldens.engines import llama_server
+from goldens.engines.base import EngineError
+from goldens.engines.openai import LlamaCppEngine
+from goldens.tolerances import NotJudged, tolerance
+from max_tests.integration.architectures.llama3 import checkpoint_mutations, judge
+from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine, external_runs
+from max_tests.integration.architectures.llama3.variants import variants
+
+REQUIRE_ENV = "CI_REQUIRE_LLAMA_CPP"
+TINY = {v.encoding: v for v in variants("tinyllama")}
+STOPPED: list[int] = []  # pids of every server these tests started
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _llama_server() -> None:
+    try:
+        llama_server.binary()
+    except EngineError as e:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{e} (${REQUIRE_ENV}=1: the llama.cpp lane must run)")
+        pytest.skip(str(e))
+
+
+@contextlib.contextmanager
+def _served(gguf):
+    server = llama_server.LlamaServer(gguf)
+    server.start()
+    pid = server.pid
+    try:
+        yield LlamaCppEngine(server.url)
+    finally:
+        server.stop()
+        STOPPED.append(pid)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped, not left running
+
+
+def _verdicts(engine, variant, goldens, column: str, lane: str = "all") -> list[judge.Verdict]:
+    verdicts = []
+    for reference in ("own", "torch"):
+        golden, source = goldens.load(reference, variant)
+        tol = tolerance(reference, variant.encoding, column)
+        runs = external_runs(engine, judge.in_lane(golden, variant.model, lane))
+        verdicts.append(
+            judge.compare_runs(
+                runs, golden, source, reference, tol, variant, engine.decode, lane=lane
+            )
+        )
+    return verdicts
+
+
+def test_llama_cpp_passes_the_float32_goldens(goldens, record_property) -> None:
+    variant = TINY["float32"]
+    with _served(variant.path) as engine:
+        verdicts = _verdicts(engine, variant, goldens, "llama_cpp")
+        again = _verdicts(engine, variant, goldens, "llama_cpp")
+    for verdict, repeat in zip(verdicts, again, strict=True):
+        print("llama.cpp " + verdict.summary())
+        share, metric, where = verdict.headroom()
+        record_property(
+            "headroom", f"{verdict.tolerance.key}|{share:.6g}|llama_cpp-float32|{where}|{metric}"
+        )
+        # The noise floor's "repeatable": the same server answers the same numbers.
+        assert [r.max_logprob_diff for r in verdict.reports] == [
+            r.max_logprob_diff for r in repeat.reports
+        ]
+    assert all(r.input_ids_match for v in verdicts for r in v.reports), "tokenization differs"
+    failures = [f for v in verdicts for f in v.failures]
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize("mutation", checkpoint_mutations.MUTATIONS, ids=lambda m: m.name)
+def test_every_checkpoint_mutation_fails_llama_cpp_and_this_engine(mutation, goldens) -> None:
+    variant = TINY["float32"]
+    with tempfile.TemporaryDirectory() as folder:
+        copy = checkpoint_mutations.mutated_copy(variant.path, mutation, folder)
+        mutated = dataclasses.replace(variant, path=copy)
+        with _served(copy) as engine:
+            external = _verdicts(engine, mutated, goldens, "llama_cpp")
+        this = _verdicts(ThisEngine(mutated), mutated, goldens, "cpu")
+    for who, verdicts in (("llama.cpp", external), ("this engine", this)):
+        for verdict in verdicts:
+            print(f"{mutation.name} ({mutation.what}), {who}: {verdict.summary()}")
+            assert verdict.failures, f"{who} passes {mutation.what}: {verdict.summary()}"
+            floor = verdict.tolerance.mutation_floor
+            assert verdict.max_logprob_diff >= floor.logprob * 0.999, (
+                f"{mutation.name} moved {who} by {verdict.max_logprob_diff:.3g}, under the "
+                f"entry's mutation floor {floor.logprob:g} ({floor.measured}): measure again"
+            )
+
+
+@pytest.mark.parametrize("encoding", ["bfloat16", "q4_k", "nvfp4"])
+def test_llama_cpp_differs_by_design_where_its_entry_says_so(encoding, goldens) -> None:
+    variant = TINY[encoding]
+    with pytest.raises(NotJudged) as not_judged:
+        tolerance("own", encoding, "llama_cpp")
+    recorded = float(str(not_judged.value).split("max |Δ log-prob| ")[1].split(",")[0])
+    with _served(variant.path) as engine:
+        (own, _) = _verdicts(engine, variant, goldens, "external")
+    print(f"llama.cpp {encoding}: {own.summary()} (entry records {recorded:g})")
+    assert own.failures, f"llama.cpp now agrees on {encoding}: make its entry judged"
+    assert recorded / 1.5 <= own.max_logprob_diff <= recorded * 1.5, (
+        f"llama.cpp's distance on {encoding} is {own.max_logprob_diff:.3g}, the entry records "
+        f"{recorded:g}: measure again and update own/{encoding}/llama_cpp"
+    )
+
+
+def test_no_server_is_left_running() -> None:
+    assert STOPPED, "no server was started"
+    for pid in STOPPED:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
