@@ -70,7 +70,7 @@ def llama3_test(name, size, goldens = True, gpu = False, deps = [], srcs = None,
     else:
         pytest_test(name = name, size = size, **kwargs)
 
-def llama3_tool(name, srcs, deps, goldens = False, env = {}, visibility = None):
+def llama3_tool(name, srcs, deps, goldens = False, env = {}, visibility = None, main = None):
     """A `bazel run` tool (main `<name>.py`) over the tiny checkpoints and SmolLM2.
 
     `goldens` adds the pinned golden archives, for tools that compare against them.
@@ -78,6 +78,7 @@ def llama3_tool(name, srcs, deps, goldens = False, env = {}, visibility = None):
     py_binary(
         name = name,
         srcs = srcs,
+        main = main,
         data = _CHECKPOINTS + _SMOLLM2 + (_GOLDEN_ARCHIVES if goldens else []),
         env = _SMOLLM2_ENV | (_GOLDEN_ARCHIVES_ENV if goldens else {}) | env,
         visibility = visibility,

@@ -12,8 +12,9 @@ log-probabilities; the comparison then checks what is known and bounds the rest
   # llama.cpp: started on a free loopback port with the checkpoint, stopped at the end;
   # --mutations also checks that every checkpoint mutation fails
   ./bazelw run //tools:golden_check -- --engine=llama_cpp --checkpoint=tinyllama-float32 --mutations
-  # this engine, any mode
+  # this engine (any mode), or transformers on the same file
   ./bazelw run //tools:golden_check -- --engine=this --mode=quantized --checkpoint=tinyllama-q4_k
+  ./bazelw run //tools:golden_check -- --engine=transformers --checkpoint=smollm2-q4_1
   # the checkpoints and the GGUF file each one's goldens were made from
   ./bazelw run //tools:golden_check -- --list
 
@@ -49,8 +50,13 @@ from max_tests.integration.architectures.llama3.variants import (
     variants,
 )
 
-ENGINES = ("openai", "llama_cpp", "this")
-DEFAULT_COLUMN = {"openai": "external", "llama_cpp": "llama_cpp", "this": "cpu"}
+ENGINES = ("openai", "llama_cpp", "this", "transformers")
+DEFAULT_COLUMN = {
+    "openai": "external",
+    "llama_cpp": "llama_cpp",
+    "this": "cpu",
+    "transformers": "cpu",
+}
 
 
 def checkpoints() -> dict[str, Variant]:
@@ -80,13 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tolerance",
         help="the tolerances.yaml column to judge under (default: llama_cpp for llama_cpp, "
-        "external for openai, cpu for this)",
+        "external for openai, cpu for this and transformers)",
     )
     p.add_argument(
         "--mutations",
         action="store_true",
-        help="also judge each checkpoint mutation (a started llama_cpp server, or this "
-        "engine), which must FAIL",
+        help="also judge each checkpoint mutation (a started llama_cpp server, this engine "
+        "or transformers), which must FAIL",
     )
     p.add_argument("--mode", default="eager", help="this engine's execution mode")
     p.add_argument("--report-dir", default=".", help="where the HTML reports go")
@@ -123,9 +129,12 @@ def _target(args, variant: Variant, gguf: Path) -> Target:
         server = LlamaServer(gguf)
         server.start()
         return Target(LlamaCppEngine(server.url, **options), server)
-    from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine
+    from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine, Transformers
 
-    return Target(ThisEngine(dataclasses.replace(variant, path=gguf), mode=args.mode))
+    variant = dataclasses.replace(variant, path=gguf)
+    if args.engine == "transformers":
+        return Target(Transformers(variant))
+    return Target(ThisEngine(variant, mode=args.mode))
 
 
 def _verdicts(target: Target, variant: Variant, goldens, column: str, lane: str):

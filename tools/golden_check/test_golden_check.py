@@ -82,6 +82,19 @@ def test_bad_input_exits_2_naming_it(argv, message, capsys):
     assert message in captured.err
 
 
+def test_transformers_passes_this_engines_golden_and_every_mutation_fails_it(tmp_path, capsys):
+    argv = ["--engine=transformers", "--checkpoint=tinyllama-float32", "--lane=short"]
+    assert (
+        golden_check.main([*argv, "--golden=own", "--mutations", f"--report-dir={tmp_path}"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "own/float32/cpu" in out
+    for mutation in checkpoint_mutations.MUTATIONS:
+        (line,) = [line for line in out.splitlines() if line.strip().startswith(mutation.name)]
+        assert " FAIL: " in line, line
+    assert out.strip().endswith("verdict: PASS")
+
+
 def test_list_names_every_checkpoint(capsys):
     assert golden_check.main(["--list"]) == 0
     out = capsys.readouterr().out

@@ -133,4 +133,3 @@ def test_no_server_is_left_running() -> None:
     for pid in STOPPED:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-
