@@ -89,9 +89,13 @@ def test_transformers_passes_this_engines_golden_and_every_mutation_fails_it(tmp
     )
     out = capsys.readouterr().out
     assert "own/float32/cpu" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
     for mutation in checkpoint_mutations.MUTATIONS:
-        (line,) = [line for line in out.splitlines() if line.strip().startswith(mutation.name)]
-        assert " FAIL: " in line, line
+        line = lines[mutation.name]
+        if mutation.name == "rope_theta":  # transformers rebuilds rope from Llama 3.1's recipe
+            assert "not applicable: the engine refuses the file" in line, line
+        else:
+            assert " FAIL: " in line, line
     assert out.strip().endswith("verdict: PASS")
 
 
