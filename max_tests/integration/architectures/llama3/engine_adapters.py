@@ -70,17 +70,10 @@ class Transformers:
 
     @torch.inference_mode()
     def teacher_forced(self, prompt, tokens, positions, top_k):
+        from max_tests.integration.architectures.llama3.torch_reference import float32_head
+
         model = self.model
-        head = model.lm_head.weight.float()
-        norm = model.model.norm
-        weight, eps = norm.weight.float(), norm.variance_epsilon
-
-        def float32_norm(module, inputs, output):
-            x = inputs[0].float()
-            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-        hook = norm.register_forward_hook(float32_norm)
-        try:
+        with float32_head(model) as head:
             ids = torch.tensor([list(prompt)], device=self.device)
             out = model.model(ids, use_cache=True)
             prompt_rows = []
@@ -97,8 +90,6 @@ class Transformers:
                         use_cache=True,
                     )
             return rows, prompt_rows
-        finally:
-            hook.remove()
 
     def close(self) -> None:
         pass

@@ -9,6 +9,7 @@ testdata/run_torch_llama.py (the torch goldens) and localize.py (the first diver
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import shutil
@@ -180,3 +181,22 @@ def load_reference(variant: Variant, device: str):
     model = load_model(variant.path, variant.dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(str(variant.path.parent), gguf_file=variant.path.name)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def float32_head(model):
+    """The final norm in float32 while the block runs, and the LM head's weight in float32
+    (yielded): the engine's numerics, whatever the model's dtype (bfloat16 logits of ~40 sit
+    on a 0.25 grid and make exact ties)."""
+    norm = model.model.norm
+    weight, eps = norm.weight.float(), norm.variance_epsilon
+
+    def float32_norm(module, inputs, output):
+        x = inputs[0].float()
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    hook = norm.register_forward_hook(float32_norm)
+    try:
+        yield model.lm_head.weight.float()  # [vocab, dim]
+    finally:
+        hook.remove()

@@ -31,7 +31,7 @@ from goldens import schema
 from goldens.cli_files import PathError, user_path
 from goldens.record import case_specs, record_case
 from max_tests.integration.architectures.llama3 import engine_runs, golden_files
-from max_tests.integration.architectures.llama3.torch_reference import load_reference
+from max_tests.integration.architectures.llama3.torch_reference import float32_head, load_reference
 from max_tests.integration.architectures.llama3.variants import (
     ENCODINGS,
     LLAMA3_1_ENV,
@@ -71,19 +71,8 @@ def greedy(model, input_ids: list[int], steps: int, eos_ids: set[int], device: s
     The final norm and the LM head run in float32 whatever the model's dtype, as the
     engine's do: bfloat16 logits of ~40 sit on a 0.25 grid and make exact ties.
     """
-    head = model.lm_head.weight.float()  # [vocab, dim]
-    norm = model.model.norm
-    weight, eps = norm.weight.float(), norm.variance_epsilon
-
-    def float32_norm(module, inputs, output):
-        x = inputs[0].float()
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-    hook = norm.register_forward_hook(float32_norm)
-    try:
+    with float32_head(model) as head:
         return _greedy(model, head, input_ids, steps, eos_ids, device, list(positions))
-    finally:
-        hook.remove()
 
 
 def _greedy(model, head, input_ids, steps, eos_ids, device, positions):
