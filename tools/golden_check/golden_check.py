@@ -285,10 +285,11 @@ def _mutations(args, variant: Variant, goldens, column: str) -> bool:
                 continue
             fails = all(v.failures for v in verdicts)
             caught &= fails
-            worst = max(v.max_logprob_diff for v in verdicts)
+            worst = min(v.max_logprob_diff for v in verdicts)
+            kl = min(v.max_kl for v in verdicts)
             print(
                 f"  {mutation.name:<14} {mutation.what:<32} {'FAIL' if fails else 'PASS (missed)'}"
-                f": max |Δ log-prob| {worst:.3g}"
+                f": max |Δ log-prob| {worst:.3g}, max KL {kl:.3g} (the smaller over the goldens)"
             )
     return caught
 
