@@ -31,6 +31,7 @@ class EngineError(Exception):
 class Engine(Protocol):
     name: str  # for messages and reports: "llama.cpp at http://127.0.0.1:8080/v1"
     full_logits: bool  # rows are full logits (else TopLogprobs)
+    tokenizes: bool  # tokenize() answers (else the golden's input ids are sent unchecked)
 
     def tokenize(self, text: str) -> list[int] | None:
         """The engine's own tokenization of a prompt (BOS included where it adds one), or

@@ -48,6 +48,7 @@ class OpenAIEngine:
     """Teacher-forced top-k log-probabilities from `{url}/completions`."""
 
     full_logits = False
+    tokenizes = False
 
     def __init__(
         self,
@@ -230,6 +231,8 @@ class OpenAIEngine:
 
 class LlamaCppEngine(OpenAIEngine):
     """llama.cpp's `llama-server`: the OpenAI adapter plus its tokenizer endpoints."""
+
+    tokenizes = True
 
     def __init__(self, url: str, model: str = "", **options) -> None:
         super().__init__(url, model, **options)

@@ -228,11 +228,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         goldens.append((reference, found))
 
     try:
-        verdicts, name, reports = _judge(args, variant, variant.path, goldens, column, report_dir)
+        verdicts, (name, tokenizes), reports = _judge(
+            args, variant, variant.path, goldens, column, report_dir
+        )
         print(f"golden check: {name}, {args.checkpoint} ({variant.path.name}), {args.lane} cases")
         print(_header())
         for verdict in verdicts:
             print(_row(verdict))
+        if not tokenizes:
+            print(
+                "input ids: not checked (the server has no tokenizer endpoint; it was sent the "
+                "golden's ids)"
+            )
         for verdict, report in zip(verdicts, reports, strict=True):
             print(f"report ({verdict.reference}: {verdict.source}): {report}")
         failed = any(v.failures for v in verdicts)
@@ -262,7 +269,7 @@ def _judge(args, variant: Variant, gguf: Path, goldens, column: str, report_dir=
                         verdict, golden, target.engine.decode, report_dir, test_id
                     )
                 )
-        return verdicts, target.engine.name, reports
+        return verdicts, (target.engine.name, target.engine.tokenizes), reports
     finally:
         target.close()
 

@@ -26,6 +26,7 @@ class ThisEngine:
     """pipelines/llama3 (any execution mode) on one checkpoint."""
 
     full_logits = True
+    tokenizes = True
 
     def __init__(self, variant: Variant, mode: str = "eager", device: str = "cpu") -> None:
         self.engine = load_engine(variant, device, mode=mode)
@@ -54,6 +55,7 @@ class Transformers:
     the final norm and LM head in float32 as the torch goldens were made."""
 
     full_logits = True
+    tokenizes = True
 
     def __init__(self, variant: Variant, device: str = "cpu") -> None:
         from max_tests.integration.architectures.llama3.torch_reference import load_reference
