@@ -30,6 +30,7 @@ from max_tests.integration.architectures.llama3 import golden_files, judge
 from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine, external_runs
 from max_tests.integration.architectures.llama3.variants import testdata_directory, variants
 
+CASES = {"all": "every case", "short": "the short cases", "long": "the long cases"}
 PAIRS = (
     ("this engine", "torch", "this engine vs transformers"),
     ("llama.cpp", "own", "llama.cpp vs this engine"),
@@ -93,8 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {variant.test_id}: {who} on {reference}: {cells[-1]}", file=sys.stderr)
         rows.append((f"{variant.model} {variant.encoding}", cells))
     print(
-        f"Max |Δ log-prob| / max KL / greedy agreement, teacher-forced on the steps and prompt "
-        f"positions of the {args.lane} cases ({cpu_model()}; llama-server 1 thread, f32 KV):\n"
+        f"Max |Δ log-prob| / max KL / greedy agreement, teacher-forced on every step and "
+        f"prompt position of {CASES[args.lane]} ({cpu_model()}; llama-server 1 thread, f32 KV):\n"
     )
     print("| checkpoint | " + " | ".join(title for _, _, title in PAIRS) + " |")
     print("| --- |" + " --- |" * len(PAIRS))
