@@ -19,15 +19,18 @@ import dataclasses
 import os
 import tempfile
 
+import gguf
+import numpy as np
 import pytest
 
 from goldens.engines import llama_server
-from goldens.engines.base import EngineError
+from goldens.engines.base import EngineError, forced_run
 from goldens.engines.openai import LlamaCppEngine
 from goldens.tolerances import NotJudged, tolerance
 from max_tests.integration.architectures.llama3 import checkpoint_mutations, judge
 from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine, external_runs
 from max_tests.integration.architectures.llama3.variants import variants
+from pipelines.llama3 import ggml_activations
 
 REQUIRE_ENV = "CI_REQUIRE_LLAMA_CPP"
 TINY = {v.encoding: v for v in variants("tinyllama")}
@@ -126,6 +129,42 @@ def test_llama_cpp_differs_by_design_where_its_entry_says_so(encoding, goldens) 
         f"llama.cpp's distance on {encoding} is {own.max_logprob_diff:.3g}, the entry records "
         f"{recorded:g}: measure again and update own/{encoding}/llama_cpp"
     )
+
+
+def _distance(engine, reference, case) -> float:
+    """Max |Δ log-prob| of `engine` (full rows) over `reference`'s top-k, every step and
+    prompt position of `case`."""
+    mine, theirs = forced_run(engine, case), forced_run(reference, case)
+    worst = 0.0
+    rows = zip([*mine.prompt_rows, *mine.rows], [*theirs.prompt_rows, *theirs.rows], strict=True)
+    for row, top in rows:
+        log_probs = row.astype(np.float64) - np.logaddexp.reduce(row.astype(np.float64))
+        pairs = zip(top.ids, top.logprobs, strict=True)
+        worst = max(worst, max(abs(log_probs[i] - lp) for i, lp in pairs))
+    return worst
+
+
+def test_ggml_activations_bring_this_engine_to_llama_cpp_on_q4_k(goldens) -> None:
+    """With Q8_K activations in front of every Q4_K product (ggml_activations), this engine
+    computes what llama.cpp computes on the Q4_K file: measured 1.3e-5 .. 1.75e-5 on the short
+    cases, against 1.54 with float activations. (Long prompts still differ at isolated
+    positions; SmolLM2's Q4_1 does not close yet: ggml_activations' docstring.)"""
+    variant = TINY["q4_k"]
+    golden, _ = goldens.load("own", variant)
+    short = judge.in_lane(golden, variant.model, "short")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(variant.path).tensors}
+    types.setdefault("output.weight", types["token_embd.weight"])  # the head is tied
+    plain, ggml = ThisEngine(variant), ThisEngine(variant)
+    linears = ggml_activations.model_linears(ggml.engine.model)
+    assert ggml_activations.install(linears, types) == len(linears)
+    with _served(variant.path) as engine:
+        distance = {
+            name: max(_distance(e, engine, case) for case in short.cases)
+            for name, e in (("float activations", plain), ("ggml activations", ggml))
+        }
+    print(f"this engine vs llama.cpp on tiny q4_k, short cases: {distance}")
+    assert distance["ggml activations"] <= 1e-4, distance
+    assert distance["float activations"] > 0.5, distance
 
 
 def test_no_server_is_left_running() -> None:
