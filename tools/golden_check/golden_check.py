@@ -138,17 +138,15 @@ def _target(args, variant: Variant, gguf: Path) -> Target:
 
 
 def _verdicts(target: Target, variant: Variant, goldens, column: str, lane: str):
-    from max_tests.integration.architectures.llama3.engine_adapters import external_runs
+    from max_tests.integration.architectures.llama3.engine_adapters import judge_engine
 
-    verdicts = []
-    for reference, (golden, source) in goldens:
-        tol = tolerance(reference, variant.encoding, column)
-        runs = external_runs(target.engine, judge.in_lane(golden, variant.model, lane))
-        decode = target.engine.decode
-        verdicts.append(
-            judge.compare_runs(runs, golden, source, reference, tol, variant, decode, lane=lane)
+    return [
+        judge_engine(
+            target.engine, golden, source, reference,
+            tolerance(reference, variant.encoding, column), variant, lane,
         )
-    return verdicts
+        for reference, (golden, source) in goldens
+    ]  # fmt: skip
 
 
 COLUMNS = (

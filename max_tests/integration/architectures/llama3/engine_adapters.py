@@ -4,7 +4,7 @@ so that every engine, in-process or over HTTP, is judged by the same driver.
 Both answer full logits rows; the tests of this engine keep their own faster path
 (engine_runs.forced_runs, memoized across goldens), which this adapter calls underneath.
 `external_runs` turns any engine's teacher-forced answers into the `engine_runs.Run`s that
-judge.compare_runs takes.
+judge.compare_runs takes; `judge_engine` is judge.check for any engine.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import torch
 from goldens import schema
 from goldens.engines.base import Engine, forced_run
 from goldens.record import CaseSpec
+from goldens.tolerances import Tolerance
+from max_tests.integration.architectures.llama3 import judge
 from max_tests.integration.architectures.llama3.engine_runs import Run, load_engine
+from max_tests.integration.architectures.llama3.golden_files import GoldenSource
 from max_tests.integration.architectures.llama3.variants import Variant
 
 
@@ -117,3 +120,20 @@ def external_runs(engine: Engine, golden: schema.Golden) -> list[Run]:
             )
         )
     return runs
+
+
+def judge_engine(
+    engine: Engine,
+    golden: schema.Golden,
+    source: GoldenSource,
+    reference: str,
+    tolerance: Tolerance,
+    variant: Variant,
+    lane: str = "all",
+) -> judge.Verdict:
+    """judge.check for any engine: `engine` teacher-forced on the cases of `lane` of `golden`
+    and compared under `tolerance`."""
+    runs = external_runs(engine, judge.in_lane(golden, variant.model, lane))
+    return judge.compare_runs(
+        runs, golden, source, reference, tolerance, variant, engine.decode, lane=lane
+    )

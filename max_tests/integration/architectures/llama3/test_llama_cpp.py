@@ -28,7 +28,7 @@ from goldens.engines.base import EngineError, forced_run
 from goldens.engines.openai import LlamaCppEngine
 from goldens.tolerances import NotJudged, tolerance
 from max_tests.integration.architectures.llama3 import checkpoint_mutations, judge
-from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine, external_runs
+from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine, judge_engine
 from max_tests.integration.architectures.llama3.variants import variants
 from pipelines.llama3 import ggml_activations
 
@@ -62,17 +62,13 @@ def _served(gguf):
 
 
 def _verdicts(engine, variant, goldens, column: str, lane: str = "all") -> list[judge.Verdict]:
-    verdicts = []
-    for reference in ("own", "torch"):
-        golden, source = goldens.load(reference, variant)
-        tol = tolerance(reference, variant.encoding, column)
-        runs = external_runs(engine, judge.in_lane(golden, variant.model, lane))
-        verdicts.append(
-            judge.compare_runs(
-                runs, golden, source, reference, tol, variant, engine.decode, lane=lane
-            )
+    return [
+        judge_engine(
+            engine, *goldens.load(reference, variant), reference,
+            tolerance(reference, variant.encoding, column), variant, lane,
         )
-    return verdicts
+        for reference in ("own", "torch")
+    ]  # fmt: skip
 
 
 def test_llama_cpp_passes_the_float32_goldens(goldens, record_property) -> None:
