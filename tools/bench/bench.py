@@ -1,12 +1,22 @@
 """Benchmark the Llama 3 engine's execution modes against transformers and llama.cpp, in one run.
 
 Every side decodes greedily on the CPU in float32 with the same thread count and the same
-prompt token ids: the engine in each --modes (eager, compiled, quantized), transformers on the
-same GGUF, and llama.cpp when its Python binding imports (optional, tools/bench/llama_cpp_peer.py).
+prompt token ids: the engine in each --modes (pipelines.llama3.engine.MODES), transformers on
+the same GGUF, and llama.cpp (tools/bench/llama_cpp_peer.py): its Python binding when that
+imports, else Debian's `llama-bench` when it is on the PATH (tools/llama_cpp/install.sh), else
+none, with a line saying why. `llama-bench` times a prompt of the same length and as many
+decode steps, but of its own token ids: it returns no tokens and reports no load time, so it
+takes no part in token comparisons and its load reads "n/a" (null in the record). A line
+names the llama.cpp measured.
+
 The table gives load seconds, prefill and decode tokens/s, the bytes of weights one decoded
-token reads and the bandwidth that implies, then each mode's ratios against the peers.
-Generations alternate between all sides `--repeats` times and each side keeps its fastest
-prefill and decode, so a burst of load from another process skews no side alone.
+token reads and the bandwidth that implies, then each mode's ratios against the peers, and
+this machine's read bandwidth (a torch sum over a 512 MiB float32 tensor on the same threads,
+best of 3) with the fraction of it each side's decode implies.
+Generations alternate between all sides `--repeats` times (llama-bench: one run of it per
+round) and each side keeps its fastest prefill and decode, so a burst of load from another
+process skews no side alone. `--check` exits 1 below the acceptance bars (RATIO_BARS and the
+load and token bars in _acceptance; a bar counts when both its sides were measured).
 `--json FILE` also writes the numbers as a record (tools/bench/record.py) that perf_regression
 compares with a baseline.
 
@@ -40,6 +50,7 @@ from pipelines.llama3.engine import MODES, freeze_imported_objects
 from pipelines.llama3.gguf_file import GGUFFile
 from tools.bench import llama_cpp_peer
 from tools.bench.record import (
+    METRICS,
     PEER,
     Timings,
     build_record,
@@ -53,7 +64,20 @@ MIN_LOAD_SPEEDUP = 5.0  # eager: load at least 5x faster than transformers
 MIN_DECODE_RATIO = 1.0  # and decode at least as fast
 QUANTIZED_OVER_TRANSFORMERS = 2.0  # quantized: decode at least 2x transformers'
 QUANTIZED_OVER_LLAMA_CPP = 0.75  # and 0.75x llama.cpp's, when llama.cpp is measured
+GGML_OVER_LLAMA_CPP_DECODE = 1.0  # ggml: decode at least as fast as llama.cpp's
+GGML_OVER_LLAMA_CPP_PREFILL = 1.0  # and prefill too
 LLAMA_CPP = "llama.cpp"
+GGML = "ggml"  # an engine mode once pipelines.llama3.engine.MODES has it
+# (mode, peer, metric, least ratio mode/peer): a bar applies when both sides were measured.
+RATIO_BARS = (
+    ("eager", PEER, "decode", MIN_DECODE_RATIO),
+    ("quantized", PEER, "decode", QUANTIZED_OVER_TRANSFORMERS),
+    ("quantized", LLAMA_CPP, "decode", QUANTIZED_OVER_LLAMA_CPP),
+    (GGML, LLAMA_CPP, "decode", GGML_OVER_LLAMA_CPP_DECODE),
+    (GGML, LLAMA_CPP, "prefill", GGML_OVER_LLAMA_CPP_PREFILL),
+)
+BANDWIDTH_MIB = 512  # far past any cache: a read from memory
+BANDWIDTH_REPEATS = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +99,9 @@ def _parser() -> argparse.ArgumentParser:
         help=f"engine execution modes, comma-separated (default: {','.join(MODES)})",
     )
     parser.add_argument(
-        "--no-llama-cpp", action="store_true", help="skip llama.cpp even when it imports"
+        "--no-llama-cpp",
+        action="store_true",
+        help="skip llama.cpp even when its binding imports or llama-bench is on the PATH",
     )
     parser.add_argument("--check", action="store_true", help="exit 1 when below the acceptance bar")
     parser.add_argument(
@@ -130,12 +156,14 @@ class Side:
     """One implementation under test: how it generates, and its fastest times so far."""
 
     name: str  # an engine mode, "transformers" or "llama.cpp"
-    load_seconds: float
+    load_seconds: float  # nan: not measured (llama-bench)
     weight_bytes: int  # bytes of weights one decoded token reads
-    greedy: Callable[[list[int], int], tuple[list[int], float, float]]
-    tokens: list[int] = dataclasses.field(default_factory=list)
+    # (tokens, prefill seconds, decode seconds); tokens None: a side that returns none
+    greedy: Callable[[list[int], int], tuple[list[int] | None, float, float]]
+    tokens: list[int] | None = dataclasses.field(default_factory=list)
     prefill_seconds: float = math.inf
     decode_seconds: float = math.inf
+    no_tokens: str = ""  # why tokens are None, for the comparison lines
 
     def run(self, input_ids: list[int], new_tokens: int) -> None:
         tokens, prefill_seconds, decode_seconds = self.greedy(input_ids, new_tokens)
@@ -205,14 +233,59 @@ def _transformers_side(gguf_path: pathlib.Path, config: LlamaConfig) -> Side:
 
 
 def _llama_cpp_side(gguf_path: pathlib.Path, threads: int, context: int) -> Side | None:
+    """llama.cpp through its binding, else through llama-bench, else None (a line says why)."""
     llama_cpp, what = llama_cpp_peer.import_llama_cpp()
-    _progress(f"llama.cpp: {what}")
-    if llama_cpp is None:
-        return None
-    peer = llama_cpp_peer.LlamaCppPeer(llama_cpp, gguf_path, threads, context)
+    if llama_cpp is not None:
+        _progress(f"llama.cpp: {what}")
+        peer = llama_cpp_peer.LlamaCppPeer(llama_cpp, gguf_path, threads, context)
+    else:
+        binary = llama_cpp_peer.find_llama_bench()
+        if binary is None:
+            _progress(
+                f"llama.cpp: skipped: {what}; and no {llama_cpp_peer.LLAMA_BENCH} on the PATH "
+                f"({llama_cpp_peer.INSTALL_HINT})"
+            )
+            return None
+        try:
+            peer = llama_cpp_peer.LlamaBenchPeer(binary, gguf_path, threads)
+        except llama_cpp_peer.LlamaBenchError as error:
+            _progress(f"llama.cpp: skipped: {error}")
+            return None
+        _progress(f"llama.cpp: {binary} (the binding does not import)")
     reader = GGUFFile(gguf_path)
     file_bytes = sum(reader.tensor_data(name).nbytes for name in reader.tensors)
-    return Side(LLAMA_CPP, peer.load_seconds, file_bytes, peer.greedy)
+    side = Side(LLAMA_CPP, peer.load_seconds, file_bytes, peer.greedy)
+    side.peer = peer
+    if not peer.compares_tokens:
+        side.no_tokens = peer.NO_TOKENS
+    return side
+
+
+def measure_read_bandwidth(
+    mib: int = BANDWIDTH_MIB, repeats: int = BANDWIDTH_REPEATS
+) -> tuple[float, float]:
+    """(GB/s, seconds taken): the fastest of `repeats` torch sums over a float32 tensor of
+    `mib` MiB, on torch's threads (the bench's --threads). ones() writes every page first, so
+    no sum pays for page faults."""
+    start = time.perf_counter()
+    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    fastest = math.inf
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        data.sum()
+        fastest = min(fastest, time.perf_counter() - begin)
+    gb_per_s = data.nbytes / fastest / 1e9
+    del data
+    return gb_per_s, time.perf_counter() - start
+
+
+def _implied_gb_per_s(side: Side, new_tokens: int) -> float:
+    return side.weight_bytes * (new_tokens - 1) / side.decode_seconds / 1e9
+
+
+def _number(value: float, digits: int = 2) -> str:
+    """`value` with `digits` decimals, or n/a when it was not measured (nan)."""
+    return f"{value:.{digits}f}" if math.isfinite(value) else "n/a"
 
 
 def _print_table(sides: list[Side], prompt_tokens: int, new_tokens: int) -> None:
@@ -221,11 +294,11 @@ def _print_table(sides: list[Side], prompt_tokens: int, new_tokens: int) -> None
         ("prefill tok/s", lambda s: prompt_tokens / s.prefill_seconds),
         ("decode tok/s", lambda s: (new_tokens - 1) / s.decode_seconds),
         ("weights MB/token", lambda s: s.weight_bytes / 1e6),
-        ("implied GB/s", lambda s: s.weight_bytes * (new_tokens - 1) / s.decode_seconds / 1e9),
+        ("implied GB/s", lambda s: _implied_gb_per_s(s, new_tokens)),
     ]
     print(f"{'':18}" + "".join(f"{side.name:>14}" for side in sides))
     for label, value in rows:
-        print(f"{label:18}" + "".join(f"{value(side):14.2f}" for side in sides))
+        print(f"{label:18}" + "".join(f"{_number(value(side)):>14}" for side in sides))
 
 
 def _print_ratios(modes: list[Side], peers: list[Side], prompt_tokens, new_tokens) -> None:
@@ -234,42 +307,53 @@ def _print_ratios(modes: list[Side], peers: list[Side], prompt_tokens, new_token
         theirs = peer.timings(prompt_tokens, new_tokens)
         for side in modes:
             ours = side.timings(prompt_tokens, new_tokens)
+            ratio = {name: ours.metric(name) / theirs.metric(name) for name in METRICS}
             print(
-                f"{side.name}/{peer.name}: load {ours.load_seconds / theirs.load_seconds:.3f}  "
-                f"prefill {ours.prefill_tokens_per_second / theirs.prefill_tokens_per_second:.3f}"
-                f"  decode {ours.decode_tokens_per_second / theirs.decode_tokens_per_second:.3f}"
+                f"{side.name}/{peer.name}: "
+                + "  ".join(f"{name} {_number(ratio[name], 3)}" for name in METRICS)
             )
+
+
+def _print_tokens(sides: list[Side]) -> None:
+    """How many greedy tokens each side shares with the first mode's (a side without tokens
+    says why it is not compared)."""
+    reference = sides[0]
+    for side in sides[1:]:
+        if side.tokens is None:
+            print(f"greedy tokens not compared: {side.name} ({side.no_tokens})")
+            continue
+        same = sum(a == b for a, b in zip(side.tokens, reference.tokens, strict=True))
+        print(f"greedy tokens identical to {reference.name}: {side.name} {same}/{len(side.tokens)}")
+
+
+def _print_bandwidth(
+    sides: list[Side], new_tokens: int, gb_per_s: float, seconds: float, threads: int
+) -> None:
+    print(
+        f"measured read bandwidth: {gb_per_s:.2f} GB/s (torch sum over a {BANDWIDTH_MIB} MiB "
+        f"float32 tensor, {threads} thread{'s' * (threads != 1)}, best of {BANDWIDTH_REPEATS}, "
+        f"{seconds:.2f} s)"
+    )
+    for side in sides:
+        share = _implied_gb_per_s(side, new_tokens) / gb_per_s
+        print(f"{side.name}: decode at {share:.0%} of measured read bandwidth")
 
 
 def _acceptance(sides: dict[str, Side], prompt_tokens: int, new_tokens: int) -> list[str]:
     """The bars a --check run must clear, as 'PASS/FAIL what' lines."""
     timing = {name: side.timings(prompt_tokens, new_tokens) for name, side in sides.items()}
-    decode = {name: t.decode_tokens_per_second for name, t in timing.items()}
     bars = []
-    if "eager" in sides:
+    if "eager" in sides and PEER in sides:
         bars.append(
             (
                 timing[PEER].load_seconds / timing["eager"].load_seconds >= MIN_LOAD_SPEEDUP,
                 f"eager load >= {MIN_LOAD_SPEEDUP}x faster than transformers",
             )
         )
-        bars.append(
-            (decode["eager"] >= MIN_DECODE_RATIO * decode[PEER], "eager decode >= transformers")
-        )
-    if "quantized" in sides:
-        bars.append(
-            (
-                decode["quantized"] >= QUANTIZED_OVER_TRANSFORMERS * decode[PEER],
-                f"quantized decode >= {QUANTIZED_OVER_TRANSFORMERS}x transformers",
-            )
-        )
-        if LLAMA_CPP in sides:
-            bars.append(
-                (
-                    decode["quantized"] >= QUANTIZED_OVER_LLAMA_CPP * decode[LLAMA_CPP],
-                    f"quantized decode >= {QUANTIZED_OVER_LLAMA_CPP}x llama.cpp",
-                )
-            )
+    for mode, peer, metric, least in RATIO_BARS:
+        if mode in sides and peer in sides:
+            ratio = timing[mode].metric(metric) / timing[peer].metric(metric)
+            bars.append((ratio >= least, f"{mode}/{peer}: {metric} >= {least}"))
     reference = sides.get("eager")
     for name in MODES:
         if reference is not None and name in sides and name != "eager":
@@ -284,6 +368,8 @@ def _write_json(
     other_peers: dict[str, Timings],
     setup,
     load_at_start: float,
+    read_gb_per_s: float,
+    peer_versions: dict[str, str],
 ) -> None:
     """The run as a record: timings, ratios, and the machine and versions they depend on."""
     import transformers
@@ -293,7 +379,11 @@ def _write_json(
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    conditions = {"load_average_start": load_at_start, "load_average_end": load_average()}
+    conditions = {
+        "load_average_start": load_at_start,
+        "load_average_end": load_average(),
+        "read_bandwidth_gb_per_s": round(read_gb_per_s, 2),
+    }
     record = build_record(
         engine,
         peer,
@@ -302,6 +392,7 @@ def _write_json(
         setup=setup,
         conditions=conditions,
         other_peers=other_peers,
+        peer_versions=peer_versions,
     )
     write_record(path, record)
     _progress(f"wrote {path}")
@@ -352,25 +443,36 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_llama_cpp:
         llama_cpp = _llama_cpp_side(gguf_path, args.threads, len(input_ids) + args.new_tokens + 8)
         peers += [llama_cpp] if llama_cpp else []
-    sides = engines + peers
-    for side in sides:  # warm-up: caches, kernel selection, torch.compile's compilation
+    for side in engines + peers:  # warm-up: caches, kernel selection, torch.compile's compilation
         start = time.perf_counter()
-        side.greedy(input_ids, 4)
+        try:
+            side.greedy(input_ids, 4)
+        except llama_cpp_peer.LlamaBenchError as error:  # e.g. a GGUF it cannot load
+            _progress(f"llama.cpp: skipped: {error}")
+            peers.remove(side)
         if side.name == "compiled":
             _progress(f"compiled: first generation (compiling) {time.perf_counter() - start:.1f} s")
+    sides = engines + peers
     _progress(f"generating: {len(sides)} sides alternately, {args.repeats} times")
-    _alternate(sides, input_ids, args.new_tokens, args.repeats)
+    try:
+        _alternate(sides, input_ids, args.new_tokens, args.repeats)
+    except llama_cpp_peer.LlamaBenchError as error:
+        print(f"error: llama.cpp: {error}", file=sys.stderr)
+        return 2
+    read_gb_per_s, read_seconds = measure_read_bandwidth()
+    llama_cpp_about = {s.name: s.peer.describe() for s in peers if s.name == LLAMA_CPP}
 
     print(f"checkpoint: {gguf_path.name}  threads: {args.threads}  float32 cpu")
     print(
         f"prompt tokens: {len(input_ids)}  new tokens: {args.new_tokens}  "
         f"fastest of {args.repeats} alternating generations"
     )
+    for name, about in llama_cpp_about.items():
+        print(f"{name}: {about}")
     _print_table(sides, len(input_ids), args.new_tokens)
     _print_ratios(engines, peers, len(input_ids), args.new_tokens)
-    for side in sides[1:]:
-        same = sum(a == b for a, b in zip(side.tokens, sides[0].tokens, strict=True))
-        print(f"greedy tokens identical to {sides[0].name}: {side.name} {same}/{len(side.tokens)}")
+    _print_tokens(sides)
+    _print_bandwidth(sides, args.new_tokens, read_gb_per_s, read_seconds, args.threads)
     verdicts = _acceptance({s.name: s for s in sides}, len(input_ids), args.new_tokens)
     print("\n".join(verdicts))
     if json_path:
@@ -391,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
             {name: t for name, t in timings.items() if name == LLAMA_CPP},
             setup,
             load_at_start,
+            read_gb_per_s,
+            llama_cpp_about,
         )
     if args.check and any(v.startswith("FAIL") for v in verdicts):
         print("FAILED: below the acceptance bar", file=sys.stderr)

@@ -6,7 +6,8 @@ in the same process, their generations alternating, and so see much the same loa
 (per engine mode and metric) has a noise band measured when the baseline was made; a change
 beyond the band in the bad direction is a REGRESSION, beyond it in the good direction
 "improved", else "ok". Load is in seconds (lower is better), prefill and decode in tokens/s
-(higher is better).
+(higher is better). A record's other peers (llama.cpp, whose load is null when llama-bench
+measured it) and its `peer_versions` are kept for people, never compared.
 
 A baseline is made from several bench runs on one machine (`--write-baseline OUT RUN...`):
 its ratio is each ratio's median, its band max(spread * safety factor, floor), where spread

@@ -8,17 +8,23 @@ Layout (keys sorted on write, so two records diff line by line):
 - `engine`: one entry per engine mode ("eager" today; more modes are more entries), each with
   `load_seconds`, `prefill_tokens_per_second`, `decode_tokens_per_second`;
 - `peers`: the same numbers for each reference implementation ("transformers", and
-  "llama.cpp" when the bench could import it);
+  "llama.cpp" when the bench measured it, through its binding or llama-bench); a number a
+  peer does not report is null (llama-bench's load_seconds), never NaN, which is no JSON;
+- `peer_versions`, only when the bench measured llama.cpp: which one, e.g. "llama-bench
+  /usr/bin/llama-bench, version 0.7.0, build_number 11669, build_commit Debian, backend CPU
+  libggml-cpu-icelake.so" (its numbers mean different things through the binding and
+  through llama-bench: tools/bench/llama_cpp_peer.py);
 - `ratios`: per engine mode, engine / transformers for `load`, `prefill`, `decode`, each taken
   on the number the table prints (load in seconds, so lower is better there; the others are
   throughputs, so higher is better);
 - `machine`, `versions`, `setup`: what a ratio depends on besides the code (CPU, core count,
   torch and transformers versions, checkpoint, thread count, prompt and generation lengths,
   repeats);
-- `conditions`: the 1-minute load average at the start and the end of the run. Ratios are not
-  load-invariant (with two threads on two oversubscribed cores, transformers' decode slowed
-  several times more than the engine's), so perf_regression warns about a record measured
-  under another load than its baseline.
+- `conditions`: the 1-minute load average at the start and the end of the run, and (since
+  the bench measures it) `read_bandwidth_gb_per_s`, the machine's read bandwidth on the
+  bench's threads. Ratios are not load-invariant (with two threads on two oversubscribed
+  cores, transformers' decode slowed several times more than the engine's), so
+  perf_regression warns about a record measured under another load than its baseline.
 
 This module imports neither torch nor transformers: perf_regression and the tests read
 records without them.
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -73,6 +80,14 @@ def ratios(engine: Timings, peer: Timings) -> dict[str, float]:
     return {name: engine.metric(name) / peer.metric(name) for name in METRICS}
 
 
+def numbers(timings: Timings) -> dict[str, float | None]:
+    """`timings` as the record holds them: a number not measured (nan) is None (null)."""
+    return {
+        key: value if math.isfinite(value) else None
+        for key, value in dataclasses.asdict(timings).items()
+    }
+
+
 def build_record(
     engine: dict[str, Timings],
     peer: Timings,
@@ -82,22 +97,27 @@ def build_record(
     setup: dict[str, Any],
     conditions: dict[str, float],
     other_peers: dict[str, Timings] | None = None,
+    peer_versions: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The record for one bench run: every engine mode, the peers, and the ratios against
-    transformers (`other_peers`' numbers are kept, not compared)."""
-    return {
+    transformers (`other_peers`' numbers are kept, not compared; `peer_versions` says which
+    implementation they came from)."""
+    record = {
         "schema_version": SCHEMA_VERSION,
         "conditions": conditions,
         "machine": machine,
         "versions": versions,
         "setup": setup,
-        "engine": {mode: dataclasses.asdict(timings) for mode, timings in engine.items()},
+        "engine": {mode: numbers(timings) for mode, timings in engine.items()},
         "peers": {
-            PEER: dataclasses.asdict(peer),
-            **{name: dataclasses.asdict(t) for name, t in (other_peers or {}).items()},
+            PEER: numbers(peer),
+            **{name: numbers(t) for name, t in (other_peers or {}).items()},
         },
         "ratios": {mode: ratios(timings, peer) for mode, timings in engine.items()},
     }
+    if peer_versions:
+        record["peer_versions"] = dict(peer_versions)
+    return record
 
 
 def dumps(data: dict[str, Any]) -> str:

@@ -256,3 +256,24 @@ def test_write_baseline_needs_several_runs(tmp_path, capsys):
     assert main(["--write-baseline", str(out), *map(str, NORMAL_RUNS)]) == 2
     assert "needs at least 3 runs (got 2)" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_record_with_a_llama_bench_peer_compares(baseline, tmp_path, capsys):
+    """llama.cpp measured by llama-bench (load null, its version named) and the measured read
+    bandwidth in the conditions: perf_regression compares the engine/transformers ratios as
+    before, and a baseline made from such runs keeps the bandwidth's median."""
+    run = _read(NORMAL_RUNS[0])
+    run["peers"]["llama.cpp"] = {
+        "load_seconds": None,
+        "prefill_tokens_per_second": 240.0,
+        "decode_tokens_per_second": 110.0,
+    }
+    run["peer_versions"] = {"llama.cpp": "llama-bench /usr/bin/llama-bench, build_number 11669"}
+    run["conditions"]["read_bandwidth_gb_per_s"] = 13.8
+    path = _write(tmp_path / "llama_bench.json", run)
+    assert main(["--baseline", str(baseline), str(path)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("no regression")
+    runs = [_write(tmp_path / f"run_{i}.json", run) for i in range(3)]
+    out = tmp_path / "new_baseline.json"
+    assert main(["--write-baseline", str(out), *map(str, runs)]) == 0
+    assert _read(out)["conditions"]["read_bandwidth_gb_per_s"] == 13.8

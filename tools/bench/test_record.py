@@ -4,6 +4,7 @@ in tests), and read back by perf_regression: writer and reader agree on the sche
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,34 @@ def test_cpu_model_without_a_model_name_is_still_a_name(tmp_path: Path, content)
     if content is not None:
         cpuinfo.write_text(content)
     assert cpu_model(cpuinfo)
+
+
+def test_a_llama_bench_peer_has_null_load_and_perf_regression_reads_it(tmp_path: Path):
+    """llama-bench reports no load time: NaN in the bench, null in the record (NaN is no
+    JSON), and the record stays one perf_regression reads (it compares engine/transformers)."""
+    llama_bench = Timings(math.nan, 300.0, 110.0)
+    about = "llama-bench /usr/bin/llama-bench, version 0.7.0, build_number 11669"
+    data = build_record(
+        {"quantized": ENGINE},
+        PEER,
+        machine={"cpu_model": "Fake CPU", "cpu_count": 2},
+        versions={"python": "3.11.7", "torch": "2.13.0+cpu", "transformers": "5.0.0"},
+        setup=SETUP,
+        conditions={"load_average_start": 0.5, "read_bandwidth_gb_per_s": 13.8},
+        other_peers={"llama.cpp": llama_bench},
+        peer_versions={"llama.cpp": about},
+    )
+    path = tmp_path / "bench.json"
+    write_record(path, data)
+    text = path.read_text()
+    assert "NaN" not in text
+    assert json.loads(text)["peers"]["llama.cpp"] == {
+        "load_seconds": None,
+        "prefill_tokens_per_second": 300.0,
+        "decode_tokens_per_second": 110.0,
+    }
+    read = json.loads(text)
+    assert read["peer_versions"] == {"llama.cpp": about}
+    assert read["ratios"] == {"quantized": {"load": 0.05, "prefill": 2.0, "decode": 0.4}}
+    assert perf_regression.check_record(path, read) == read
+    assert "peer_versions" not in _record()  # only when a peer was described

@@ -1,0 +1,104 @@
+"""The bench's verdicts and printing from made-up sides: the --check bars (those of the modes
+MODES has today, and ggml's against llama.cpp once it is a mode), a llama.cpp measured by
+llama-bench (no load time, no tokens), the read-bandwidth line. No model runs here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tools.bench import bench
+
+PROMPT, NEW = 10, 11  # 10 decode steps: decode tok/s = 10 / decode seconds
+
+
+def _side(name, load=1.0, prefill_tps=100.0, decode_tps=10.0, tokens=(1, 2, 3)) -> bench.Side:
+    side = bench.Side(name, load, weight_bytes=10**8, greedy=None)
+    side.prefill_seconds = PROMPT / prefill_tps
+    side.decode_seconds = (NEW - 1) / decode_tps
+    side.tokens = list(tokens) if tokens is not None else None
+    return side
+
+
+def _verdicts(*sides: bench.Side) -> list[str]:
+    return bench._acceptance({s.name: s for s in sides}, PROMPT, NEW)
+
+
+def test_bars_of_todays_modes():
+    verdicts = _verdicts(
+        _side("eager", load=1.0, decode_tps=10.0),
+        _side("quantized", decode_tps=50.0),
+        _side("transformers", load=10.0, decode_tps=9.0),
+        _side("llama.cpp", load=math.nan, decode_tps=60.0, tokens=None),
+    )
+    assert verdicts == [
+        "PASS eager load >= 5.0x faster than transformers",
+        "PASS eager/transformers: decode >= 1.0",
+        "PASS quantized/transformers: decode >= 2.0",
+        "PASS quantized/llama.cpp: decode >= 0.75",
+        "PASS quantized greedy tokens = eager's",
+    ]
+
+
+def test_no_llama_cpp_no_llama_cpp_bars():
+    verdicts = _verdicts(_side("quantized", decode_tps=10.0), _side("transformers"))
+    assert verdicts == ["FAIL quantized/transformers: decode >= 2.0"]
+
+
+@pytest.mark.parametrize(
+    ("prefill_tps", "decode_tps", "expected"),
+    [
+        (120.0, 65.0, ["PASS", "PASS"]),
+        (120.0, 55.0, ["FAIL", "PASS"]),
+        (90.0, 65.0, ["PASS", "FAIL"]),
+    ],
+)
+def test_ggml_against_llama_cpp(prefill_tps, decode_tps, expected):
+    """Once `ggml` is a mode: decode and prefill at least llama.cpp's (100 and 60 tok/s)."""
+    verdicts = _verdicts(
+        _side("ggml", prefill_tps=prefill_tps, decode_tps=decode_tps),
+        _side("transformers"),
+        _side("llama.cpp", load=math.nan, prefill_tps=100.0, decode_tps=60.0, tokens=None),
+    )
+    assert verdicts == [
+        f"{expected[0]} ggml/llama.cpp: decode >= 1.0",
+        f"{expected[1]} ggml/llama.cpp: prefill >= 1.0",
+    ]
+
+
+def test_ggml_without_llama_cpp_has_no_bar():
+    assert _verdicts(_side("ggml"), _side("transformers")) == []
+
+
+def test_llama_bench_side_prints_n_a_for_load_and_is_not_token_compared(capsys):
+    eager = _side("eager")
+    transformers = _side("transformers", load=10.0)
+    llama = _side("llama.cpp", load=math.nan, decode_tps=20.0, tokens=None)
+    llama.no_tokens = "llama-bench times its own random token ids and returns no tokens"
+    bench._print_table([eager, transformers, llama], PROMPT, NEW)
+    bench._print_ratios([eager], [transformers, llama], PROMPT, NEW)
+    bench._print_tokens([eager, transformers, llama])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["load", "seconds", "1.00", "10.00", "n/a"]
+    assert "eager/transformers: load 0.100  prefill 1.000  decode 1.000" in lines
+    assert "eager/llama.cpp: load n/a  prefill 1.000  decode 0.500" in lines
+    assert "greedy tokens identical to eager: transformers 3/3" in lines
+    assert (
+        "greedy tokens not compared: llama.cpp (llama-bench times its own random token ids "
+        "and returns no tokens)"
+    ) in lines
+
+
+def test_bandwidth_lines(capsys):
+    # 1e8 bytes a token at 10 tok/s: 1 GB/s, a quarter of 4 GB/s
+    bench._print_bandwidth([_side("quantized")], NEW, 4.0, 0.3, 2)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("measured read bandwidth: 4.00 GB/s (torch sum over a 512 MiB")
+    assert out[1] == "quantized: decode at 25% of measured read bandwidth"
+
+
+def test_read_bandwidth_is_measured():
+    gb_per_s, seconds = bench.measure_read_bandwidth(mib=8, repeats=2)
+    assert gb_per_s > 0 and math.isfinite(gb_per_s)
+    assert seconds > 0
