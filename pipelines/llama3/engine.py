@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipelines.llama3 import packed
+from pipelines.llama3 import ggml_mode, packed
 from pipelines.llama3.compiled import compile_blocks
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.gguf_file import GGUFFile
@@ -125,7 +125,11 @@ def freeze_imported_objects() -> None:
 #              (compiled.py).
 #   quantized  Q4_0/Q4_1/Q4_K/Q8_0 matrices stay packed (packed.py) on the CPU in float32;
 #              other tensors, other devices and bfloat16 compute stay as in eager.
-MODES = ("eager", "compiled", "quantized")
+#   ggml       llama.cpp's numerics (ggml_mode.py): those matrices' products with 8-bit
+#              activations as ggml quantizes them, integer dot products; held to goldens of
+#              its own (made by evaluate_llama --mode=ggml) on the files where it differs
+#              from eager (Q4_K, Q4_1), to eager's elsewhere.
+MODES = ("eager", "compiled", "quantized", "ggml")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -176,7 +180,9 @@ class Llama3Engine:
         parsed = _parsed_checkpoint(path)
         config = dataclasses.replace(parsed.config, **(overrides or {}))
         tokenizer = parsed.tokenizer.copy() if parsed.tokenizer else None
-        keep_packed = mode == "quantized" and device.type == "cpu" and dtype == torch.float32
+        keep_packed = (
+            mode in ("quantized", "ggml") and device.type == "cpu" and dtype == torch.float32
+        )
         weights = load_weights(
             parsed.gguf,
             config,
@@ -194,7 +200,10 @@ class Llama3Engine:
         model.load_state_dict(
             dense, strict=not (config.tie_word_embeddings or packed_weights), assign=True
         )
-        packed.install(model, packed_weights)
+        if mode == "ggml":
+            ggml_mode.install(model, packed_weights)
+        else:
+            packed.install(model, packed_weights)
         if config.tie_word_embeddings and "tok_embeddings.weight" not in packed_weights:
             model.tie_weights()
         if dtype != torch.float32:
@@ -213,7 +222,7 @@ class Llama3Engine:
         """Bytes of weights one decode step reads: every matrix once (embedding rows aside)."""
         total = 0
         for module in self.model.modules():
-            if isinstance(module, packed.PackedLinear):
+            if isinstance(module, packed.PackedLinear | ggml_mode.GgmlLinear):
                 total += module.weight.nbytes
             elif isinstance(module, torch.nn.Linear):
                 total += module.weight.numel() * module.weight.element_size()

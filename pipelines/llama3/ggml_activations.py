@@ -12,23 +12,26 @@ Transcribed from ggml's C (pipelines/llama3/tests/test_ggml_activations.py holds
 a plain float32 loop of the C code, one per code path):
 
   q8_k      quantize_row_q8_K_ref (x86 has no other): the signed value of largest
-            magnitude (the first, on ties) sets iscale = -127 / max, computed as llama.cpp's
-            binary computes it, -127 times the float32 reciprocal of max (measured: the exact
-            quotient flips roundings and leaves 0.62 against llama.cpp where this leaves
-            1.75e-5); q = nearest_int(iscale * x) (round half to even), at most 127;
-            d = 1 / iscale, float32.
+            magnitude (the first, on ties) sets iscale = -127 / max, one float32 division
+            (Debian's libggml-base 0.27.0 disassembles to `divss` of -127 by max, then mulps
+            and the 1.5 * 2^23 add: no FMA, no reciprocal); q = nearest_int(iscale * x) (round
+            half to even), at most 127; d = 1 / iscale, float32.
   q8_0      the x86 SIMD path (AVX2, AVX-512: what llama.cpp runs on these machines):
             amax over the block, d = amax / 127 stored float16, id = 127 / amax,
             q = round half to even of x * id; `path="ref"` is quantize_row_q8_0_ref
             (id = 1 / d, rounding half away from zero), gguf-py's quantizer.
+  q8_1      Q8_0's x86 d and q, and s = float16(d * sum q) with d before its rounding
+            (the icelake build's quantize_row_q8_1 disassembles to exactly that).
+
+The `ggml` execution mode (ggml_mode.py) computes the same quantizers in C
+(kernels/ggml_dot.c); pipelines/llama3/tests/test_ggml_mode.py holds the two equal bit for
+bit. This module keeps the torch form: the reference transcription, and `install` (a forward
+pre-hook in front of the eager mode's linears, the first step toward that mode).
 
 Measured against Debian's llama-server 0.7.0 on the tiny Q4_K checkpoint: with Q8_K
 activations in front of every Q4_K product (the tied head included), this engine agrees with
 llama.cpp to 1.3e-5 .. 1.75e-5 on the short golden cases, where it differs by 1.54 without
-them (test_llama_cpp). Long prompts still differ at isolated positions (17 of 75 rows of
-long_8k over 1e-3, up to 0.86): rounding flips in the last token's activations, whose float
-ops before quantization (norm, rope, softmax, SiLU) are not yet ggml's. `install` covers
-Q4_K weights only: for Q4_1 (SmolLM2) the same approach does not close the gap yet.
+them (test_llama_cpp). `install` covers Q4_K weights only.
 """
 
 from __future__ import annotations
@@ -52,10 +55,7 @@ def q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     first_max = blocks.abs().argmax(-1, keepdim=True)  # torch.argmax: the first of equals
     signed_max = blocks.gather(-1, first_max)
     zero = signed_max == 0
-    # -127.f / max as llama.cpp's binary computes it: -127 times the reciprocal (measured: the
-    # exact quotient flips roundings and leaves 0.62 on the tiny Q4_K short cases, this 2e-5)
-    reciprocal = _div(1.0, torch.where(zero, 1.0, signed_max))
-    iscale = torch.where(zero, 0.0, reciprocal * -127.0)
+    iscale = torch.where(zero, 0.0, _div(-127.0, torch.where(zero, 1.0, signed_max)))
     q = torch.round(iscale * blocks).clamp(max=127)  # torch.round: half to even
     d = torch.where(zero, 0.0, _div(1.0, torch.where(zero, 1.0, iscale)))
     return q.to(torch.int8), d
@@ -77,6 +77,15 @@ def q8_0(x: torch.Tensor, path: str = "x86") -> tuple[torch.Tensor, torch.Tensor
     else:
         raise ValueError(f"path {path!r} is not x86 or ref")
     return q.to(torch.int8), d.to(torch.float16)
+
+
+def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int8 [..., n // 32, 32], d float16, s float16 [..., n // 32, 1]) of float32 `x`."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, QK8_0)
+    q, d16 = q8_0(x)
+    d = blocks.abs().amax(-1, keepdim=True) / torch.full_like(d16, 127.0, dtype=torch.float32)
+    s = d * q.to(torch.int32).sum(-1, keepdim=True).float()
+    return q, d16, s.to(torch.float16)
 
 
 def fake_quantize(x: torch.Tensor, vec_dot_type: str) -> torch.Tensor:

@@ -1,19 +1,22 @@
-"""The quantized mode's C kernels (kernels/packed_gemm.c): which build runs, and loading it.
+"""The C kernels (kernels/packed_gemm.c, kernels/ggml_dot.c): which build runs, and loading it.
 
-Bazel builds the source three times (kernels/BUILD.bazel), for three instruction sets:
+Bazel builds the sources four times (kernels/BUILD.bazel), for four instruction sets:
 
+    vnni      AVX-512F/VL/BW and VNNI: ggml_dot.c's integer dot products with dpbusd; the
+              ggml mode's default where the CPU has them
     avx512    AVX-512F
-    avx2      AVX2 + FMA: the default wherever the CPU has both (faster than the AVX-512
-              build on this project's AMD EPYC machines: 6.7 vs 7.4 ms of kernels per
-              SmolLM2 token)
+    avx2      AVX2 + FMA + F16C: the quantized mode's default wherever the CPU has them
+              (faster than the AVX-512 build on this project's AMD EPYC machines: 6.7 vs
+              7.4 ms of kernels per SmolLM2 token), and the ggml mode's next choice
     portable  plain C (x86-64's SSE2 baseline): any other CPU
 
-$LLAMA_GOLDENS_KERNELS names one instead; a name the CPU cannot run (by its /proc/cpuinfo
-flags) is refused rather than left to crash on an illegal instruction. Nothing is compiled at
-run time: the libraries come from Bazel's runfiles (a data dependency of //pipelines/llama3,
-next to this file), else from $LLAMA_GOLDENS_KERNEL_DIR, else from the checkout's
-bazel-bin/pipelines/llama3/kernels/ (plain pytest, after `./bazelw build
-//pipelines/llama3/kernels`).
+Every build of ggml_dot.c computes the same bits (its header says how); packed_gemm.c's
+builds differ in summation order only. $LLAMA_GOLDENS_KERNELS names one build instead; a
+name the CPU cannot run (by its /proc/cpuinfo flags) is refused rather than left to crash on
+an illegal instruction. Nothing is compiled at run time: the libraries come from Bazel's
+runfiles (a data dependency of //pipelines/llama3, next to this file), else from
+$LLAMA_GOLDENS_KERNEL_DIR, else from the checkout's bazel-bin/pipelines/llama3/kernels/
+(plain pytest, after `./bazelw build //pipelines/llama3/kernels`).
 """
 
 from __future__ import annotations
@@ -33,15 +36,18 @@ BUILD_COMMAND = "./bazelw build //pipelines/llama3/kernels"
 
 # Each build, the CPU flags it needs, and the vector width it reports (packed_gemm_simd()).
 REQUIRED_FLAGS = {
-    "avx512": ("avx512f", "avx2", "fma"),
-    "avx2": ("avx2", "fma"),
+    "vnni": ("avx512f", "avx512vl", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"),
+    "avx512": ("avx512f", "avx2", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
     "portable": (),
 }
-SIMD_BITS = {"avx512": 512, "avx2": 256, "portable": 0}
+SIMD_BITS = {"vnni": 512, "avx512": 512, "avx2": 256, "portable": 0}
+DOT_ISA = {"vnni": 2, "avx512": 1, "avx2": 1, "portable": 0}  # ggml_dot_isa()
 DEFAULT_ORDER = ("avx2", "portable")  # the first the CPU runs is the default
+GGML_ORDER = ("vnni", "avx2", "portable")  # the ggml mode's (integer products: VNNI first)
 
 _HERE = pathlib.Path(__file__).parent
-SOURCE = _HERE / "kernels" / "packed_gemm.c"
+SOURCES = (_HERE / "kernels" / "packed_gemm.c", _HERE / "kernels" / "ggml_dot.c")
 # The checkout's Bazel output, for runs outside Bazel (this file is pipelines/llama3/...).
 BAZEL_BIN = _HERE.parents[1] / "bazel-bin" / "pipelines" / "llama3" / "kernels"
 
@@ -70,12 +76,12 @@ def runnable(isa: str) -> bool:
     return all(flag in cpu_flags() for flag in REQUIRED_FLAGS[isa])
 
 
-def chosen() -> str:
-    """The build to run: $LLAMA_GOLDENS_KERNELS, else the first of DEFAULT_ORDER the CPU runs."""
+def chosen(order: tuple[str, ...] = DEFAULT_ORDER) -> str:
+    """The build to run: $LLAMA_GOLDENS_KERNELS, else the first of `order` the CPU runs."""
     names = ", ".join(REQUIRED_FLAGS)
     isa = os.environ.get(KERNELS_ENV, "").strip()
     if not isa:
-        return next(name for name in DEFAULT_ORDER if runnable(name))
+        return next(name for name in order if runnable(name))
     if isa not in REQUIRED_FLAGS:
         raise KernelUnavailable(f"${KERNELS_ENV}={isa!r} is not one of {names} (or unset)")
     if not runnable(isa):
@@ -88,9 +94,9 @@ def chosen() -> str:
     return isa
 
 
-def library() -> ctypes.CDLL:
-    """The chosen build (`chosen()`), loaded once per process."""
-    return load(chosen())
+def library(order: tuple[str, ...] = DEFAULT_ORDER) -> ctypes.CDLL:
+    """The chosen build (`chosen(order)`), loaded once per process."""
+    return load(chosen(order))
 
 
 def _locate(isa: str) -> pathlib.Path:
@@ -119,14 +125,16 @@ def _locate(isa: str) -> pathlib.Path:
 
 
 def _check_fresh(built: pathlib.Path) -> None:
-    """A bazel-bin library built from another version of packed_gemm.c is refused: plain
-    pytest would otherwise test the old kernels after an edit to the source."""
-    stamp = built.parent / "packed_gemm.c.sha256"
-    if not (SOURCE.is_file() and stamp.is_file()):
+    """A bazel-bin library built from other versions of the sources is refused: plain
+    pytest would otherwise test the old kernels after an edit to a source."""
+    stamp = built.parent / "kernels.sha256"
+    if not (all(source.is_file() for source in SOURCES) and stamp.is_file()):
         return
-    if stamp.read_text().strip() != hashlib.sha256(SOURCE.read_bytes()).hexdigest():
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()
+    if stamp.read_text().strip() != digest:
+        names = " and ".join(source.name for source in SOURCES)
         raise KernelUnavailable(
-            f"{built} was built from another version of {SOURCE.name}: run `{BUILD_COMMAND}`"
+            f"{built} was built from other versions of {names}: run `{BUILD_COMMAND}`"
         )
 
 
@@ -140,7 +148,7 @@ def load(isa: str) -> ctypes.CDLL:
         raise KernelUnavailable(f"no kernel build {isa!r} (one of {', '.join(REQUIRED_FLAGS)})")
     path = _locate(isa)
     lib = ctypes.CDLL(str(path))
-    if lib.packed_gemm_simd() != SIMD_BITS[isa]:
+    if lib.packed_gemm_simd() != SIMD_BITS[isa] or lib.ggml_dot_isa() != DOT_ISA[isa]:
         raise KernelUnavailable(
             f"{path} reports {lib.packed_gemm_simd()}-bit vectors, not {isa}'s "
             f"{SIMD_BITS[isa]}: run `{BUILD_COMMAND}`"
@@ -160,6 +168,13 @@ def load(isa: str) -> ctypes.CDLL:
     lib.decode_attention.argtypes += [ctypes.c_float, ptr, ptr]
     lib.decode_attention_paged.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64]
     lib.decode_attention_paged.argtypes += [ctypes.c_float, ptr, ptr]
+    lib.ggml_act_row_bytes.argtypes = [ctypes.c_int, i64]
+    lib.ggml_act_row_bytes.restype = i64
+    lib.ggml_quantize_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+    lib.ggml_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.ggml_rms_norm.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
+    lib.ggml_swiglu.argtypes = [ptr, ptr, i64, ptr]
+    lib.ggml_swiglu_rows.argtypes = [ptr, i64, i64, ptr]
     functions = (
         "q4_gemm",
         "q8_gemm",
@@ -168,6 +183,11 @@ def load(isa: str) -> ctypes.CDLL:
         "rms_norm",
         "decode_attention",
         "decode_attention_paged",
+        "ggml_quantize_rows",
+        "ggml_gemm",
+        "ggml_rms_norm",
+        "ggml_swiglu",
+        "ggml_swiglu_rows",
         *_PACKERS,
     )
     for name in functions:

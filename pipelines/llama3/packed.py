@@ -305,57 +305,76 @@ def _fusable(matrices: dict[str, RawMatrix], names: list[str]) -> list[RawMatrix
     return None
 
 
-def _pack_each(owner: nn.Module, prefix: str, parts: tuple[str, ...], matrices) -> None:
-    """Each of owner's `parts` (nn.Linear) that has a packed matrix becomes a PackedLinear."""
+def packed_linear(parts: list[RawMatrix], splits: tuple[int, ...] | None = None) -> PackedLinear:
+    """The quantized mode's product over `parts`' rows, one after the other (fused when
+    several; `splits` cuts its output as PackedLinear says)."""
+    return PackedLinear(pack_rows(parts), splits)
+
+
+def _pack_each(owner: nn.Module, prefix: str, parts: tuple[str, ...], matrices, linear) -> None:
+    """Each of owner's `parts` (nn.Linear) that has a packed matrix becomes `linear([it])`."""
     for part in parts:
         matrix = matrices.get(f"{prefix}.{part}.weight")
         if matrix is not None:
-            setattr(owner, part, PackedLinear(pack_rows([matrix])))
+            setattr(owner, part, linear([matrix]))
 
 
-def install(model: Transformer, matrices: dict[str, RawMatrix]) -> None:
-    """Pack `matrices` (parameter name -> RawMatrix) into a Transformer whose other
-    parameters are loaded.
+def install(
+    model: Transformer,
+    matrices: dict[str, RawMatrix],
+    linear=packed_linear,
+    norm=None,
+    feed_forward=None,
+) -> None:
+    """Put `matrices` (parameter name -> RawMatrix) into a Transformer whose other
+    parameters are loaded, each product made by `linear(parts, splits=None)`
+    (`packed_linear`: the quantized mode; ggml_mode.py passes its own, with its own `norm`
+    and `feed_forward` classes).
 
     A layer's attention becomes a PackedAttention (wq/wk/wv fused into `wqkv`) and its
     feed-forward a PackedFeedForward (w1/w3 into `w13`) when all their parts are packable
-    alike; otherwise each packable projection becomes a PackedLinear in the plain module.
-    Float32 CPU norms become KernelRMSNorm.
+    alike; otherwise each packable projection becomes a `linear` in the plain module.
+    Float32 CPU norms become KernelRMSNorm (or `norm`).
     """
     if not matrices:
         return  # nothing packed (a float file): the model stays exactly the eager one
     config = model.config
+    norm = norm or KernelRMSNorm
+    feed_forward_class = feed_forward or PackedFeedForward
     float_norms = (
         model.norm.weight.dtype == torch.float32 and model.norm.weight.device.type == "cpu"
     )
     if float_norms:
-        model.norm = KernelRMSNorm.of(model.norm)
+        model.norm = norm.of(model.norm)
     for i, layer in enumerate(model.layers):
         if float_norms:
-            layer.attention_norm = KernelRMSNorm.of(layer.attention_norm)
-            layer.ffn_norm = KernelRMSNorm.of(layer.ffn_norm)
-        attention, feed_forward = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+            layer.attention_norm = norm.of(layer.attention_norm)
+            layer.ffn_norm = norm.of(layer.ffn_norm)
+        attention, ffn = f"layers.{i}.attention", f"layers.{i}.feed_forward"
         qkv = _fusable(matrices, [f"{attention}.{p}.weight" for p in ("wq", "wk", "wv")])
         if qkv is not None:
-            wqkv = PackedLinear(pack_rows(qkv))  # one tensor: the attention splits it
+            wqkv = linear(qkv)  # one tensor: the attention splits it
             layer.attention = PackedAttention(config, wqkv, layer.attention.wo)
         else:
-            _pack_each(layer.attention, attention, ("wq", "wk", "wv"), matrices)
-        gate_up = _fusable(matrices, [f"{feed_forward}.{p}.weight" for p in ("w1", "w3")])
+            _pack_each(layer.attention, attention, ("wq", "wk", "wv"), matrices, linear)
+        gate_up = _fusable(matrices, [f"{ffn}.{p}.weight" for p in ("w1", "w3")])
         if gate_up is not None:
-            w13 = PackedLinear(pack_rows(gate_up), tuple(m.rows for m in gate_up))
-            layer.feed_forward = PackedFeedForward(
+            w13 = linear(gate_up, tuple(m.rows for m in gate_up))
+            layer.feed_forward = feed_forward_class(
                 config.dim, config.ffn_dim, w13, layer.feed_forward.w2
             )
         else:
-            _pack_each(layer.feed_forward, feed_forward, ("w1", "w3"), matrices)
-        _pack_each(layer.attention, attention, ("wo",), matrices)
-        _pack_each(layer.feed_forward, feed_forward, ("w2",), matrices)
+            _pack_each(layer.feed_forward, ffn, ("w1", "w3"), matrices, linear)
+        _pack_each(layer.attention, attention, ("wo",), matrices, linear)
+        _pack_each(layer.feed_forward, ffn, ("w2",), matrices, linear)
     embedding = None
     if "tok_embeddings.weight" in matrices:
         embedding = pack_rows([matrices["tok_embeddings.weight"]])
         model.tok_embeddings = PackedEmbedding(embedding)
     if "output.weight" in matrices:
-        model.output = PackedLinear(pack_rows([matrices["output.weight"]]))
+        model.output = linear([matrices["output.weight"]])
     elif embedding is not None and model.config.tie_word_embeddings:
-        model.output = PackedLinear(embedding)
+        if linear is packed_linear:
+            model.output = PackedLinear(embedding)  # the lookups' packed copy, shared
+        else:
+            model.output = linear([matrices["tok_embeddings.weight"]])

@@ -30,7 +30,7 @@ def _q8_k_loop(block: np.ndarray) -> tuple[list[int], np.float32]:
             amax, signed_max = F(abs(v)), F(v)
     if amax == 0:
         return [0] * len(block), F(0)
-    iscale = F(F(F(1.0) / signed_max) * F(-127.0))  # -127.f/max as the binary computes it
+    iscale = F(F(-127.0) / signed_max)  # one divss in the binary
     q = [min(127, _nearest_int(F(iscale * v))) for v in block]
     return q, F(F(1.0) / iscale)
 

@@ -85,10 +85,12 @@ def test_kernel_product_equals_the_dense_product(qtype, rows_of_x: int) -> None:
     assert (y - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
-@pytest.mark.parametrize(("isa", "simd"), [("avx2", 256), ("avx512", 512), ("portable", 0)])
+@pytest.mark.parametrize(
+    ("isa", "simd"), [("avx2", 256), ("avx512", 512), ("vnni", 512), ("portable", 0)]
+)
 def test_every_code_path_of_the_kernels_agrees(isa, simd, monkeypatch) -> None:
-    """AVX2 (the default), AVX-512 and plain C, each its own library: the same exact
-    weights, the same products."""
+    """AVX2 (the default), AVX-512 (with VNNI, the ggml mode's build) and plain C, each its
+    own library: the same exact weights, the same products."""
     if not kernel_library.runnable(isa):
         pytest.skip(f"this CPU cannot run the {isa} kernels")
     monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
@@ -107,8 +109,12 @@ def test_every_code_path_of_the_kernels_agrees(isa, simd, monkeypatch) -> None:
 
 def test_avx2_is_the_default_where_the_cpu_has_it(monkeypatch) -> None:
     monkeypatch.delenv(kernel_library.KERNELS_ENV, raising=False)
-    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    flags = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: frozenset(flags))
     assert kernel_library.chosen() == "avx2"
+    assert kernel_library.chosen(kernel_library.GGML_ORDER) == "vnni"
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert kernel_library.chosen(kernel_library.GGML_ORDER) == "avx2"
     monkeypatch.setattr(kernel_library, "cpu_flags", lambda: frozenset({"avx2", "sse2"}))
     assert kernel_library.chosen() == "portable"  # AVX2 without FMA
 
@@ -118,10 +124,10 @@ def test_a_bad_or_unrunnable_choice_names_the_variable_and_the_choices(monkeypat
     with pytest.raises(kernel_library.KernelUnavailable) as error:
         kernel_library.library()
     assert str(error.value) == (
-        "$LLAMA_GOLDENS_KERNELS='avx1024' is not one of avx512, avx2, portable (or unset)"
+        "$LLAMA_GOLDENS_KERNELS='avx1024' is not one of vnni, avx512, avx2, portable (or unset)"
     )
     monkeypatch.setenv(kernel_library.KERNELS_ENV, "avx512")
-    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     with pytest.raises(kernel_library.KernelUnavailable) as error:
         kernel_library.library()
     assert str(error.value) == (
@@ -142,25 +148,27 @@ def test_under_bazel_the_libraries_come_from_runfiles() -> None:
 
 def test_a_missing_or_stale_library_says_how_to_build_it(tmp_path, monkeypatch) -> None:
     """Outside Bazel the libraries come from bazel-bin: absent, or built from another
-    version of packed_gemm.c, they are refused with the command that builds them."""
+    version of the sources, they are refused with the command that builds them."""
     monkeypatch.delenv(kernel_library.DIRECTORY_ENV, raising=False)
     source = tmp_path / "pipelines" / "llama3" / "kernels" / "packed_gemm.c"
     source.parent.mkdir(parents=True)
     source.write_text("int packed_gemm_simd(void) { return 0; }\n")
+    other = source.parent / "ggml_dot.c"
+    other.write_text("int ggml_dot_isa(void) { return 0; }\n")
     bazel_bin = tmp_path / "bazel-bin" / "pipelines" / "llama3" / "kernels"
     monkeypatch.setattr(kernel_library, "_HERE", source.parent.parent)
-    monkeypatch.setattr(kernel_library, "SOURCE", source)
+    monkeypatch.setattr(kernel_library, "SOURCES", (source, other))
     monkeypatch.setattr(kernel_library, "BAZEL_BIN", bazel_bin)
     with pytest.raises(kernel_library.KernelUnavailable) as error:
         kernel_library._locate("portable")
     assert "run `./bazelw build //pipelines/llama3/kernels`" in str(error.value)
     bazel_bin.mkdir(parents=True)
     (bazel_bin / "packed_gemm_portable.so").write_bytes(b"")
-    (bazel_bin / "packed_gemm.c.sha256").write_text("0" * 64 + "\n")
-    with pytest.raises(kernel_library.KernelUnavailable, match="another version of packed_gemm"):
+    (bazel_bin / "kernels.sha256").write_text("0" * 64 + "\n")
+    with pytest.raises(kernel_library.KernelUnavailable, match="other versions of packed_gemm"):
         kernel_library._locate("portable")
-    (bazel_bin / "packed_gemm.c.sha256").write_text(
-        hashlib.sha256(source.read_bytes()).hexdigest() + "\n"
+    (bazel_bin / "kernels.sha256").write_text(
+        hashlib.sha256(source.read_bytes() + other.read_bytes()).hexdigest() + "\n"
     )
     assert kernel_library._locate("portable") == bazel_bin / "packed_gemm_portable.so"
     monkeypatch.setenv(kernel_library.DIRECTORY_ENV, str(tmp_path))

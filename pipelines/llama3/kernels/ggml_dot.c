@@ -1,0 +1,548 @@
+/* The `ggml` mode's products: llama.cpp's CPU numerics for matrices of Q4_0, Q4_1, Q4_K and
+ * Q8_0 weights, on the GGUF blocks as the file stores them. Called through ctypes
+ * (pipelines/llama3/ggml_mode.py); built into every kernel library (kernels/BUILD.bazel).
+ *
+ * As ggml does, each activation row is first quantized to the weight type's `vec_dot_type`:
+ *
+ *   weights   activations   per block of the activation row
+ *   Q4_0      Q8_0 (32)     d = amax / 127 (stored float16), q = round_even(x * (127 / amax))
+ *   Q8_0      Q8_0 (32)     the same
+ *   Q4_1      Q8_1 (32)     Q8_0's d and q, and s = float16(d * sum q) (d before rounding)
+ *   Q4_K      Q8_K (256)    max = the first value of largest magnitude, iscale = -127 / max,
+ *                           q = min(127, round_even(iscale * x)), d = 1 / iscale (float32),
+ *                           bsums = the sums of q over each 16 values
+ *
+ * (ggml's x86 quantize_row_q8_0 / q8_1 and quantize_row_q8_K_ref; ggml_activations.py holds
+ * the same rules in torch.) Then every (weight block, activation block) pair gives an exact
+ * integer dot product, and the float accumulation follows ggml's AVX2 vec_dot kernels: eight
+ * float lanes, lane k holding the blocks' integer sums over values 4k .. 4k+3 (of each
+ * 32-value sub-block), scaled by the block's d_w * d_a and accumulated with one FMA per block;
+ * at the end the lanes are summed as hsum_float_8 sums them ((l0 + l4) + (l2 + l6)) + ((l1 +
+ * l5) + (l3 + l7)), then the min terms (Q4_1: sum of m * s, one FMA per block; Q4_K: four
+ * lanes of dmin * (mins . bsums), summed (m0 + m2) + (m1 + m3)).
+ *
+ * Every build computes the same bits: the AVX2 build with maddubs/madd, the AVX-512 VNNI
+ * build with dpbusd for the same integer sums, the portable build with scalar loops and
+ * fmaf for the same roundings. So a result depends neither on the CPU nor on the thread
+ * count (each output is one row's dot product, whoever computes it).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define GGML_SIMD 1
+#else
+#define GGML_SIMD 0
+#endif
+#if GGML_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GGML_VNNI 1
+#else
+#define GGML_VNNI 0
+#endif
+
+enum { W_Q4_0 = 0, W_Q4_1 = 1, W_Q4_K = 2, W_Q8_0 = 3 };
+
+/* Activation blocks, in this file's own layout (ggml's values, float32 scales). */
+typedef struct {
+  float d; /* float16's value */
+  int8_t q[32];
+} act8_0;
+typedef struct {
+  float d, s; /* float16's values */
+  int8_t q[32];
+} act8_1;
+typedef struct {
+  float d;
+  int8_t q[256];
+  int16_t bsums[16];
+} act8_k;
+
+/* Weight blocks as GGUF stores them. */
+typedef struct {
+  uint16_t d;
+  uint8_t qs[16];
+} blk_q4_0;
+typedef struct {
+  uint16_t d, m;
+  uint8_t qs[16];
+} blk_q4_1;
+typedef struct {
+  uint16_t d;
+  int8_t qs[32];
+} blk_q8_0;
+typedef struct {
+  uint16_t d, dmin;
+  uint8_t scales[12];
+  uint8_t qs[128];
+} blk_q4_k;
+
+/* The instruction set this build's products use: 2 VNNI, 1 AVX2, 0 plain C. */
+int ggml_dot_isa(void) { return GGML_VNNI ? 2 : GGML_SIMD; }
+
+static inline float h2f(uint16_t h) {
+#if GGML_SIMD
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {
+    float value = (float)mantissa * 5.9604644775390625e-8f;
+    memcpy(&bits, &value, 4);
+    bits |= sign;
+  }
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+#endif
+}
+
+/* float32 -> float16, round to nearest even (F16C's and torch's conversion). */
+static uint16_t f2h(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+  const uint32_t a = x & 0x7FFFFFFFu;
+  if (a >= 0x7F800000u) return sign | 0x7C00 | (a > 0x7F800000u ? 0x200 : 0);
+  if (a >= 0x477FF000u) return sign | 0x7C00; /* rounds past 65504 */
+  if (a >= 0x38800000u) {                     /* a float16 normal */
+    uint32_t h = (a >> 13) - (112u << 10);
+    const uint32_t rest = a & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+    return sign | (uint16_t)h;
+  }
+  if (a < 0x33000000u) return sign; /* at most 2^-25: rounds to zero */
+  const uint32_t e = a >> 23, m = (a & 0x7FFFFF) | 0x800000;
+  const uint32_t shift = 126 - e; /* a float16 subnormal: units of 2^-24 */
+  uint32_t h = m >> shift;
+  const uint32_t rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (h & 1))) h++;
+  return sign | (uint16_t)h;
+}
+
+/* round half to even, as _mm256_round_ps(_MM_ROUND_NEAREST) and ggml's nearest_int: adding
+ * 1.5 * 2^23 leaves no fraction bits (exact for |v| < 2^22; here |v| <= 127.5). No libm call:
+ * a call out of AVX-512 code into SSE code cost 5 us a block. */
+static inline float round_even(float v) {
+  const volatile float shift = 12582912.0f; /* volatile: never folded away */
+  return (v + shift) - shift;
+}
+static inline float max_abs(float m, float v) {
+  const float a = v < 0.0f ? -v : v;
+  return a > m ? a : m;
+}
+
+/* --- activation quantizers ------------------------------------------------------------- */
+
+static void quantize_row_8_0(const float *x, int64_t K, act8_0 *y) {
+  for (int64_t b = 0; b < K / 32; b++, x += 32) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = max_abs(amax, x[j]);
+    const float d = amax / 127.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    y[b].d = h2f(f2h(d));
+    for (int j = 0; j < 32; j++) y[b].q[j] = (int8_t)round_even(x[j] * id);
+  }
+}
+
+static void quantize_row_8_1(const float *x, int64_t K, act8_1 *y) {
+  for (int64_t b = 0; b < K / 32; b++, x += 32) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = max_abs(amax, x[j]);
+    const float d = amax / 127.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+      y[b].q[j] = (int8_t)round_even(x[j] * id);
+      sum += y[b].q[j];
+    }
+    y[b].d = h2f(f2h(d));
+    y[b].s = h2f(f2h(d * (float)sum));
+  }
+}
+
+static void quantize_row_8_k(const float *x, int64_t K, act8_k *y) {
+  for (int64_t b = 0; b < K / 256; b++, x += 256) {
+    float max = 0.0f, amax = 0.0f;
+    for (int j = 0; j < 256; j++) {
+      const float ax = fabsf(x[j]);
+      if (ax > amax) {
+        amax = ax;
+        max = x[j];
+      }
+    }
+    if (amax == 0.0f) {
+      memset(&y[b], 0, sizeof(y[b]));
+      continue;
+    }
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < 256; j++) {
+      const float v = round_even(iscale * x[j]);
+      y[b].q[j] = (int8_t)(v < 127.0f ? v : 127.0f);
+    }
+    for (int j = 0; j < 16; j++) {
+      int sum = 0;
+      for (int i = 0; i < 16; i++) sum += y[b].q[16 * j + i];
+      y[b].bsums[j] = (int16_t)sum;
+    }
+    y[b].d = 1.0f / iscale;
+  }
+}
+
+/* Bytes of one quantized activation row of K values for weight type `wtype`. */
+int64_t ggml_act_row_bytes(int wtype, int64_t K) {
+  switch (wtype) {
+  case W_Q4_0:
+  case W_Q8_0:
+    return (K / 32) * (int64_t)sizeof(act8_0);
+  case W_Q4_1:
+    return (K / 32) * (int64_t)sizeof(act8_1);
+  case W_Q4_K:
+    return (K / 256) * (int64_t)sizeof(act8_k);
+  }
+  return -1;
+}
+
+/* The activation rows x [M, K] quantized for `wtype` into out (M * ggml_act_row_bytes). */
+void ggml_quantize_rows(int wtype, const float *x, int64_t M, int64_t K, uint8_t *out) {
+  const int64_t row = ggml_act_row_bytes(wtype, K);
+  for (int64_t m = 0; m < M; m++) {
+    uint8_t *dst = out + m * row;
+    if (wtype == W_Q4_1)
+      quantize_row_8_1(x + m * K, K, (act8_1 *)dst);
+    else if (wtype == W_Q4_K)
+      quantize_row_8_k(x + m * K, K, (act8_k *)dst);
+    else
+      quantize_row_8_0(x + m * K, K, (act8_0 *)dst);
+  }
+}
+
+/* --- the eight lanes -------------------------------------------------------------------- */
+
+#if GGML_SIMD
+typedef __m256 lanes;
+static inline lanes lanes_zero(void) { return _mm256_setzero_ps(); }
+static inline lanes lanes_fma(float d, __m256i sums, lanes acc) {
+  return _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums), acc);
+}
+static inline float lanes_sum(lanes v) { /* ggml's hsum_float_8 */
+  __m128 r = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+/* sum over each 4 bytes of u (unsigned) * s (signed), as 8 int32 lanes */
+static inline __m256i dot_us8(__m256i u, __m256i s) {
+#if GGML_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+/* the same for two signed operands (ggml's mul_sum_i8_pairs: |a| times b with a's sign) */
+static inline __m256i dot_ss8(__m256i a, __m256i b) {
+  return dot_us8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+static inline __m256i nibbles_32(const uint8_t *qs) { /* values 0..15 then 16..31 */
+  const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+#else
+typedef struct {
+  float v[8];
+} lanes;
+static inline lanes lanes_zero(void) {
+  lanes z;
+  for (int k = 0; k < 8; k++) z.v[k] = 0.0f;
+  return z;
+}
+static inline lanes lanes_fma(float d, const int32_t sums[8], lanes acc) {
+  for (int k = 0; k < 8; k++) acc.v[k] = fmaf(d, (float)sums[k], acc.v[k]);
+  return acc;
+}
+static inline float lanes_sum(lanes a) {
+  const float r0 = a.v[4] + a.v[0], r1 = a.v[5] + a.v[1];
+  const float r2 = a.v[6] + a.v[2], r3 = a.v[7] + a.v[3];
+  return (r0 + r2) + (r1 + r3);
+}
+static inline void nibbles(const uint8_t *qs, int32_t out[32]) {
+  for (int j = 0; j < 16; j++) {
+    out[j] = qs[j] & 0x0F;
+    out[j + 16] = qs[j] >> 4;
+  }
+}
+#endif
+
+/* --- rows of weights . one quantized activation row ------------------------------------
+ * Each block_* adds one (weight block, activation block) pair to a row's lanes; the dot_*
+ * drivers run ROWS weight rows side by side over the same activation row, so the FMA chains
+ * of several rows overlap (one row's chain is what ggml's kernel does; interleaving rows
+ * changes no rounding of any row). */
+
+#define ROWS 4
+
+static inline void block_q4_0(lanes *acc, const blk_q4_0 *w, const act8_0 *a) {
+  const float d = h2f(w->d) * a->d;
+#if GGML_SIMD
+  const __m256i qw = _mm256_sub_epi8(nibbles_32(w->qs), _mm256_set1_epi8(8));
+  *acc = lanes_fma(d, dot_ss8(qw, _mm256_loadu_si256((const __m256i *)a->q)), *acc);
+#else
+  int32_t q[32], sums[8];
+  nibbles(w->qs, q);
+  for (int k = 0; k < 8; k++) {
+    sums[k] = 0;
+    for (int e = 4 * k; e < 4 * k + 4; e++) sums[k] += (q[e] - 8) * a->q[e];
+  }
+  *acc = lanes_fma(d, sums, *acc);
+#endif
+}
+
+static inline void block_q4_1(lanes *acc, float *mins, const blk_q4_1 *w, const act8_1 *a) {
+  const float d = h2f(w->d) * a->d;
+  *mins = fmaf(h2f(w->m), a->s, *mins);
+#if GGML_SIMD
+  *acc = lanes_fma(d, dot_us8(nibbles_32(w->qs), _mm256_loadu_si256((const __m256i *)a->q)),
+                   *acc);
+#else
+  int32_t q[32], sums[8];
+  nibbles(w->qs, q);
+  for (int k = 0; k < 8; k++) {
+    sums[k] = 0;
+    for (int e = 4 * k; e < 4 * k + 4; e++) sums[k] += q[e] * a->q[e];
+  }
+  *acc = lanes_fma(d, sums, *acc);
+#endif
+}
+
+static inline void block_q8_0(lanes *acc, const blk_q8_0 *w, const act8_0 *a) {
+  const float d = h2f(w->d) * a->d;
+#if GGML_SIMD
+  const __m256i qw = _mm256_loadu_si256((const __m256i *)w->qs);
+  *acc = lanes_fma(d, dot_ss8(qw, _mm256_loadu_si256((const __m256i *)a->q)), *acc);
+#else
+  int32_t sums[8];
+  for (int k = 0; k < 8; k++) {
+    sums[k] = 0;
+    for (int e = 4 * k; e < 4 * k + 4; e++) sums[k] += w->qs[e] * a->q[e];
+  }
+  *acc = lanes_fma(d, sums, *acc);
+#endif
+}
+
+/* Q4_K's eight 6-bit scales and mins (ggml's get_scale_min_k4). */
+static inline void scales_mins_k4(const uint8_t *q, int32_t sc[8], int32_t mn[8]) {
+  for (int j = 0; j < 8; j++) {
+    if (j < 4) {
+      sc[j] = q[j] & 63;
+      mn[j] = q[j + 4] & 63;
+    } else {
+      sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+  }
+}
+
+static inline void block_q4_k(lanes *acc, float accm[4], const blk_q4_k *w, const act8_k *a) {
+  const float d = a->d * h2f(w->d);
+  const float dmin = -a->d * h2f(w->dmin);
+  int32_t sc[8], mn[8];
+  scales_mins_k4(w->scales, sc, mn);
+  /* the min term: four lanes, lane i = mn[2i] * (sum of q over sub-block 2i) + the next */
+  for (int i = 0; i < 4; i++) {
+    const int32_t s0 = a->bsums[4 * i] + a->bsums[4 * i + 1];
+    const int32_t s1 = a->bsums[4 * i + 2] + a->bsums[4 * i + 3];
+    accm[i] = fmaf(dmin, (float)(mn[2 * i] * s0 + mn[2 * i + 1] * s1), accm[i]);
+  }
+#if GGML_SIMD
+  __m256i sumi = _mm256_setzero_si256();
+  for (int j = 0; j < 4; j++) {
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)(w->qs + 32 * j));
+    const __m256i lo = _mm256_and_si256(bits, _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), _mm256_set1_epi8(0x0F));
+    const __m256i al = _mm256_loadu_si256((const __m256i *)(a->q + 64 * j));
+    const __m256i ah = _mm256_loadu_si256((const __m256i *)(a->q + 64 * j + 32));
+    const __m256i pl = _mm256_mullo_epi32(dot_us8(lo, al), _mm256_set1_epi32(sc[2 * j]));
+    const __m256i ph = _mm256_mullo_epi32(dot_us8(hi, ah), _mm256_set1_epi32(sc[2 * j + 1]));
+    sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+  }
+  *acc = lanes_fma(d, sumi, *acc);
+#else
+  int32_t sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int j = 0; j < 4; j++) {
+    const uint8_t *qs = w->qs + 32 * j;
+    const int8_t *al = a->q + 64 * j, *ah = al + 32;
+    for (int k = 0; k < 8; k++) {
+      int32_t l = 0, h = 0;
+      for (int e = 4 * k; e < 4 * k + 4; e++) {
+        l += (qs[e] & 0x0F) * al[e];
+        h += (qs[e] >> 4) * ah[e];
+      }
+      sums[k] += sc[2 * j] * l + sc[2 * j + 1] * h;
+    }
+  }
+  *acc = lanes_fma(d, sums, *acc);
+#endif
+}
+
+static inline int64_t weight_row_bytes(int wtype, int64_t K) {
+  switch (wtype) {
+  case W_Q4_0:
+    return (K / 32) * (int64_t)sizeof(blk_q4_0);
+  case W_Q4_1:
+    return (K / 32) * (int64_t)sizeof(blk_q4_1);
+  case W_Q8_0:
+    return (K / 32) * (int64_t)sizeof(blk_q8_0);
+  case W_Q4_K:
+    return (K / 256) * (int64_t)sizeof(blk_q4_k);
+  }
+  return -1;
+}
+
+/* y[r] = row r of w (rows of `wrow` bytes) . a, for r < R (at most ROWS). */
+static void dot_rows(int wtype, const uint8_t *w, int64_t wrow, int R, const uint8_t *a,
+                     int64_t K, float *y) {
+  lanes acc[ROWS];
+  float mins[ROWS], accm[ROWS][4];
+  for (int r = 0; r < ROWS; r++) {
+    acc[r] = lanes_zero();
+    mins[r] = accm[r][0] = accm[r][1] = accm[r][2] = accm[r][3] = 0.0f;
+  }
+#define EACH_ROW(STEP)                                                                         \
+  if (R == ROWS) {                                                                             \
+    for (int r = 0; r < ROWS; r++) STEP;                                                       \
+  } else {                                                                                     \
+    for (int r = 0; r < R; r++) STEP;                                                          \
+  }
+#if GGML_SIMD
+  /* the rows' bytes, fetched ahead: a decode step streams every matrix from memory once */
+  for (int r = 0; r < R; r++)
+    for (int64_t off = 0; off < wrow; off += 64)
+      _mm_prefetch((const char *)(w + (R == ROWS ? ROWS : R) * wrow + r * wrow + off),
+                   _MM_HINT_T0);
+#endif
+  switch (wtype) {
+  case W_Q4_0:
+    for (int64_t b = 0; b < K / 32; b++)
+      EACH_ROW(block_q4_0(&acc[r], (const blk_q4_0 *)(w + r * wrow) + b, (const act8_0 *)a + b));
+    for (int r = 0; r < R; r++) y[r] = lanes_sum(acc[r]);
+    break;
+  case W_Q8_0:
+    for (int64_t b = 0; b < K / 32; b++)
+      EACH_ROW(block_q8_0(&acc[r], (const blk_q8_0 *)(w + r * wrow) + b, (const act8_0 *)a + b));
+    for (int r = 0; r < R; r++) y[r] = lanes_sum(acc[r]);
+    break;
+  case W_Q4_1:
+    for (int64_t b = 0; b < K / 32; b++)
+      EACH_ROW(block_q4_1(&acc[r], &mins[r], (const blk_q4_1 *)(w + r * wrow) + b,
+                          (const act8_1 *)a + b));
+    for (int r = 0; r < R; r++) y[r] = lanes_sum(acc[r]) + mins[r];
+    break;
+  default:
+    for (int64_t b = 0; b < K / 256; b++)
+      EACH_ROW(block_q4_k(&acc[r], accm[r], (const blk_q4_k *)(w + r * wrow) + b,
+                          (const act8_k *)a + b));
+    for (int r = 0; r < R; r++)
+      y[r] = lanes_sum(acc[r]) + ((accm[r][0] + accm[r][2]) + (accm[r][1] + accm[r][3]));
+  }
+#undef EACH_ROW
+}
+
+#define N_TILE 16 /* weight rows kept in cache while every activation row passes */
+
+/* y[M, N] = x[M, K] . W^T with W [N, K] in GGUF blocks of `wtype`, each output computed as
+ * ggml computes it (above). act: scratch of M * ggml_act_row_bytes(wtype, K) bytes, filled
+ * here. Rows of W are split among `threads`; the result does not depend on the split. */
+void ggml_gemm(int wtype, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+               float *y, uint8_t *act, int threads) {
+  const int64_t arow = ggml_act_row_bytes(wtype, K), wrow = weight_row_bytes(wtype, K);
+  if (M * K >= 4096 && threads > 1) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < M; m++) ggml_quantize_rows(wtype, x + m * K, 1, K, act + m * arow);
+  } else {
+    ggml_quantize_rows(wtype, x, M, K, act);
+  }
+  const int64_t tiles = (N + N_TILE - 1) / N_TILE;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < tiles; t++) {
+    const int64_t n0 = t * N_TILE, n1 = n0 + N_TILE < N ? n0 + N_TILE : N;
+    float out[ROWS];
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t n = n0; n < n1; n += ROWS) {
+        const int R = (int)(n1 - n < ROWS ? n1 - n : ROWS);
+        dot_rows(wtype, w + n * wrow, wrow, R, act + m * arow, K, out);
+        for (int r = 0; r < R; r++) y[m * N + n + r] = out[r];
+      }
+  }
+}
+
+/* --- the float operations in front of the quantizers ------------------------------------
+ * Written as scalar C with explicit fmaf, so every build rounds alike: a rounding that
+ * differed here could move an activation across a quantization step. */
+
+/* RMSNorm as ggml's rms_norm and mul compute it: the squares (float) summed in double, in
+ * order; mean = (float)(sum / dim); y = (x * (1 / sqrtf(mean + eps))) * w. */
+void ggml_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float eps,
+                   float *y) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float *xr = x + r * dim;
+    float *yr = y + r * dim;
+    double sum = 0.0;
+    for (int64_t i = 0; i < dim; i++) sum += (double)(xr[i] * xr[i]);
+    const float mean = (float)(sum / (double)dim);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    for (int64_t i = 0; i < dim; i++) yr[i] = (xr[i] * scale) * w[i];
+  }
+}
+
+static inline float from_bits(uint32_t b) {
+  float f;
+  memcpy(&f, &b, 4);
+  return f;
+}
+
+/* exp(x) by the algorithm of ggml's AVX2 ggml_v_expf (Arm's optimized-routines expf: n =
+ * round(x / ln 2) by the 1.5 * 2^23 shift, a degree-5 polynomial in the remainder, scaled by
+ * 2^n through the exponent bits; |n| > 126 takes the two-step scaling, |n| > 192 saturates),
+ * one lane at a time with the same FMAs. */
+static float ggml_expf(float x) {
+  const float shift = 0x1.8p23f;
+  const float z = fmaf(x, 0x1.715476p+0f, shift);
+  const float n = z - shift;
+  const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+  uint32_t zbits;
+  memcpy(&zbits, &z, 4);
+  const uint32_t e = zbits << 23;
+  const float k = from_bits(e + 0x3F800000u);
+  const float u = b * b;
+  const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                            fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                       u, 0x1.ffffecp-1f * b);
+  if (!(fabsf(n) > 126.0f)) return fmaf(j, k, k);
+  const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+  const float s1 = from_bits(g + 0x7F000000u), s2 = from_bits(e - g);
+  if (fabsf(n) > 192.0f) return s1 * s1;
+  return fmaf(s2, j, s2) * s1;
+}
+
+/* SwiGLU as ggml's swiglu computes it: out = (g / (1 + exp(-g))) * up, SiLU by ggml_expf. */
+void ggml_swiglu(const float *gate, const float *up, int64_t n, float *out) {
+  for (int64_t i = 0; i < n; i++) {
+    const float g = gate[i];
+    out[i] = (g / (1.0f + ggml_expf(0.0f - g))) * up[i];
+  }
+}
+
+/* The same for rows of a fused gate/up product: gu [rows, 2 * hidden] (gate then up). */
+void ggml_swiglu_rows(const float *gu, int64_t rows, int64_t hidden, float *out) {
+  for (int64_t r = 0; r < rows; r++)
+    ggml_swiglu(gu + r * 2 * hidden, gu + r * 2 * hidden + hidden, hidden, out + r * hidden);
+}

@@ -1,0 +1,224 @@
+"""The ggml mode's kernels (kernels/ggml_dot.c) and the mode itself (ggml_mode.py).
+
+- The C activation quantizers equal the torch transcriptions of ggml's (ggml_activations.py,
+  themselves held to loops of ggml's C) bit for bit, per vec_dot_type, on blocks with exact
+  ties, zeros, a negative maximum and equal magnitudes of both signs.
+- Each product is the quantized values' dot product: within float32 rounding of a float64
+  sum over the same blocks (Q4_1 with ggml's float16 s term, which the check can tell apart).
+- Every build (plain C, AVX2, AVX-512, VNNI) computes the same bits, on any thread count:
+  products, norms, SwiGLU, and the whole model's logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from pipelines.llama3 import Llama3Engine, ggml_activations, ggml_mode, kernel_library, quants
+from pipelines.llama3.packing import RawMatrix
+from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+
+TYPES = list(ggml_mode.WEIGHT_CODES)
+ISAS = [isa for isa in ("portable", "avx2", "avx512", "vnni") if kernel_library.runnable(isa)]
+
+
+def _weights(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random GGUF blocks of `qtype`: any bytes are valid blocks once the float16 scales are
+    finite; the scales span several exponents."""
+    values, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // values, size), dtype=np.uint8)
+    scale_fields = 2 if qtype in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K) else 1
+    scales = (rng.uniform(0.5, 2.0, size=(len(blocks), scale_fields)) * 10.0 ** rng.integers(
+        -4, 1, size=(len(blocks), 1)
+    )).astype(np.float16)  # fmt: skip
+    blocks[:, : 2 * scale_fields] = scales.view(np.uint8).reshape(len(blocks), -1)
+    return blocks.reshape(rows, -1)
+
+
+def _activations(rows: int, cols: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)) * 10.0 ** rng.uniform(-3, 2, size=(rows, 1))
+    x = x.astype(np.float32)
+    x[0, :32] = 0.0  # a zero block
+    x[1] = -np.abs(x[1])  # negative maxima
+    ties = np.arange(cols, dtype=np.float32) % 127 + 0.5  # x * 127 / amax lands on .5
+    ties[::32] = 127.0
+    x[2] = ties
+    x[3, :256] = np.arange(256, dtype=np.float32) % 7 - 3.0  # -3 before +3 (Q8_K: the first)
+    return torch.from_numpy(x)
+
+
+def _quantized(lib, qtype, x: torch.Tensor) -> np.ndarray:
+    code = ggml_mode.WEIGHT_CODES[qtype]
+    rows, cols = x.shape
+    out = torch.zeros(rows * lib.ggml_act_row_bytes(code, cols), dtype=torch.uint8)
+    lib.ggml_quantize_rows(code, x.data_ptr(), rows, cols, out.data_ptr())
+    return out.numpy().reshape(rows, -1)
+
+
+def _blocks_of(qtype, act: np.ndarray) -> dict[str, np.ndarray]:
+    """ggml_dot.c's activation blocks as arrays: d, q (and s, or bsums)."""
+    rows = act.shape[0]
+    if ggml_mode.VEC_DOT_TYPES[qtype] == "Q8_K":
+        blocks = act.reshape(rows, -1, 292)
+        return {
+            "d": blocks[..., :4].copy().view(np.float32)[..., 0],
+            "q": blocks[..., 4:260].view(np.int8),
+            "bsums": blocks[..., 260:292].copy().view(np.int16),
+        }
+    if ggml_mode.VEC_DOT_TYPES[qtype] == "Q8_1":
+        blocks = act.reshape(rows, -1, 40)
+        return {
+            "d": blocks[..., :4].copy().view(np.float32)[..., 0],
+            "s": blocks[..., 4:8].copy().view(np.float32)[..., 0],
+            "q": blocks[..., 8:].view(np.int8),
+        }
+    blocks = act.reshape(rows, -1, 36)
+    return {
+        "d": blocks[..., :4].copy().view(np.float32)[..., 0],
+        "q": blocks[..., 4:].view(np.int8),
+    }
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_c_quantizers_are_the_torch_transcriptions_bit_for_bit(qtype) -> None:
+    x = _activations(8, 512, seed=1)
+    got = _blocks_of(qtype, _quantized(ggml_mode.kernels(), qtype, x))
+    kind = ggml_mode.VEC_DOT_TYPES[qtype]
+    if kind == "Q8_K":
+        q, d = ggml_activations.q8_k(x)
+        assert np.array_equal(got["bsums"], q.reshape(8, -1, 16, 16).sum(-1).numpy())
+    elif kind == "Q8_1":
+        q, d, s = ggml_activations.q8_1(x)
+        assert got["s"].tobytes() == s.float().reshape(8, -1).numpy().tobytes()
+    else:
+        q, d = ggml_activations.q8_0(x)
+    assert np.array_equal(got["q"], q.numpy())
+    assert got["d"].tobytes() == d.float().reshape(8, -1).numpy().tobytes()
+
+
+def _product(lib, qtype, w: np.ndarray, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    rows, cols = w.shape[0], x.shape[1]
+    blocks = torch.from_numpy(np.ascontiguousarray(w))
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    code = ggml_mode.WEIGHT_CODES[qtype]
+    act = torch.empty(x.shape[0] * lib.ggml_act_row_bytes(code, cols), dtype=torch.uint8)
+    lib.ggml_gemm(code, x.data_ptr(), x.shape[0], cols, blocks.data_ptr(), rows, y.data_ptr(),
+                  act.data_ptr(), threads)  # fmt: skip
+    return y
+
+
+def _reference(qtype, w: np.ndarray, act: dict, cols: int, fp16_s: bool = True) -> np.ndarray:
+    """The products in float64 over the quantized values (Q4_1: ggml's sum of d_w d_a q_w q_a
+    plus m_w s_a per block, s as ggml stores it, or unrounded with fp16_s=False)."""
+    a = act["q"].astype(np.float64) * act["d"][..., None].astype(np.float64)
+    a = a.reshape(a.shape[0], cols)
+    if qtype != GGMLQuantizationType.Q4_1:
+        dense = quants.dequantize(w.reshape(-1), qtype, (w.shape[0], cols)).double().numpy()
+        return a @ dense.T
+    blocks = w.reshape(w.shape[0], -1, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    nibbles = np.concatenate([blocks[..., 4:] & 0x0F, blocks[..., 4:] >> 4], axis=-1)
+    scaled = (nibbles * d[..., None]).reshape(w.shape[0], cols)
+    s = act["s"] if fp16_s else act["d"] * act["q"].sum(-1)
+    return a @ scaled.T + s.astype(np.float64) @ m.T
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_each_product_is_the_quantized_values_dot_product(qtype) -> None:
+    lib, cols = ggml_mode.kernels(), 512
+    w, x = _weights(qtype, 40, cols, seed=2), _activations(6, cols, seed=3)
+    y = _product(lib, qtype, w, x).double().numpy()
+    act = _blocks_of(qtype, _quantized(lib, qtype, x))
+    expected = _reference(qtype, w, act, cols)
+    scale = np.abs(expected).max(axis=1, keepdims=True) + 1e-30
+    assert (np.abs(y - expected) / scale).max() <= 2e-6
+    if qtype == GGMLQuantizationType.Q4_1:
+        # the check tells ggml's float16 s from the exact sum d * sum(q): a kernel that took
+        # the exact one would fail it
+        plain = _reference(qtype, w, act, cols, fp16_s=False)
+        assert (np.abs(plain - expected) / scale).max() > 1e-5
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_build_and_thread_count_computes_the_same_bits(qtype) -> None:
+    cols = 512
+    w, x = _weights(qtype, 37, cols, seed=4), _activations(5, cols, seed=5)
+    first = _product(kernel_library.load(ISAS[0]), qtype, w, x)
+    for isa in ISAS:
+        for threads in (1, 2, 3):
+            y = _product(kernel_library.load(isa), qtype, w, x, threads)
+            assert torch.equal(y, first), (isa, threads)
+    assert kernel_library.load(ISAS[-1]).ggml_dot_isa() == kernel_library.DOT_ISA[ISAS[-1]]
+
+
+def test_rms_norm_sums_the_squares_in_double_in_order() -> None:
+    x = _activations(4, 576, seed=6)
+    w = torch.from_numpy(np.random.default_rng(7).uniform(0.5, 1.5, 576).astype(np.float32))
+    expected = []
+    for row in x.numpy():
+        squares = (row * row).astype(np.float64)  # float products, widened
+        mean = np.float32(np.cumsum(squares)[-1] / 576)  # a sequential double sum
+        scale = np.float32(1.0) / np.sqrt(np.float32(mean + np.float32(1e-5)))
+        expected.append((row * scale) * w.numpy())
+    for isa in ISAS:
+        y = torch.empty_like(x)
+        kernel_library.load(isa).ggml_rms_norm(
+            x.data_ptr(), w.data_ptr(), 4, 576, 1e-5, y.data_ptr()
+        )
+        assert y.numpy().tobytes() == np.stack(expected).astype(np.float32).tobytes(), isa
+
+
+def test_swiglu_is_silu_times_up_and_the_same_on_every_build() -> None:
+    gate = torch.linspace(-110.0, 90.0, 4001)  # both saturations of ggml's expf included
+    up = torch.linspace(0.5, 2.0, 4001)
+    outs = []
+    for isa in ISAS:
+        out = torch.empty_like(gate)
+        kernel_library.load(isa).ggml_swiglu(gate.data_ptr(), up.data_ptr(), 4001, out.data_ptr())
+        outs.append(out)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    expected = (gate.double() * torch.sigmoid(gate.double())) * up.double()
+    error = (outs[0].double() - expected).abs() / expected.abs().clamp(min=1e-30)
+    assert error[gate > -80].max() < 1e-6  # expf within ~2 ulp, then a division and a product
+
+
+def test_matrices_keep_the_engines_row_order_and_refuse_other_types() -> None:
+    w = _weights(GGMLQuantizationType.Q8_0, 8, 64, seed=8)
+    order = torch.tensor([3, 1, 2, 0, 7, 6, 5, 4])
+    matrix = ggml_mode.GgmlMatrix([RawMatrix(w, GGMLQuantizationType.Q8_0, 8, 64, order)])
+    assert np.array_equal(matrix.blocks.numpy(), w[order.numpy()])
+    with pytest.raises(ValueError, match="no Q6_K products"):
+        raw = np.zeros((8, 210), dtype=np.uint8)
+        ggml_mode.GgmlMatrix([RawMatrix(raw, GGMLQuantizationType.Q6_K, 8, 256)])
+
+
+@pytest.fixture(scope="module")
+def q8_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ggml") / "tiny_q8_0.gguf"
+    write_tiny_llama(path, dim=256, ffn_dim=512, weight_type=GGMLQuantizationType.Q8_0)
+    return path
+
+
+def test_the_models_logits_are_the_same_on_every_build(q8_checkpoint, monkeypatch) -> None:
+    """Prefill and decode, teacher-forced, of a tiny Q8_0 file: bit for bit on every build,
+    so the mode's goldens hold on any CPU; and not the quantized mode's numbers (8-bit
+    activations move them)."""
+    ids, forced = [5, 17, 200, 33, 260, 7], [9, 12, 40]
+    outputs = []
+    for isa in ISAS:
+        monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
+        engine = Llama3Engine.from_gguf(q8_checkpoint, mode="ggml")
+        outputs.append(engine.generate(ids, 3, forced_tokens=forced, prompt_positions=[1, 3]))
+    for out in outputs[1:]:
+        assert torch.equal(out.logits, outputs[0].logits)
+        assert torch.equal(out.prompt_logits, outputs[0].prompt_logits)
+    monkeypatch.delenv(kernel_library.KERNELS_ENV)
+    quantized = Llama3Engine.from_gguf(q8_checkpoint, mode="quantized")
+    plain = quantized.generate(ids, 3, forced_tokens=forced, prompt_positions=[1, 3])
+    moved = (plain.logits - outputs[0].logits).abs().max().item()
+    assert 1e-4 < moved < 0.5  # the activations' 8 bits, and no more
