@@ -11,18 +11,23 @@ blocks as the file stores them, in kernels/ggml_dot.c (whose header gives each r
                      float accumulation in the order of ggml's AVX2 vec_dot kernels
     GgmlRMSNorm      RMSNorm with ggml's double sum of squares
     GgmlFeedForward  SwiGLU with ggml's SiLU (its AVX2 expf algorithm, lane by lane)
+    GgmlAttention    rope, cache writes and attention in one call, prefill and decode:
+                     ggml's softmax (expf as above, the sum in double), no torch SDPA
 
-Everything else is the quantized mode's (packed.py: the fused q/k/v and gate/up products,
-the one-call decode attention, the embedding lookups). Every kernel build computes the same
-bits (AVX2, AVX-512 VNNI, plain C), so this mode's goldens hold on any x86 CPU; the
-attention (softmax, rope: torch's and packed_gemm.c's float32 code) is not ggml's, which is
-where llama.cpp still differs (docs/goldens.md, "The ggml mode").
+The rest is the quantized mode's structure (packed.py: the fused q/k/v and gate/up products,
+the embedding lookups). Every kernel build computes the same bits (plain C, AVX2, AVX-512
+VNNI) and nothing in front of a quantizer is left to torch's kernel level, so this mode's
+goldens hold on any x86 CPU. What is not ggml's to the bit: the rope tables (this engine's
+float64 angles; ggml multiplies float32 angles up) and the lane order of the attention's
+dot products; where llama.cpp still differs, docs/goldens.md says ("The ggml mode").
 
 Float weights (F32, BF16) and NVFP4 stay float, as in the quantized mode: ggml's
 vec_dot_type for F32 is F32, and this mode transcribes no other.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -31,6 +36,7 @@ from torch import nn
 
 from pipelines.llama3 import packed
 from pipelines.llama3.kernel_library import GGML_ORDER, library
+from pipelines.llama3.model import precompute_rope, rope_inverse_frequencies
 from pipelines.llama3.packing import RawMatrix
 
 # kernels/ggml_dot.c's weight codes, and the activations ggml quantizes for each
@@ -171,6 +177,80 @@ class GgmlFeedForward(packed.PackedFeedForward):
         return self.w2(out)
 
 
+def rope_tables(
+    config, max_seq_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_seq_len, head_dim] with ggml's angles (kernels/ggml_dot.c:
+    ggml_rope_tables): float32 angles multiplied up pair by pair, the rope_freqs factors of
+    the file (or the ones Llama 3.1's scaling implies), libm's cosf and sinf. model.py's
+    tables compute each angle once in float32 from float64-free inverse frequencies; at 8k
+    positions the two differ by up to 5e-4 in an angle, which llama.cpp's numbers follow."""
+    if device.type != "cpu":
+        return precompute_rope(config, max_seq_len, device)
+    factors = None
+    if config.rope_freq_factors is not None:
+        factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    elif config.rope_scaling_type is not None:
+        plain = dataclasses.replace(config, rope_scaling_type=None)
+        factors = (rope_inverse_frequencies(plain) / rope_inverse_frequencies(config)).float()
+    cos = torch.empty(max_seq_len, config.head_dim, dtype=torch.float32)
+    sin = torch.empty_like(cos)
+    kernels().ggml_rope_tables(
+        max_seq_len,
+        config.head_dim,
+        config.rope_theta,
+        None if factors is None else factors.contiguous().data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+    )
+    return cos, sin
+
+
+# Score x value multiply-adds from which the attention uses threads
+PARALLEL_ATTENTION = 1 << 16
+
+
+class GgmlAttention(packed.PackedAttention):
+    """The fused q/k/v product, then rotation, cache writes and attention in one kernel call
+    (ggml_attention: ggml's softmax, the same bits on every build), prefill and decode alike,
+    for one sequence with float32 caches; anything else (batches, an explicit mask, other
+    dtypes) takes PackedAttention's path."""
+
+    def __init__(self, config, wqkv: GgmlLinear, wo: nn.Module) -> None:
+        super().__init__(config, wqkv, wo)
+        self._lib = kernels()
+
+    @classmethod
+    def of(cls, attention: packed.PackedAttention, config) -> GgmlAttention:
+        return cls(config, attention.wqkv, attention.wo)
+
+    def forward(self, x, start_pos, cos, sin, mask):
+        bsz, seqlen, _ = x.shape
+        causal = mask is None  # a model without windows: the plain causal (or decode) case
+        if not (bsz == 1 and causal and self._decode_applies(cos, sin)):
+            return super().forward(x, start_pos, cos, sin, mask)
+        qkv = self.wqkv(x).contiguous()  # [1, seq, (n_heads + 2 n_kv_heads) * head_dim]
+        out = torch.empty(1, seqlen, self.n_heads * self.head_dim, dtype=torch.float32)
+        work = seqlen * (start_pos + seqlen) * self.n_heads * self.head_dim
+        self._lib.ggml_attention(
+            qkv.data_ptr(),
+            seqlen,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            self.cache_k.data_ptr(),
+            self.cache_v.data_ptr(),
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.cache_k.shape[2],
+            start_pos,
+            self.scale,
+            out.data_ptr(),
+            torch.get_num_threads() if work >= PARALLEL_ATTENTION else 1,
+        )
+        return self.wo(out)
+
+
 def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
     """The quantized mode's structure (packed.install) with this mode's products, norms and
     SwiGLU. A matrix of a type without a ggml product here raises (none reach it: the loader
@@ -181,3 +261,7 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
     packed.install(
         model, matrices, linear=ggml_linear, norm=GgmlRMSNorm, feed_forward=GgmlFeedForward
     )
+    for layer in model.layers:
+        if isinstance(layer.attention, packed.PackedAttention):
+            layer.attention = GgmlAttention.of(layer.attention, model.config)
+    model.rope_tables = rope_tables

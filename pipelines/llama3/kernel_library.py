@@ -175,6 +175,9 @@ def load(isa: str) -> ctypes.CDLL:
     lib.ggml_rms_norm.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
     lib.ggml_swiglu.argtypes = [ptr, ptr, i64, ptr]
     lib.ggml_swiglu_rows.argtypes = [ptr, i64, i64, ptr]
+    lib.ggml_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.ggml_attention.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
+    lib.ggml_rope_tables.argtypes = [i64, i64, ctypes.c_float, ptr, ptr, ptr]
     functions = (
         "q4_gemm",
         "q8_gemm",
@@ -188,6 +191,8 @@ def load(isa: str) -> ctypes.CDLL:
         "ggml_rms_norm",
         "ggml_swiglu",
         "ggml_swiglu_rows",
+        "ggml_attention",
+        "ggml_rope_tables",
         *_PACKERS,
     )
     for name in functions:

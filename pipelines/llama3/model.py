@@ -247,6 +247,9 @@ class Transformer(nn.Module):
         self.max_batch_size = 0
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        # (config, max_seq_len, device) -> (cos, sin): precompute_rope, or a mode's own
+        # (ggml_mode.rope_tables: the angles as llama.cpp computes them)
+        self.rope_tables = precompute_rope
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head (files without output.weight)."""
@@ -263,7 +266,7 @@ class Transformer(nn.Module):
         max_seq_len = max(max_seq_len, self.max_seq_len)
         max_batch_size = max(max_batch_size, self.max_batch_size)
         weight = self.tok_embeddings.weight
-        self.rope_cos, self.rope_sin = precompute_rope(self.config, max_seq_len, weight.device)
+        self.rope_cos, self.rope_sin = self.rope_tables(self.config, max_seq_len, weight.device)
         shape = (max_batch_size, self.config.n_kv_heads, max_seq_len, self.config.head_dim)
         for layer in self.layers:
             layer.attention.cache_k = torch.zeros(shape, device=weight.device, dtype=weight.dtype)

@@ -289,6 +289,9 @@ static inline void nibbles(const uint8_t *qs, int32_t out[32]) {
  * changes no rounding of any row). */
 
 #define ROWS 4
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 32
+#endif
 
 static inline void block_q4_0(lanes *acc, const blk_q4_0 *w, const act8_0 *a) {
   const float d = h2f(w->d) * a->d;
@@ -423,11 +426,10 @@ static void dot_rows(int wtype, const uint8_t *w, int64_t wrow, int R, const uin
     for (int r = 0; r < R; r++) STEP;                                                          \
   }
 #if GGML_SIMD
-  /* the rows' bytes, fetched ahead: a decode step streams every matrix from memory once */
-  for (int r = 0; r < R; r++)
-    for (int64_t off = 0; off < wrow; off += 64)
-      _mm_prefetch((const char *)(w + (R == ROWS ? ROWS : R) * wrow + r * wrow + off),
-                   _MM_HINT_T0);
+  /* the bytes of the rows PREFETCH_ROWS ahead, fetched now: a decode step streams every
+   * matrix from memory once, and the hardware prefetcher starts late on each small matrix */
+  for (int64_t off = 0; off < ROWS * wrow; off += 64)
+    _mm_prefetch((const char *)(w + PREFETCH_ROWS * wrow + off), _MM_HINT_T0);
 #endif
   switch (wtype) {
   case W_Q4_0:
@@ -545,4 +547,103 @@ void ggml_swiglu(const float *gate, const float *up, int64_t n, float *out) {
 void ggml_swiglu_rows(const float *gu, int64_t rows, int64_t hidden, float *out) {
   for (int64_t r = 0; r < rows; r++)
     ggml_swiglu(gu + r * 2 * hidden, gu + r * 2 * hidden + hidden, hidden, out + r * hidden);
+}
+
+/* --- attention ----------------------------------------------------------------------------
+ * Grouped-query attention with ggml's arithmetic (llama.cpp without flash attention, float32
+ * caches): scores q . k_j over eight lanes (one FMA per value, lanes summed as above), times
+ * `scale`; softmax as ggml's soft_max: the maximum, exp(s - max) by ggml_expf, their sum in
+ * double, each probability times (float)(1 / sum); out = sum_j p_j v_j, one FMA per j in order.
+ * The same bits on every build and thread count, for prefill and decode alike: torch's SDPA,
+ * whose order depends on the CPU's kernel level, would let an 8-bit quantization downstream
+ * flip on one machine and not another. */
+
+static float dot_lanes(const float *a, const float *b, int64_t n) {
+  float lane[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; k++) lane[k] = fmaf(a[i + k], b[i + k], lane[k]);
+  for (int k = 0; i < n; i++, k++) lane[k] = fmaf(a[i], b[i], lane[k]);
+  const float r0 = lane[4] + lane[0], r1 = lane[5] + lane[1];
+  const float r2 = lane[6] + lane[2], r3 = lane[7] + lane[3];
+  return (r0 + r2) + (r1 + r3);
+}
+
+/* qkv [seq, n_heads + 2 n_kv, hd]: the fused q/k/v product of positions start .. start +
+ * seq - 1, unrotated; cos, sin [seq, hd] their rope rows. The q and k heads are rotated in
+ * place as ggml's rope rotates a pair (x0, x1) (the icelake build disassembles to
+ * vfmsub231ss / vfmadd132ss): x0' = fma(x0, cos, -(x1 sin)), x1' = fma(x0, sin, x1 cos), the
+ * pair being (x_i, x_{i+hd/2}) in this engine's row order; k and v are written to the caches
+ * [n_kv, max_seq, hd] (batch row 0), then every query attends over positions 0 .. its own;
+ * out [seq, n_heads * hd]. */
+void ggml_attention(float *qkv, int64_t seq, const float *cos, const float *sin,
+                    float *cache_k, float *cache_v, int64_t n_heads, int64_t n_kv, int64_t hd,
+                    int64_t max_seq, int64_t start, float scale, float *out, int threads) {
+  const int64_t width = (n_heads + 2 * n_kv) * hd, half = hd / 2;
+  for (int64_t i = 0; i < seq; i++) {
+    float *row = qkv + i * width;
+    const float *c = cos + i * hd, *sn = sin + i * hd;
+    for (int64_t h = 0; h < n_heads + n_kv; h++) {
+      float *x = row + h * hd;
+      for (int64_t d = 0; d < half; d++) {
+        const float a = x[d], b = x[d + half];
+        x[d] = fmaf(a, c[d], -(b * sn[d]));
+        x[d + half] = fmaf(a, sn[d + half], b * c[d + half]);
+      }
+    }
+    for (int64_t j = 0; j < n_kv; j++) {
+      const int64_t slot = (j * max_seq + start + i) * hd;
+      memcpy(cache_k + slot, row + (n_heads + j) * hd, (size_t)hd * 4);
+      memcpy(cache_v + slot, row + (n_heads + n_kv + j) * hd, (size_t)hd * 4);
+    }
+  }
+  const int64_t group = n_heads / n_kv, pairs = seq * n_heads;
+#pragma omp parallel num_threads(threads)
+  {
+    float *p = (float *)__builtin_alloca(sizeof(float) * (size_t)(start + seq));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < pairs; t++) {
+      const int64_t i = t / n_heads, h = t % n_heads, kv = h / group, n = start + i + 1;
+      const float *qh = qkv + i * width + h * hd;
+      const float *K = cache_k + kv * max_seq * hd, *V = cache_v + kv * max_seq * hd;
+      float max = -INFINITY;
+      for (int64_t j = 0; j < n; j++) {
+        p[j] = dot_lanes(qh, K + j * hd, hd) * scale;
+        max = p[j] > max ? p[j] : max;
+      }
+      double sum = 0.0;
+      for (int64_t j = 0; j < n; j++) {
+        p[j] = ggml_expf(p[j] - max);
+        sum += (double)p[j];
+      }
+      const float inv = (float)(1.0 / sum);
+      float *o = out + i * n_heads * hd + h * hd;
+      for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+      for (int64_t j = 0; j < n; j++) {
+        const float pj = p[j] * inv;
+        const float *vj = V + j * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] = fmaf(pj, vj[d], o[d]);
+      }
+    }
+  }
+}
+
+/* The rope tables as ggml's rope computes its angles: theta_scale = powf(base, -2 / hd), the
+ * angle of pair i at position p is p * theta_scale^i multiplied up in float32 (divided by
+ * freq_factors[i], the rope_freqs tensor, when given), then libm's cosf and sinf. Written in
+ * this engine's "rotate half" layout: cos, sin [positions, hd], entries i and i + hd/2 alike. */
+void ggml_rope_tables(int64_t positions, int64_t hd, float base, const float *freq_factors,
+                      float *cos_out, float *sin_out) {
+  const int64_t half = hd / 2;
+  const float theta_scale = powf(base, -2.0f / (float)hd);
+  for (int64_t p = 0; p < positions; p++) {
+    float theta = (float)p;
+    for (int64_t i = 0; i < half; i++) {
+      const float angle = freq_factors ? theta / freq_factors[i] : theta;
+      const float c = cosf(angle), s = sinf(angle);
+      cos_out[p * hd + i] = cos_out[p * hd + i + half] = c;
+      sin_out[p * hd + i] = sin_out[p * hd + i + half] = s;
+      theta *= theta_scale;
+    }
+  }
 }
