@@ -27,6 +27,7 @@ vec_dot_type for F32 is F32, and this mode transcribes no other.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import numpy as np
@@ -251,6 +252,87 @@ class GgmlAttention(packed.PackedAttention):
         return self.wo(out)
 
 
+class _Layer(ctypes.Structure):
+    """kernels/ggml_dot.c's ggml_layer."""
+
+    _fields_ = [
+        ("attn_norm", ctypes.c_void_p),
+        ("ffn_norm", ctypes.c_void_p),
+        ("wqkv", ctypes.c_void_p),
+        ("wo", ctypes.c_void_p),
+        ("w13", ctypes.c_void_p),
+        ("w2", ctypes.c_void_p),
+        ("tqkv", ctypes.c_int32),
+        ("to", ctypes.c_int32),
+        ("t13", ctypes.c_int32),
+        ("t2", ctypes.c_int32),
+        ("cache_k", ctypes.c_void_p),
+        ("cache_v", ctypes.c_void_p),
+    ]
+
+
+class FusedDecode:
+    """One decode step through every layer in one kernel call (ggml_decode_layers): the same
+    functions, in the same order, as the layers' modules, so the same bits; about ten
+    Python-level calls per layer fewer (Transformer.decode_layers)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self._lib = model, kernels()
+        if self._lib.ggml_layer_bytes() != ctypes.sizeof(_Layer):
+            raise RuntimeError("kernels/ggml_dot.c's ggml_layer is not ggml_mode._Layer")
+        self._layers, self._caches = None, None
+
+    @staticmethod
+    def applies(model: nn.Module) -> bool:
+        """Whether every layer is this mode's: fused products, ggml norms and SwiGLU."""
+        for layer in model.layers:
+            attention, ffn = layer.attention, layer.feed_forward
+            parts = [
+                isinstance(attention, GgmlAttention),
+                isinstance(getattr(attention, "wo", None), GgmlLinear),
+                isinstance(ffn, GgmlFeedForward),
+                isinstance(getattr(ffn, "w2", None), GgmlLinear),
+                isinstance(layer.attention_norm, GgmlRMSNorm),
+                isinstance(layer.ffn_norm, GgmlRMSNorm),
+            ]
+            if not all(parts):
+                return False
+        return True
+
+    def _table(self):
+        caches = [(layer.attention.cache_k, layer.attention.cache_v) for layer in self.model.layers]
+        key = [(k.data_ptr(), v.data_ptr(), k.shape[2]) for k, v in caches]
+        if self._caches != key:  # setup_caches allocated new caches
+            table = (_Layer * len(caches))()
+            for entry, layer, (k, v) in zip(table, self.model.layers, caches, strict=True):
+                attention, ffn = layer.attention, layer.feed_forward
+                entry.attn_norm = layer.attention_norm.weight.data_ptr()
+                entry.ffn_norm = layer.ffn_norm.weight.data_ptr()
+                for name, linear in (
+                    ("wqkv", attention.wqkv), ("wo", attention.wo),
+                    ("w13", ffn.w13), ("w2", ffn.w2),
+                ):  # fmt: skip
+                    setattr(entry, name, linear.weight.blocks.data_ptr())
+                entry.tqkv, entry.to = attention.wqkv.weight.code, attention.wo.weight.code
+                entry.t13, entry.t2 = ffn.w13.weight.code, ffn.w2.weight.code
+                entry.cache_k, entry.cache_v = k.data_ptr(), v.data_ptr()
+            self._layers, self._caches = table, key
+        return self._layers, caches[0][0].shape[2]
+
+    def __call__(self, h: torch.Tensor, start_pos: int, cos, sin) -> torch.Tensor:
+        model, config = self.model, self.model.config
+        layers, max_seq = self._table()
+        h = h.float().contiguous().clone()  # [1, 1, dim], updated in place
+        threads = torch.get_num_threads()
+        self._lib.ggml_decode_layers(
+            layers, len(model.layers), h.data_ptr(), config.dim, config.n_heads,
+            config.n_kv_heads, config.head_dim, config.ffn_dim, max_seq, start_pos,
+            cos.data_ptr(), sin.data_ptr(), config.rms_norm_eps, model.layers[0].attention.scale,
+            threads,
+        )  # fmt: skip
+        return h
+
+
 def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
     """The quantized mode's structure (packed.install) with this mode's products, norms and
     SwiGLU. A matrix of a type without a ggml product here raises (none reach it: the loader
@@ -265,3 +347,5 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
         if isinstance(layer.attention, packed.PackedAttention):
             layer.attention = GgmlAttention.of(layer.attention, model.config)
     model.rope_tables = rope_tables
+    if FusedDecode.applies(model):
+        model.decode_layers = FusedDecode(model)

@@ -178,6 +178,10 @@ def load(isa: str) -> ctypes.CDLL:
     lib.ggml_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.ggml_attention.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
     lib.ggml_rope_tables.argtypes = [i64, i64, ctypes.c_float, ptr, ptr, ptr]
+    lib.ggml_layer_bytes.restype = i64
+    lib.ggml_layer_bytes.argtypes = []
+    lib.ggml_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64]
+    lib.ggml_decode_layers.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     functions = (
         "q4_gemm",
         "q8_gemm",
@@ -193,6 +197,7 @@ def load(isa: str) -> ctypes.CDLL:
         "ggml_swiglu_rows",
         "ggml_attention",
         "ggml_rope_tables",
+        "ggml_decode_layers",
         *_PACKERS,
     )
     for name in functions:

@@ -250,6 +250,9 @@ class Transformer(nn.Module):
         # (config, max_seq_len, device) -> (cos, sin): precompute_rope, or a mode's own
         # (ggml_mode.rope_tables: the angles as llama.cpp computes them)
         self.rope_tables = precompute_rope
+        # (h, start_pos, cos, sin) -> h: a mode's one-call path through every layer for one
+        # new position of one sequence without a mask (ggml_mode.FusedDecode), else None
+        self.decode_layers = None
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head (files without output.weight)."""
@@ -294,8 +297,11 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[start_pos:end_pos], self.rope_sin[start_pos:end_pos]
 
         mask = self.attention_mask(seqlen, start_pos, tokens.device)
-        for layer in self.layers:
-            h = layer(h, start_pos, cos, sin, mask)
+        if self.decode_layers is not None and bsz == seqlen == 1 and mask is None:
+            h = self.decode_layers(h, start_pos, cos, sin)
+        else:
+            for layer in self.layers:
+                h = layer(h, start_pos, cos, sin, mask)
         if outputs is not None:
             h = h[:, list(outputs)]
         return self._logits(h)

@@ -28,6 +28,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -459,6 +460,98 @@ static void dot_rows(int wtype, const uint8_t *w, int64_t wrow, int R, const uin
 }
 
 #define N_TILE 16 /* weight rows kept in cache while every activation row passes */
+#define COLS 4    /* activation rows sharing one unpacking of a weight block (prefill) */
+
+#if GGML_SIMD
+/* y[c * ystride] = one weight row . activation row c, for c < C (at most COLS): each weight
+ * block unpacked once for the C rows. Per output the same operations in the same order as
+ * dot_rows (the block_* steps), so the same bits. */
+static void dot_cols(int wtype, const uint8_t *w, const uint8_t *a, int64_t arow, int C,
+                     int64_t K, float *y, int64_t ystride) {
+  lanes acc[COLS];
+  float mins[COLS], accm[COLS][4];
+  for (int c = 0; c < COLS; c++) {
+    acc[c] = lanes_zero();
+    mins[c] = accm[c][0] = accm[c][1] = accm[c][2] = accm[c][3] = 0.0f;
+  }
+  switch (wtype) {
+  case W_Q4_0:
+    for (int64_t b = 0; b < K / 32; b++) {
+      const blk_q4_0 *wb = (const blk_q4_0 *)w + b;
+      const float dw = h2f(wb->d);
+      const __m256i qw = _mm256_sub_epi8(nibbles_32(wb->qs), _mm256_set1_epi8(8));
+      for (int c = 0; c < C; c++) {
+        const act8_0 *ab = (const act8_0 *)(a + c * arow) + b;
+        acc[c] = lanes_fma(dw * ab->d, dot_ss8(qw, _mm256_loadu_si256((const __m256i *)ab->q)),
+                           acc[c]);
+      }
+    }
+    for (int c = 0; c < C; c++) y[c * ystride] = lanes_sum(acc[c]);
+    return;
+  case W_Q8_0:
+    for (int64_t b = 0; b < K / 32; b++) {
+      const blk_q8_0 *wb = (const blk_q8_0 *)w + b;
+      const float dw = h2f(wb->d);
+      const __m256i qw = _mm256_loadu_si256((const __m256i *)wb->qs);
+      for (int c = 0; c < C; c++) {
+        const act8_0 *ab = (const act8_0 *)(a + c * arow) + b;
+        acc[c] = lanes_fma(dw * ab->d, dot_ss8(qw, _mm256_loadu_si256((const __m256i *)ab->q)),
+                           acc[c]);
+      }
+    }
+    for (int c = 0; c < C; c++) y[c * ystride] = lanes_sum(acc[c]);
+    return;
+  case W_Q4_1:
+    for (int64_t b = 0; b < K / 32; b++) {
+      const blk_q4_1 *wb = (const blk_q4_1 *)w + b;
+      const float dw = h2f(wb->d), mw = h2f(wb->m);
+      const __m256i qw = nibbles_32(wb->qs);
+      for (int c = 0; c < C; c++) {
+        const act8_1 *ab = (const act8_1 *)(a + c * arow) + b;
+        mins[c] = fmaf(mw, ab->s, mins[c]);
+        acc[c] = lanes_fma(dw * ab->d, dot_us8(qw, _mm256_loadu_si256((const __m256i *)ab->q)),
+                           acc[c]);
+      }
+    }
+    for (int c = 0; c < C; c++) y[c * ystride] = lanes_sum(acc[c]) + mins[c];
+    return;
+  default:
+    for (int64_t b = 0; b < K / 256; b++) {
+      const blk_q4_k *wb = (const blk_q4_k *)w + b;
+      const float dw = h2f(wb->d), dminw = h2f(wb->dmin);
+      int32_t sc[8], mn[8];
+      scales_mins_k4(wb->scales, sc, mn);
+      __m256i lo[4], hi[4];
+      for (int j = 0; j < 4; j++) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(wb->qs + 32 * j));
+        lo[j] = _mm256_and_si256(bits, _mm256_set1_epi8(0x0F));
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), _mm256_set1_epi8(0x0F));
+      }
+      for (int c = 0; c < C; c++) {
+        const act8_k *ab = (const act8_k *)(a + c * arow) + b;
+        const float d = ab->d * dw, dmin = -ab->d * dminw;
+        for (int i = 0; i < 4; i++) {
+          const int32_t s0 = ab->bsums[4 * i] + ab->bsums[4 * i + 1];
+          const int32_t s1 = ab->bsums[4 * i + 2] + ab->bsums[4 * i + 3];
+          accm[c][i] = fmaf(dmin, (float)(mn[2 * i] * s0 + mn[2 * i + 1] * s1), accm[c][i]);
+        }
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+          const __m256i al = _mm256_loadu_si256((const __m256i *)(ab->q + 64 * j));
+          const __m256i ah = _mm256_loadu_si256((const __m256i *)(ab->q + 64 * j + 32));
+          const __m256i pl = _mm256_mullo_epi32(dot_us8(lo[j], al), _mm256_set1_epi32(sc[2 * j]));
+          const __m256i ph =
+              _mm256_mullo_epi32(dot_us8(hi[j], ah), _mm256_set1_epi32(sc[2 * j + 1]));
+          sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+        }
+        acc[c] = lanes_fma(d, sumi, acc[c]);
+      }
+    }
+    for (int c = 0; c < C; c++)
+      y[c * ystride] = lanes_sum(acc[c]) + ((accm[c][0] + accm[c][2]) + (accm[c][1] + accm[c][3]));
+  }
+}
+#endif
 
 /* y[M, N] = x[M, K] . W^T with W [N, K] in GGUF blocks of `wtype`, each output computed as
  * ggml computes it (above). act: scratch of M * ggml_act_row_bytes(wtype, K) bytes, filled
@@ -477,7 +570,15 @@ void ggml_gemm(int wtype, const float *x, int64_t M, int64_t K, const uint8_t *w
   for (int64_t t = 0; t < tiles; t++) {
     const int64_t n0 = t * N_TILE, n1 = n0 + N_TILE < N ? n0 + N_TILE : N;
     float out[ROWS];
-    for (int64_t m = 0; m < M; m++)
+    int64_t m = 0;
+#if GGML_SIMD
+    for (; M > 1 && m + 1 < M; m += COLS) { /* prefill: weight blocks unpacked once per COLS */
+      const int C = (int)(M - m < COLS ? M - m : COLS);
+      for (int64_t n = n0; n < n1; n++)
+        dot_cols(wtype, w + n * wrow, act + m * arow, arow, C, K, y + m * N + n, N);
+    }
+#endif
+    for (; m < M; m++)
       for (int64_t n = n0; n < n1; n += ROWS) {
         const int R = (int)(n1 - n < ROWS ? n1 - n : ROWS);
         dot_rows(wtype, w + n * wrow, wrow, R, act + m * arow, K, out);
@@ -646,4 +747,52 @@ void ggml_rope_tables(int64_t positions, int64_t hd, float base, const float *fr
       theta *= theta_scale;
     }
   }
+}
+
+/* --- one decode step through every layer ---------------------------------------------------
+ * What the mode's modules compute for one new position of one sequence (GgmlRMSNorm,
+ * GgmlAttention, GgmlFeedForward, the residual adds), the same functions in the same order,
+ * so the same bits, in one call instead of about ten Python-level calls per layer. */
+
+typedef struct {
+  const float *attn_norm, *ffn_norm;  /* [dim] */
+  const uint8_t *wqkv, *wo, *w13, *w2; /* GGUF blocks, rows in the engine's order */
+  int32_t tqkv, to, t13, t2;           /* their weight codes */
+  float *cache_k, *cache_v;            /* [n_kv, max_seq, hd] */
+} ggml_layer;
+
+int64_t ggml_layer_bytes(void) { return (int64_t)sizeof(ggml_layer); }
+
+/* h [dim] in place: the residual stream after every layer. threads: per product. */
+void ggml_decode_layers(const ggml_layer *layers, int64_t n_layers, float *h, int64_t dim,
+                        int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn, int64_t max_seq,
+                        int64_t pos, const float *cos, const float *sin, float eps, float scale,
+                        int threads) {
+  const int64_t width = (n_heads + 2 * n_kv) * hd, attn = n_heads * hd;
+  int64_t widest = dim > attn ? dim : attn;
+  widest = widest > ffn ? widest : ffn;
+  float *x = (float *)malloc(sizeof(float) * (size_t)(dim + width + attn + 2 * ffn + ffn + dim));
+  uint8_t *act = (uint8_t *)malloc((size_t)(2 * widest + 1024));
+  if (!x || !act) {
+    free(x);
+    free(act);
+    return;
+  }
+  float *qkv = x + dim, *att = qkv + width, *gu = att + attn, *s = gu + 2 * ffn, *y = s + ffn;
+  for (int64_t l = 0; l < n_layers; l++) {
+    const ggml_layer *L = &layers[l];
+    ggml_rms_norm(h, L->attn_norm, 1, dim, eps, x);
+    ggml_gemm(L->tqkv, x, 1, dim, L->wqkv, width, qkv, act, threads);
+    ggml_attention(qkv, 1, cos, sin, L->cache_k, L->cache_v, n_heads, n_kv, hd, max_seq, pos,
+                   scale, att, 1);
+    ggml_gemm(L->to, att, 1, attn, L->wo, dim, y, act, threads);
+    for (int64_t i = 0; i < dim; i++) h[i] = h[i] + y[i];
+    ggml_rms_norm(h, L->ffn_norm, 1, dim, eps, x);
+    ggml_gemm(L->t13, x, 1, dim, L->w13, 2 * ffn, gu, act, threads);
+    ggml_swiglu(gu, gu + ffn, ffn, s);
+    ggml_gemm(L->t2, s, 1, ffn, L->w2, dim, y, act, threads);
+    for (int64_t i = 0; i < dim; i++) h[i] = h[i] + y[i];
+  }
+  free(x);
+  free(act);
 }
