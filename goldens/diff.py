@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from goldens import locate
+from goldens import locate, schema
 from goldens.compare import bucket_kl
 from goldens.schema import Case, Step, case_from_json
 from goldens.tolerances import Tolerance, tolerance
@@ -161,7 +161,7 @@ def file_tolerance(golden: GoldenFile | None) -> Tolerance | None:
     if golden is None:
         return None
     provenance = golden.provenance
-    reference = "torch" if provenance.get("producer") == "torch" else "own"
+    reference = schema.reference_of(provenance.get("producer"))
     try:
         return tolerance(reference, provenance.get("encoding", ""), provenance.get("device", ""))
     except KeyError:

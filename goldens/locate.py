@@ -24,6 +24,7 @@ from goldens.cli_files import repo_root as checkout_root
 ARCHIVES = {
     "own": ("test_llama_golden", "TEST_LLAMA_GOLDENS"),
     "torch": ("torch_llama_golden", "TORCH_LLAMA_GOLDENS"),
+    "ggml": ("test_llama_golden", "TEST_LLAMA_GOLDENS"),  # the engine's archive: its ggml mode
 }
 
 

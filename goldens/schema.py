@@ -135,12 +135,29 @@ class Golden:
         raise KeyError(f"golden has no case {case_id!r}; it has {[c.id for c in self.cases]}")
 
 
+# The producer of each reference's goldens: this engine (eager), transformers, this engine's
+# ggml mode (llama.cpp's numerics on quantized files, its own goldens).
+PRODUCERS = {"own": "engine", "torch": "torch", "ggml": "engine-ggml"}
+
+
+def reference_of(producer: str | None) -> str:
+    """The reference ("own", "torch", "ggml") a golden of `producer` serves; a run of another
+    mode (`engine-MODE`) counts as the engine's."""
+    for reference, name in PRODUCERS.items():
+        if producer == name:
+            return reference
+    return "own"
+
+
 def golden_file_name(model: str, encoding: str, hardware: str, producer: str = "engine") -> str:
     """`{model}_{encoding}_{hardware}_golden.json`; torch's: `torch_{model}_{encoding}_golden.json`
-    on the CPU ("all") and `torch_{model}_{encoding}_{hardware}_golden.json` on a GPU."""
+    on the CPU ("all") and `torch_{model}_{encoding}_{hardware}_golden.json` on a GPU; the ggml
+    mode's: `ggml_{model}_{encoding}_golden.json`."""
+    suffix = "" if hardware == "all" else f"_{hardware}"
     if producer == "torch":
-        suffix = "" if hardware == "all" else f"_{hardware}"
         return f"torch_{model}_{encoding}{suffix}_golden.json"
+    if producer == PRODUCERS["ggml"]:
+        return f"ggml_{model}_{encoding}{suffix}_golden.json"
     return f"{model}_{encoding}_{hardware}_golden.json"
 
 

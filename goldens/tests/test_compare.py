@@ -214,6 +214,9 @@ def test_every_encoding_and_device_has_a_documented_tolerance():
                 assert tol.near_tie_margin == pytest.approx(2 * tol.logprob_atol), tol.key
         for reference_fallback in ("bfloat16",):
             assert tolerance(reference, reference_fallback, "cuda", fallback=True).why
+    for encoding in ("q4_k", "q4_1"):  # the ggml mode's goldens, on the CPU only
+        tol = tolerance("ggml", encoding, "cpu")
+        assert tol.why.strip() and tol.near_tie_margin == pytest.approx(2 * tol.logprob_atol)
 
 
 def test_missing_tolerance_names_the_key():
@@ -263,9 +266,9 @@ def test_sanity_refuses_an_exact_top1_tie():
 
 
 def test_every_tolerance_sits_between_its_noise_floor_and_its_mutation_floor():
-    from goldens.tolerances import entries
+    from goldens.tolerances import MODE_REFERENCES, entries
 
-    for tol in entries():
+    for tol in entries() + [t for ref in MODE_REFERENCES for t in entries(ref)]:
         assert tol.noise_floor and tol.mutation_floor, f"{tol.key}: floors not recorded"
         assert tol.noise_floor.logprob < tol.logprob_atol < tol.mutation_floor.logprob, tol
         assert tol.noise_floor.kl < tol.kl_max, tol

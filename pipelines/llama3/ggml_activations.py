@@ -3,10 +3,8 @@ with quantized weights, transcribed so this engine can compute the same numbers.
 
 ggml converts the float32 activations of every matmul to its weight type's `vec_dot_type`
 before an integer dot product: Q8_K (256-value blocks) for Q4_K and Q6_K weights, Q8_0
-(32-value blocks) for Q4_0 and Q8_0, Q8_1 for Q4_1. The dot product of a weight block with
-a quantized activation block equals, up to float rounding of the sums, the float dot product
-with the dequantized activations, so `fake_quantize` (quantize, then dequantize) in front of
-each linear gives this engine ggml's numerics for that product.
+(32-value blocks) for Q4_0 and Q8_0, Q8_1 for Q4_1, then takes integer dot products of the
+blocks.
 
 Transcribed from ggml's C (pipelines/llama3/tests/test_ggml_activations.py holds each against
 a plain float32 loop of the C code, one per code path):
@@ -25,19 +23,12 @@ a plain float32 loop of the C code, one per code path):
 
 The `ggml` execution mode (ggml_mode.py) computes the same quantizers in C
 (kernels/ggml_dot.c); pipelines/llama3/tests/test_ggml_mode.py holds the two equal bit for
-bit. This module keeps the torch form: the reference transcription, and `install` (a forward
-pre-hook in front of the eager mode's linears, the first step toward that mode).
-
-Measured against Debian's llama-server 0.7.0 on the tiny Q4_K checkpoint: with Q8_K
-activations in front of every Q4_K product (the tied head included), this engine agrees with
-llama.cpp to 1.3e-5 .. 1.75e-5 on the short golden cases, where it differs by 1.54 without
-them (test_llama_cpp). `install` covers Q4_K weights only.
+bit. This module is the torch form: the reference transcription.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 QK_K = 256
 QK8_0 = 32
@@ -86,53 +77,3 @@ def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d = blocks.abs().amax(-1, keepdim=True) / torch.full_like(d16, 127.0, dtype=torch.float32)
     s = d * q.to(torch.int32).sum(-1, keepdim=True).float()
     return q, d16, s.to(torch.float16)
-
-
-def fake_quantize(x: torch.Tensor, vec_dot_type: str) -> torch.Tensor:
-    """`x` quantized to `vec_dot_type` (Q8_K or Q8_0) and dequantized, in x's dtype."""
-    if vec_dot_type == "Q8_K":
-        q, d = q8_k(x)
-    elif vec_dot_type == "Q8_0":
-        q, d = q8_0(x)
-    else:
-        raise ValueError(f"no transcription of ggml's {vec_dot_type} activations")
-    return (q.float() * d.float()).reshape(x.shape).to(x.dtype)
-
-
-VEC_DOT_TYPE = {"Q4_K": "Q8_K"}  # weight type -> its activations (the validated ones)
-
-
-def install(linears: dict[str, nn.Module], weight_types: dict[str, str]) -> int:
-    """A forward pre-hook on each linear (by its GGUF tensor name) whose weight type has a
-    transcribed vec_dot_type, quantizing its input as ggml does; returns how many. Float
-    weights keep float activations, as in ggml."""
-    installed = 0
-    for name, module in linears.items():
-        kind = weight_types[name]
-        if kind in ("F32", "F16", "BF16"):
-            continue
-        if kind not in VEC_DOT_TYPE:
-            raise ValueError(f"{name}: ggml activations for {kind} weights are not transcribed")
-        vec_dot_type = VEC_DOT_TYPE[kind]
-        module.register_forward_pre_hook(
-            lambda _module, inputs, t=vec_dot_type: (fake_quantize(inputs[0], t), *inputs[1:])
-        )
-        installed += 1
-    return installed
-
-
-def model_linears(model: nn.Module) -> dict[str, nn.Module]:
-    """The engine's linears of a Transformer (eager mode) by GGUF tensor name; the head is
-    the token embedding's when the checkpoint ties them (no output.weight)."""
-    names = {
-        "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
-        "w1": "ffn_gate", "w2": "ffn_down", "w3": "ffn_up",
-    }  # fmt: skip
-    linears = {}
-    for i, layer in enumerate(model.layers):
-        for owner in (layer.attention, layer.feed_forward):
-            for attr, tensor in names.items():
-                if hasattr(owner, attr):
-                    linears[f"blk.{i}.{tensor}.weight"] = getattr(owner, attr)
-    linears["output.weight"] = model.output
-    return linears

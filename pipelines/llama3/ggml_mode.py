@@ -337,6 +337,8 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
     """The quantized mode's structure (packed.install) with this mode's products, norms and
     SwiGLU. A matrix of a type without a ggml product here raises (none reach it: the loader
     keeps only Q4_0, Q4_1, Q4_K and Q8_0 as raw blocks)."""
+    if not matrices:
+        return  # a float file: ggml's vec_dot_type is F32, the model stays exactly eager's
     unknown = sorted({m.qtype.name for m in matrices.values()} - {t.name for t in WEIGHT_CODES})
     if unknown:
         raise ValueError(f"the ggml mode has no products for {', '.join(unknown)} weights")

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from goldens import schema
 from goldens.artifacts import archive, stanza
 from goldens.artifacts.store import ArchiveRef, LocalStore, ref_from_url
 from goldens.cli_files import OneLineParser, repo_root, user_path
@@ -80,7 +81,7 @@ def unread_goldens(members: dict[str, bytes], archive_name: str) -> list[str]:
         provenance = body["provenance"]
         model, encoding = provenance.get("model"), provenance.get("encoding")
         encodings = READ_VARIANTS.get(model, ())
-        producer = "torch" if provenance.get("producer") == "torch" else "engine"
+        producer = schema.PRODUCERS[schema.reference_of(provenance.get("producer"))]
         hardware = provenance.get("hardware", "all")
         if encodings is not None and encoding not in encodings:
             problems.append(

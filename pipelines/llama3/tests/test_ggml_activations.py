@@ -103,11 +103,3 @@ def test_q8_0_ref_is_gguf_pys_quantizer():
     packed = quantize(blocks, GGMLQuantizationType.Q8_0).reshape(-1, 34)
     assert packed[:, :2].tobytes() == d.numpy().reshape(-1).tobytes()
     assert packed[:, 2:].view(np.int8).tolist() == q.numpy().reshape(-1, ga.QK8_0).tolist()
-
-
-def test_fake_quantize_dequantizes_what_it_quantized():
-    x = torch.from_numpy(_blocks(ga.QK_K, count=8, seed=3).reshape(2, -1))
-    q, d = ga.q8_k(x)
-    assert torch.equal(ga.fake_quantize(x, "Q8_K"), (q.float() * d).reshape(x.shape))
-    with pytest.raises(ValueError, match="Q8_1"):
-        ga.fake_quantize(x, "Q8_1")

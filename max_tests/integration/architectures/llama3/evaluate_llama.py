@@ -5,9 +5,12 @@ Writes `{model}_{encoding}_{hardware}_golden.json` per combination into --output
 progress on stderr. A selection with no checkpoint at all (--model=llama3_1 without
 --llama3-1-gguf) exits 2 and names what is missing; --model=all runs what is available.
 Publish the files with tools/upload-public-bazel-artifact.sh (see testdata/README.md).
-Goldens come from --mode=eager (the default). Another execution mode writes the same files,
-with producer `engine-MODE`, into an --output-dir of your choice, never the testdata folder:
-compare them with the goldens by `./bazelw run //tools:golden_diff -- --from=... --to=...`.
+Goldens come from --mode=eager (the default), and from --mode=ggml on the encodings where that
+mode computes llama.cpp's numbers (variants.GGML_ENCODINGS: q4_k, q4_1): files
+`ggml_{model}_{encoding}_golden.json`, producer `engine-ggml`, the goldens of reference
+"ggml" (published in the engine's archive). Another execution mode writes the engine's file
+names, with producer `engine-MODE`, into an --output-dir of your choice, never the testdata
+folder: compare them with the goldens by `./bazelw run //tools:golden_diff -- --from=... --to=...`.
 
 Examples:
   ./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama -- --model=tinyllama
@@ -15,6 +18,8 @@ Examples:
       --encoding=all --model=all --output-dir=/tmp/goldens
   ./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama -- \\
       --model=smollm2 --mode=quantized --output-dir=/tmp/quantized
+  ./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama -- \\
+      --model=all --mode=ggml --output-dir=/tmp/ggml
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from goldens.cli_files import PathError, user_path
 from max_tests.integration.architectures.llama3 import engine_runs, golden_files
 from max_tests.integration.architectures.llama3.variants import (
     ENCODINGS,
+    GGML_ENCODINGS,
     LLAMA3_1_ENV,
     MODELS,
     TESTDATA_REL,
@@ -57,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
         "--mode",
         default="eager",
         choices=MODES,
-        help="execution mode (default: eager, the only one that makes goldens)",
+        help="execution mode (default: eager; ggml makes its own goldens on q4_k and q4_1)",
     )
     p.add_argument("--output-dir", help="where to write goldens (default: the testdata folder)")
     p.add_argument(
@@ -94,12 +100,26 @@ def main(argv: list[str] | None = None) -> int:
     nothing = unavailable_selection(selected)
     if nothing is not None:
         _usage_error(parser, nothing)
-    if args.mode != "eager" and args.output_dir is None:
+    if args.mode not in ("eager", "ggml") and args.output_dir is None:
         _usage_error(
             parser,
-            f"--mode={args.mode} does not make goldens (eager does); pass --output-dir "
+            f"--mode={args.mode} does not make goldens (eager and ggml do); pass --output-dir "
             "to write its run somewhere else than the testdata folder",
         )
+    if args.mode == "ggml":
+        skipped = [v for v in selected if v.encoding not in GGML_ENCODINGS and v.path]
+        selected = [v for v in selected if v.encoding in GGML_ENCODINGS or not v.path]
+        for variant in skipped:
+            print(
+                f"evaluate_llama: {variant.model} {variant.encoding}: the ggml mode computes "
+                "eager's numbers here; its goldens are eager's",
+                file=sys.stderr,
+            )
+        if not selected:
+            _usage_error(
+                parser,
+                f"--mode=ggml makes goldens for --encoding in {', '.join(GGML_ENCODINGS)} only",
+            )
     try:
         output_dir = golden_files.output_folder(args.output_dir, testdata)
     except PathError as error:
@@ -127,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         golden = golden_files.engine_golden(
             variant, engine, runs, args.device, args.full_logits, args.mode
         )
-        name = schema.golden_file_name(variant.model, variant.encoding, golden.provenance.hardware)
+        name = schema.golden_file_name(
+            variant.model, variant.encoding, golden.provenance.hardware, golden.provenance.producer
+        )
         schema.write(golden, output_dir / name)
         rows.append(
             (

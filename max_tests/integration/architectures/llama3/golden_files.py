@@ -72,10 +72,11 @@ def engine_golden(
     full_logits: bool = False,
     mode: str = "eager",
 ) -> schema.Golden:
-    """The engine's golden (eager), or another mode's run in the same format (producer
-    `engine-MODE`, never published as a golden)."""
+    """The engine's golden (eager), the ggml mode's (producer `engine-ggml`, the goldens of
+    reference "ggml"), or another mode's run in the same format (producer `engine-MODE`,
+    never published as a golden)."""
     tokenizer = engine.tokenizer
-    producer = "engine" if mode == "eager" else f"engine-{mode}"
+    producer = "engine" if mode == "eager" else f"engine-{mode}"  # engine-ggml: its goldens
     prov = provenance(variant, producer, ENGINE_PRODUCER_VERSION, device)
     cases = [
         record_case(
@@ -95,8 +96,8 @@ def engine_golden(
 
 
 def golden_file_name(reference: str, variant: Variant, hardware: str = "all") -> str:
-    """The file name of the `reference` ("own" or "torch") golden of `variant`."""
-    producer = "torch" if reference == "torch" else "engine"
+    """The file name of the `reference` ("own", "torch" or "ggml") golden of `variant`."""
+    producer = schema.PRODUCERS[reference]
     return schema.golden_file_name(variant.model, variant.encoding, hardware, producer)
 
 
@@ -118,5 +119,9 @@ def output_folder(output_dir: str | None, testdata: Path) -> Path:
 
 
 def regenerate_command(variant: Variant, producer: str, device: str = "cpu") -> str:
+    """The command that makes the `producer` (a reference: own, torch, ggml) golden."""
     tool = RUN_TORCH if producer == "torch" else EVALUATE
-    return f"{tool} -- --model={variant.model} --encoding={variant.encoding} --device={device}"
+    mode = " --mode=ggml" if producer == "ggml" else ""
+    return (
+        f"{tool} -- --model={variant.model} --encoding={variant.encoding} --device={device}{mode}"
+    )

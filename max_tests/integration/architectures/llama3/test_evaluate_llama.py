@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from goldens import schema
 from max_tests.integration.architectures.llama3 import evaluate_llama
 from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV, encoding_of_file_type
 
@@ -65,7 +66,19 @@ def test_help_names_the_examples(capsys):
 
 def test_a_non_eager_mode_never_writes_into_the_testdata_folder(capsys):
     assert _exit_code(["--model=tinyllama", "--encoding=q4_k", "--mode=quantized"]) == 2
-    assert "--mode=quantized does not make goldens (eager does)" in capsys.readouterr().err
+    assert "--mode=quantized does not make goldens (eager and ggml do)" in capsys.readouterr().err
+
+
+def test_the_ggml_mode_writes_its_own_goldens_on_its_encodings_only(tmp_path, capsys):
+    """q4_k: `ggml_tinyllama_q4_k_golden.json`, producer engine-ggml; a float file has none
+    (the mode computes eager's numbers there): exit 2, naming the encodings it makes."""
+    argv = ["--model=tinyllama", "--mode=ggml", f"--output-dir={tmp_path}"]
+    assert _exit_code([*argv, "--encoding=float32"]) == 2
+    assert "--mode=ggml makes goldens for --encoding in q4_k, q4_1 only" in capsys.readouterr().err
+    assert _exit_code([*argv, "--encoding=q4_k"]) == 0
+    golden = schema.read(tmp_path / "ggml_tinyllama_q4_k_golden.json")
+    assert golden.provenance.producer == "engine-ggml"
+    assert [p.name for p in tmp_path.iterdir()] == ["ggml_tinyllama_q4_k_golden.json"]
 
 
 def test_a_quantized_run_is_marked_and_matches_the_eager_golden_within_tolerance(tmp_path):

@@ -30,6 +30,7 @@ from max_tests.integration.architectures.llama3 import (
     failure_report,
     judge,
 )
+from max_tests.integration.architectures.llama3 import variants as variants_module
 from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV, Variant, variants
 from pipelines.llama3.engine import MODES
 
@@ -60,7 +61,11 @@ def _cases() -> list:
 def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: Path) -> None:
     if variant.path is None:
         pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
-    references = [(*goldens.load(reference, variant), reference) for reference in ("own", "torch")]
+    # the ggml mode on q4_k and q4_1: its own goldens; everything else: own and torch
+    references = [
+        (*goldens.load(reference, variant), reference)
+        for reference in variants_module.references(variant, mode)
+    ]
 
     lane = os.environ.get(LANE_ENV, "all")
     start = time.perf_counter()

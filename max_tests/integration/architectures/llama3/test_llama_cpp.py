@@ -19,7 +19,6 @@ import dataclasses
 import os
 import tempfile
 
-import gguf
 import numpy as np
 import pytest
 
@@ -30,7 +29,6 @@ from goldens.tolerances import NotJudged, tolerance
 from max_tests.integration.architectures.llama3 import checkpoint_mutations, judge
 from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine, judge_engine
 from max_tests.integration.architectures.llama3.variants import variants
-from pipelines.llama3 import ggml_activations
 
 REQUIRE_ENV = "CI_REQUIRE_LLAMA_CPP"
 TINY = {v.encoding: v for v in variants("tinyllama")}
@@ -127,6 +125,48 @@ def test_llama_cpp_differs_by_design_where_its_entry_says_so(encoding, goldens) 
     )
 
 
+def test_llama_cpp_meets_the_ggml_goldens_on_q4_k(goldens, record_property) -> None:
+    """The ggml mode's goldens (llama.cpp's numerics) judge llama.cpp tightly where the float
+    goldens cannot (2.28 apart): within ggml/q4_k/llama_cpp (1e-3) on the short cases,
+    measured 1.9e-5; over every case all rows but one of long_8k too (that one a rounding
+    flip at 8k positions, its entry says)."""
+    variant = TINY["q4_k"]
+    golden, name = goldens.load("ggml", variant)
+    tol = tolerance("ggml", "q4_k", "llama_cpp")
+    with _served(variant.path) as engine:
+        short = judge_engine(engine, golden, name, "ggml", tol, variant, "short")
+        every = judge_engine(engine, golden, name, "ggml", tol, variant, "all")
+    print(f"llama.cpp vs the ggml golden, short cases: {short.summary()}")
+    print(f"llama.cpp vs the ggml golden, every case: {every.summary()}")
+    record_property("llama_cpp_ggml_q4_k_short", f"{short.max_logprob_diff:.3g}")
+    assert not short.failures, short.summary()
+    over = [
+        (report.case_id, check.where)
+        for report in every.reports
+        for check in report.checks
+        if check.max_logprob_diff > tol.logprob_atol
+    ]
+    print(f"rows over {tol.logprob_atol:g} in every case: {over}")
+    assert len(over) <= 1 and all(case == "long_8k" for case, _ in over), over
+
+
+def test_llama_cpp_on_smollm2_is_not_judged_by_the_ggml_golden_and_says_why(goldens) -> None:
+    """SmolLM2 with 8-bit activations is chaotic (ggml/q4_1/cpu's why): llama.cpp stays tenths
+    from the ggml golden, as the entry records; the day it agrees, the entry must be judged."""
+    (variant,) = [v for v in variants("smollm2") if v.encoding == "q4_1"]
+    if variant.path is None:
+        pytest.fail(variant.unavailable_reason)
+    with pytest.raises(NotJudged) as not_judged:
+        tolerance("ggml", "q4_1", "llama_cpp")
+    recorded = float(str(not_judged.value).split("max |Δ log-prob| ")[1].split(",")[0])
+    golden, name = goldens.load("ggml", variant)
+    loose = tolerance("ggml", "q4_1", "cpu")
+    with _served(variant.path) as engine:
+        verdict = judge_engine(engine, golden, name, "ggml", loose, variant, "all")
+    print(f"llama.cpp vs the ggml golden on SmolLM2: {verdict.summary()} (entry: {recorded:g})")
+    assert recorded / 1.5 <= verdict.max_logprob_diff <= recorded * 1.5, verdict.summary()
+
+
 def _distance(engine, reference, case) -> float:
     """Max |Δ log-prob| of `engine` (full rows) over `reference`'s top-k, every step and
     prompt position of `case`."""
@@ -138,29 +178,6 @@ def _distance(engine, reference, case) -> float:
         pairs = zip(top.ids, top.logprobs, strict=True)
         worst = max(worst, max(abs(log_probs[i] - lp) for i, lp in pairs))
     return worst
-
-
-def test_ggml_activations_bring_this_engine_to_llama_cpp_on_q4_k(goldens) -> None:
-    """With Q8_K activations in front of every Q4_K product (ggml_activations), this engine
-    computes what llama.cpp computes on the Q4_K file: measured 1.3e-5 .. 1.75e-5 on the short
-    cases, against 1.54 with float activations. (Long prompts still differ at isolated
-    positions; SmolLM2's Q4_1 does not close yet: ggml_activations' docstring.)"""
-    variant = TINY["q4_k"]
-    golden, _ = goldens.load("own", variant)
-    short = judge.in_lane(golden, variant.model, "short")
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(variant.path).tensors}
-    types.setdefault("output.weight", types["token_embd.weight"])  # the head is tied
-    plain, ggml = ThisEngine(variant), ThisEngine(variant)
-    linears = ggml_activations.model_linears(ggml.engine.model)
-    assert ggml_activations.install(linears, types) == len(linears)
-    with _served(variant.path) as engine:
-        distance = {
-            name: max(_distance(e, engine, case) for case in short.cases)
-            for name, e in (("float activations", plain), ("ggml activations", ggml))
-        }
-    print(f"this engine vs llama.cpp on tiny q4_k, short cases: {distance}")
-    assert distance["ggml activations"] <= 1e-4, distance
-    assert distance["float activations"] > 0.5, distance
 
 
 def test_no_server_is_left_running() -> None:

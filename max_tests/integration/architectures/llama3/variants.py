@@ -23,6 +23,19 @@ from goldens.cli_files import repo_root
 MODELS = ("tinyllama", "smollm2", "llama3_1")
 TINY_ENCODINGS = ("float32", "bfloat16", "q4_k", "nvfp4")
 ENCODINGS = (*TINY_ENCODINGS, "q4_1")  # what evaluate_llama and run_torch_llama accept
+# The encodings whose matrices the ggml mode computes with 8-bit activations (its goldens,
+# reference "ggml"); on the others it computes eager's numbers and is held to eager's goldens.
+GGML_ENCODINGS = ("q4_k", "q4_1")
+
+
+def references(variant: Variant, mode: str) -> tuple[str, ...]:
+    """The goldens `mode` is held to on `variant`: its own (ggml) or the engine's and
+    transformers' (own, torch)."""
+    if mode == "ggml" and variant.encoding in GGML_ENCODINGS:
+        return ("ggml",)
+    return ("own", "torch")
+
+
 LLAMA3_1_ENV = "LLAMA3_1_GGUF"
 TESTDATA_REL = Path("max_tests/integration/architectures/llama3/testdata")
 
