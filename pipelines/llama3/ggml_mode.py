@@ -12,14 +12,16 @@ blocks as the file stores them, in kernels/ggml_dot.c (whose header gives each r
     GgmlRMSNorm      RMSNorm with ggml's double sum of squares
     GgmlFeedForward  SwiGLU with ggml's SiLU (its AVX2 expf algorithm, lane by lane)
     GgmlAttention    rope, cache writes and attention in one call, prefill and decode:
-                     ggml's softmax (expf as above, the sum in double), no torch SDPA
+                     ggml's rotation and softmax (expf as above, the sum in double)
+    rope_tables      ggml's rope angles: float32, multiplied up pair by pair
+    FusedDecode      a decode step through every layer in one kernel call
 
 The rest is the quantized mode's structure (packed.py: the fused q/k/v and gate/up products,
 the embedding lookups). Every kernel build computes the same bits (plain C, AVX2, AVX-512
 VNNI) and nothing in front of a quantizer is left to torch's kernel level, so this mode's
-goldens hold on any x86 CPU. What is not ggml's to the bit: the rope tables (this engine's
-float64 angles; ggml multiplies float32 angles up) and the lane order of the attention's
-dot products; where llama.cpp still differs, docs/goldens.md says ("The ggml mode").
+goldens hold on any x86 CPU. What is not ggml's to the bit: the lane order of the
+attention's float32 dot products; where llama.cpp still differs, docs/goldens.md says
+("The ggml mode").
 
 Float weights (F32, BF16) and NVFP4 stay float, as in the quantized mode: ggml's
 vec_dot_type for F32 is F32, and this mode transcribes no other.

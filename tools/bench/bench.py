@@ -323,7 +323,11 @@ def _print_tokens(sides: list[Side]) -> None:
             print(f"greedy tokens not compared: {side.name} ({side.no_tokens})")
             continue
         same = sum(a == b for a, b in zip(side.tokens, reference.tokens, strict=True))
-        print(f"greedy tokens identical to {reference.name}: {side.name} {same}/{len(side.tokens)}")
+        note = " (llama.cpp's numerics: another program, not a bar)" if side.name == "ggml" else ""
+        print(
+            f"greedy tokens identical to {reference.name}: {side.name} "
+            f"{same}/{len(side.tokens)}{note}"
+        )
 
 
 def _print_bandwidth(
@@ -356,7 +360,9 @@ def _acceptance(sides: dict[str, Side], prompt_tokens: int, new_tokens: int) -> 
             bars.append((ratio >= least, f"{mode}/{peer}: {metric} >= {least}"))
     reference = sides.get("eager")
     for name in MODES:
-        if reference is not None and name in sides and name != "eager":
+        # ggml computes llama.cpp's program (8-bit activations): its tokens may leave eager's
+        # (on SmolLM2 after a few), as llama.cpp's do; its goldens are its own (test_llama)
+        if reference is not None and name in sides and name not in ("eager", "ggml"):
             bars.append((sides[name].tokens == reference.tokens, f"{name} greedy tokens = eager's"))
     return [f"{'PASS' if ok else 'FAIL'} {what}" for ok, what in bars]
 
