@@ -81,7 +81,13 @@ def _parser() -> argparse.ArgumentParser:
         "llama_cpp: a server you started; without it one is started on the checkpoint)",
     )
     p.add_argument("--model", default="", help="the model name the server expects, if any")
-    p.add_argument("--golden", choices=("own", "torch", "both"), default="both")
+    p.add_argument(
+        "--golden",
+        choices=("own", "torch", "both", "ggml"),
+        default="both",
+        help="which goldens: own, torch, both (default), or ggml (the ggml mode's: llama.cpp's "
+        "numerics on the q4_k and q4_1 files)",
+    )
     p.add_argument("--lane", choices=judge.LANES, default="all", help="which cases")
     p.add_argument(
         "--tolerance",
