@@ -95,25 +95,20 @@ class GgmlMatrix:
         return self.blocks.numel()
 
 
-class GgmlLinear(nn.Module):
-    """y = x . W^T as ggml computes it; x float32 [..., cols] on the CPU. `splits` cuts the
-    output into several tensors (a fused gate/up projection)."""
+class GgmlLinear(packed.RowProduct):
+    """y = x . W^T as ggml computes it; x float32 [..., cols] on the CPU (RowProduct)."""
+
+    what = "the ggml mode's products"
 
     def __init__(self, weight: GgmlMatrix, splits: tuple[int, ...] | None = None) -> None:
-        super().__init__()
-        self.weight = weight
-        self.splits = splits
-        self.in_features, self.out_features = weight.cols, weight.rows
+        super().__init__(weight, splits)
         self._lib = kernels()
         self._w = weight.blocks.data_ptr()
         self._row_bytes = self._lib.ggml_act_row_bytes(weight.code, weight.cols)
         self._act = torch.empty(0, dtype=torch.uint8)  # the quantized activations, kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"the ggml mode takes float32 CPU activations, not {x.dtype}")
-        leading = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).contiguous()
+        x, leading = self._rows(x)
         rows = x.shape[0]
         if self._act.numel() < rows * self._row_bytes:
             self._act = torch.empty(rows * self._row_bytes, dtype=torch.uint8)
@@ -130,8 +125,7 @@ class GgmlLinear(nn.Module):
             self._act.data_ptr(),
             threads,
         )
-        y = y.reshape(*leading, self.out_features)
-        return y if self.splits is None else y.split(self.splits, dim=-1)
+        return self._shaped(y, leading)
 
 
 def ggml_linear(parts: list[RawMatrix], splits: tuple[int, ...] | None = None) -> GgmlLinear:

@@ -47,7 +47,7 @@ DEFAULT_ORDER = ("avx2", "portable")  # the first the CPU runs is the default
 GGML_ORDER = ("vnni", "avx2", "portable")  # the ggml mode's (integer products: VNNI first)
 
 _HERE = pathlib.Path(__file__).parent
-SOURCES = (_HERE / "kernels" / "packed_gemm.c", _HERE / "kernels" / "ggml_dot.c")
+SOURCES = tuple(_HERE / "kernels" / name for name in ("packed_gemm.c", "ggml_dot.c", "half.h"))
 # The checkout's Bazel output, for runs outside Bazel (this file is pipelines/llama3/...).
 BAZEL_BIN = _HERE.parents[1] / "bazel-bin" / "pipelines" / "llama3" / "kernels"
 
@@ -132,7 +132,7 @@ def _check_fresh(built: pathlib.Path) -> None:
         return
     digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()
     if stamp.read_text().strip() != digest:
-        names = " and ".join(source.name for source in SOURCES)
+        names = ", ".join(source.name for source in SOURCES)
         raise KernelUnavailable(
             f"{built} was built from other versions of {names}: run `{BUILD_COMMAND}`"
         )

@@ -46,15 +46,35 @@ PARALLEL_BYTES = 1 << 17
 DENSE_ROWS = 64
 
 
-class PackedLinear(nn.Module):
-    """y = x . W^T with W packed; x float32 [..., cols] on the CPU. `splits` cuts the output
-    into several tensors (a fused gate/up projection)."""
+class RowProduct(nn.Module):
+    """y = x . W^T over the rows of float32 CPU activations x [..., cols]: the shapes the
+    quantized and ggml modes' products share (PackedLinear, ggml_mode.GgmlLinear). `splits`
+    cuts the output into several tensors (a fused gate/up projection)."""
 
-    def __init__(self, weight: PackedWeight, splits: tuple[int, ...] | None = None) -> None:
+    what = "packed weights"  # for the error a wrong input gets
+
+    def __init__(self, weight, splits: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.weight = weight
         self.splits = splits
         self.in_features, self.out_features = weight.cols, weight.rows
+
+    def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+        """(x as contiguous rows [n, cols], its leading shape)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"{self.what} take float32 CPU activations, not {x.dtype}")
+        return x.reshape(-1, self.in_features).contiguous(), x.shape[:-1]
+
+    def _shaped(self, y: torch.Tensor, leading: torch.Size):
+        y = y.reshape(*leading, self.out_features)
+        return y if self.splits is None else y.split(self.splits, dim=-1)
+
+
+class PackedLinear(RowProduct):
+    """y = x . W^T with W packed; x float32 [..., cols] on the CPU (RowProduct)."""
+
+    def __init__(self, weight: PackedWeight, splits: tuple[int, ...] | None = None) -> None:
+        super().__init__(weight, splits)
         self._lib = library()
         self._q = weight.q.data_ptr()
         self._scales = weight.scales.data_ptr()
@@ -67,17 +87,13 @@ class PackedLinear(nn.Module):
         return self._sums
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"packed weights take float32 CPU activations, not {x.dtype}")
-        leading = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).contiguous()
+        x, leading = self._rows(x)
         rows = x.shape[0]
         if rows >= DENSE_ROWS:
             # A long prefill: the kernels stream the packed weights once per row, so at M rows
             # they read M times the weights (a 2k-token SmolLM2 prompt took 40 s against 6 s in
             # eager). Dequantized once (bit-identical to eager's weights), BLAS reads them once.
-            y = F.linear(x, dequantize(self.weight)).reshape(*leading, self.out_features)
-            return y if self.splits is None else y.split(self.splits, dim=-1)
+            return self._shaped(F.linear(x, dequantize(self.weight)), leading)
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         # Small products run on one thread: waking the pool costs more than it saves there.
         threads = torch.get_num_threads() if rows * self.weight.nbytes >= PARALLEL_BYTES else 1
@@ -105,8 +121,7 @@ class PackedLinear(nn.Module):
                 y.data_ptr(),
                 threads,
             )
-        y = y.reshape(*leading, self.out_features)
-        return y if self.splits is None else y.split(self.splits, dim=-1)
+        return self._shaped(y, leading)
 
 
 class PackedEmbedding(nn.Module):

@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GGML_SIMD 1
@@ -86,23 +88,7 @@ static inline float h2f(uint16_t h) {
 #if GGML_SIMD
   return _cvtsh_ss(h);
 #else
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-  uint32_t bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {
-    float value = (float)mantissa * 5.9604644775390625e-8f;
-    memcpy(&bits, &value, 4);
-    bits |= sign;
-  }
-  float out;
-  memcpy(&out, &bits, 4);
-  return out;
+  return half_bits_to_float(h);
 #endif
 }
 

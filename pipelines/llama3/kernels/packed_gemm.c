@@ -1,7 +1,8 @@
 /* Matrix products with weights that stay 4-bit or 8-bit: y[M, N] = x[M, K] . W^T, float32.
  *
- * Built and loaded by pipelines/llama3/packed.py (`cc -O3 -march=native -fopenmp -shared`),
- * called through ctypes. AVX-512 where the CPU has it, else AVX2 + FMA, else plain C. Weights are groupwise, 32 values per group along K:
+ * Built by Bazel once per instruction set (kernels/BUILD.bazel), loaded by
+ * pipelines/llama3/kernel_library.py and called through ctypes (packed.py): AVX-512, AVX2 +
+ * FMA, or plain C. Weights are groupwise, 32 values per group along K:
  *
  *   int4: W[n, k] = fma(scale[n, g], q[n, k], offset[n, g])   q in 0..15, g = k / 32
  *         q4[n, g, j] holds q[n, 32g + j] in its low nibble and q[n, 32g + j + 16] in its
@@ -18,6 +19,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "half.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -233,24 +236,7 @@ void q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q8, const float
  * row_bytes is the source row's size in bytes. Every value is converted exactly.
  */
 static float half_to_float(const uint8_t *p) {
-  const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-  uint32_t bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13); /* infinity, NaN */
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else { /* subnormal: value = mantissa * 2^-24, exact in float32 */
-    float value = (float)mantissa * 5.9604644775390625e-8f;
-    memcpy(&bits, &value, 4);
-    bits |= sign;
-  }
-  float out;
-  memcpy(&out, &bits, 4);
-  return out;
+  return half_bits_to_float((uint16_t)(p[0] | (p[1] << 8)));
 }
 
 static const uint8_t *source_row(const uint8_t *blocks, int64_t row_bytes, const int64_t *src_rows,

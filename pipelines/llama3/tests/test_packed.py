@@ -155,9 +155,11 @@ def test_a_missing_or_stale_library_says_how_to_build_it(tmp_path, monkeypatch) 
     source.write_text("int packed_gemm_simd(void) { return 0; }\n")
     other = source.parent / "ggml_dot.c"
     other.write_text("int ggml_dot_isa(void) { return 0; }\n")
+    header = source.parent / "half.h"
+    header.write_text("/* */\n")
     bazel_bin = tmp_path / "bazel-bin" / "pipelines" / "llama3" / "kernels"
     monkeypatch.setattr(kernel_library, "_HERE", source.parent.parent)
-    monkeypatch.setattr(kernel_library, "SOURCES", (source, other))
+    monkeypatch.setattr(kernel_library, "SOURCES", (source, other, header))
     monkeypatch.setattr(kernel_library, "BAZEL_BIN", bazel_bin)
     with pytest.raises(kernel_library.KernelUnavailable) as error:
         kernel_library._locate("portable")
@@ -168,7 +170,8 @@ def test_a_missing_or_stale_library_says_how_to_build_it(tmp_path, monkeypatch) 
     with pytest.raises(kernel_library.KernelUnavailable, match="other versions of packed_gemm"):
         kernel_library._locate("portable")
     (bazel_bin / "kernels.sha256").write_text(
-        hashlib.sha256(source.read_bytes() + other.read_bytes()).hexdigest() + "\n"
+        hashlib.sha256(source.read_bytes() + other.read_bytes() + header.read_bytes()).hexdigest()
+        + "\n"
     )
     assert kernel_library._locate("portable") == bazel_bin / "packed_gemm_portable.so"
     monkeypatch.setenv(kernel_library.DIRECTORY_ENV, str(tmp_path))
