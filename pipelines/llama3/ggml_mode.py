@@ -135,20 +135,11 @@ def ggml_linear(parts: list[RawMatrix], splits: tuple[int, ...] | None = None) -
 class GgmlRMSNorm(packed.KernelRMSNorm):
     """RMSNorm as ggml computes it (kernels/ggml_dot.c: ggml_rms_norm) for float32 CPU rows."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__(dim, eps)
-        self._lib = kernels()
+    kernel = "ggml_rms_norm"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        usable = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
-        if not (usable and x.is_contiguous() and self.weight.is_contiguous()):
-            return super().forward(x)
-        y = torch.empty_like(x)
-        dim = x.shape[-1]
-        self._lib.ggml_rms_norm(
-            x.data_ptr(), self.weight.data_ptr(), x.numel() // dim, dim, self.eps, y.data_ptr()
-        )
-        return y
+    @staticmethod
+    def _library():
+        return kernels()
 
 
 class GgmlFeedForward(packed.PackedFeedForward):

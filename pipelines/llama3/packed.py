@@ -148,9 +148,15 @@ class KernelRMSNorm(RMSNorm):
     rms_norm up to the summation order of the mean of squares.
     """
 
+    kernel = "rms_norm"  # the library's function (ggml_mode.GgmlRMSNorm: ggml_rms_norm)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps)
-        self._lib = library()
+        self._lib = self._library()
+
+    @staticmethod
+    def _library():
+        return library()
 
     @classmethod
     def of(cls, norm: RMSNorm) -> KernelRMSNorm:
@@ -161,11 +167,12 @@ class KernelRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         usable = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
-        if not (usable and x.is_contiguous() and self.weight.is_contiguous()):
+        if not (usable and self.weight.is_contiguous()):
             return super().forward(x)
+        x = x.contiguous()
         y = torch.empty_like(x)
         dim = x.shape[-1]
-        self._lib.rms_norm(
+        getattr(self._lib, self.kernel)(
             x.data_ptr(),
             self.weight.data_ptr(),
             x.numel() // dim,
