@@ -39,7 +39,7 @@ from torch import nn
 
 from pipelines.llama3 import packed
 from pipelines.llama3.kernel_library import GGML_ORDER, library
-from pipelines.llama3.model import precompute_rope, rope_inverse_frequencies
+from pipelines.llama3.model import rope_inverse_frequencies
 from pipelines.llama3.packing import RawMatrix
 
 # kernels/ggml_dot.c's weight codes, and the activations ggml quantizes for each
@@ -55,8 +55,6 @@ VEC_DOT_TYPES = {
     GGMLQuantizationType.Q4_K: "Q8_K",
     GGMLQuantizationType.Q8_0: "Q8_0",
 }
-# Weight bytes x activation rows from which a product uses threads (as packed.PARALLEL_BYTES)
-PARALLEL_BYTES = 1 << 17
 
 
 def kernels():
@@ -107,13 +105,11 @@ class GgmlLinear(packed.RowProduct):
         self._row_bytes = self._lib.ggml_act_row_bytes(weight.code, weight.cols)
         self._act = torch.empty(0, dtype=torch.uint8)  # the quantized activations, kept
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        x, leading = self._rows(x)
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self._act.numel() < rows * self._row_bytes:
             self._act = torch.empty(rows * self._row_bytes, dtype=torch.uint8)
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        threads = torch.get_num_threads() if rows * self.weight.nbytes >= PARALLEL_BYTES else 1
         self._lib.ggml_gemm(
             self.weight.code,
             x.data_ptr(),
@@ -123,9 +119,9 @@ class GgmlLinear(packed.RowProduct):
             self.out_features,
             y.data_ptr(),
             self._act.data_ptr(),
-            threads,
+            self._threads(rows),
         )
-        return self._shaped(y, leading)
+        return y
 
 
 def ggml_linear(parts: list[RawMatrix], splits: tuple[int, ...] | None = None) -> GgmlLinear:
@@ -150,13 +146,8 @@ class GgmlFeedForward(packed.PackedFeedForward):
         self._lib = kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w13 = self.w13
-        splits, w13.splits = w13.splits, None
-        try:
-            gate_up = w13(x)  # [..., 2 * hidden], gate then up
-        finally:
-            w13.splits = splits
-        hidden = splits[0]
+        gate_up = self.w13.unsplit(x)  # [..., 2 * hidden], gate then up
+        hidden = self.w13.splits[0]
         leading = gate_up.shape[:-1]
         out = torch.empty(*leading, hidden, dtype=torch.float32)
         self._lib.ggml_swiglu_rows(
@@ -173,9 +164,7 @@ def rope_tables(
     the file (or the ones Llama 3.1's scaling implies), libm's cosf and sinf. model.py's
     tables compute each angle once in float32 from float64-free inverse frequencies; at 8k
     positions the two differ by up to 5e-4 in an angle, which llama.cpp's numbers follow."""
-    if device.type != "cpu":
-        return precompute_rope(config, max_seq_len, device)
-    factors = None
+    factors = None  # the mode runs on the CPU only (engine.from_gguf keeps no raw blocks else)
     if config.rope_freq_factors is not None:
         factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     elif config.rope_scaling_type is not None:
@@ -207,10 +196,6 @@ class GgmlAttention(packed.PackedAttention):
     def __init__(self, config, wqkv: GgmlLinear, wo: nn.Module) -> None:
         super().__init__(config, wqkv, wo)
         self._lib = kernels()
-
-    @classmethod
-    def of(cls, attention: packed.PackedAttention, config) -> GgmlAttention:
-        return cls(config, attention.wqkv, attention.wo)
 
     def forward(self, x, start_pos, cos, sin, mask):
         bsz, seqlen, _ = x.shape
@@ -330,11 +315,13 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
     if unknown:
         raise ValueError(f"the ggml mode has no products for {', '.join(unknown)} weights")
     packed.install(
-        model, matrices, linear=ggml_linear, norm=GgmlRMSNorm, feed_forward=GgmlFeedForward
+        model,
+        matrices,
+        linear=ggml_linear,
+        norm=GgmlRMSNorm,
+        feed_forward=GgmlFeedForward,
+        attention=GgmlAttention,
     )
-    for layer in model.layers:
-        if isinstance(layer.attention, packed.PackedAttention):
-            layer.attention = GgmlAttention.of(layer.attention, model.config)
     model.rope_tables = rope_tables
     if FusedDecode.applies(model):
         model.decode_layers = FusedDecode(model)

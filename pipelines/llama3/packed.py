@@ -47,9 +47,10 @@ DENSE_ROWS = 64
 
 
 class RowProduct(nn.Module):
-    """y = x . W^T over the rows of float32 CPU activations x [..., cols]: the shapes the
-    quantized and ggml modes' products share (PackedLinear, ggml_mode.GgmlLinear). `splits`
-    cuts the output into several tensors (a fused gate/up projection)."""
+    """y = x . W^T over the rows of float32 CPU activations x [..., cols]: the shapes and the
+    thread choice the quantized and ggml modes' products share (PackedLinear,
+    ggml_mode.GgmlLinear), each computing `_product` of the rows. `splits` cuts the output
+    into several tensors (a fused gate/up projection); `unsplit` leaves it whole."""
 
     what = "packed weights"  # for the error a wrong input gets
 
@@ -59,14 +60,23 @@ class RowProduct(nn.Module):
         self.splits = splits
         self.in_features, self.out_features = weight.cols, weight.rows
 
-    def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
-        """(x as contiguous rows [n, cols], its leading shape)."""
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, out] of contiguous float32 rows x [rows, cols]."""
+        raise NotImplementedError
+
+    def _threads(self, rows: int) -> int:
+        # Small products run on one thread: waking the pool costs more than it saves there.
+        return torch.get_num_threads() if rows * self.weight.nbytes >= PARALLEL_BYTES else 1
+
+    def unsplit(self, x: torch.Tensor) -> torch.Tensor:
+        """The product [..., out], whatever `splits` says."""
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(f"{self.what} take float32 CPU activations, not {x.dtype}")
-        return x.reshape(-1, self.in_features).contiguous(), x.shape[:-1]
+        y = self._product(x.reshape(-1, self.in_features).contiguous())
+        return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _shaped(self, y: torch.Tensor, leading: torch.Size):
-        y = y.reshape(*leading, self.out_features)
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        y = self.unsplit(x)
         return y if self.splits is None else y.split(self.splits, dim=-1)
 
 
@@ -86,17 +96,15 @@ class PackedLinear(RowProduct):
             self._sums = torch.empty(size, dtype=torch.float32)
         return self._sums
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        x, leading = self._rows(x)
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows >= DENSE_ROWS:
             # A long prefill: the kernels stream the packed weights once per row, so at M rows
             # they read M times the weights (a 2k-token SmolLM2 prompt took 40 s against 6 s in
             # eager). Dequantized once (bit-identical to eager's weights), BLAS reads them once.
-            return self._shaped(F.linear(x, dequantize(self.weight)), leading)
+            return F.linear(x, dequantize(self.weight))
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        # Small products run on one thread: waking the pool costs more than it saves there.
-        threads = torch.get_num_threads() if rows * self.weight.nbytes >= PARALLEL_BYTES else 1
+        threads = self._threads(rows)
         if self.weight.kind == "int4":
             sums = self._scratch(rows * (self.in_features // GROUP))
             self._lib.q4_gemm(
@@ -121,7 +129,7 @@ class PackedLinear(RowProduct):
                 y.data_ptr(),
                 threads,
             )
-        return self._shaped(y, leading)
+        return y
 
 
 class PackedEmbedding(nn.Module):
@@ -347,11 +355,12 @@ def install(
     linear=packed_linear,
     norm=None,
     feed_forward=None,
+    attention=None,
 ) -> None:
     """Put `matrices` (parameter name -> RawMatrix) into a Transformer whose other
     parameters are loaded, each product made by `linear(parts, splits=None)`
-    (`packed_linear`: the quantized mode; ggml_mode.py passes its own, with its own `norm`
-    and `feed_forward` classes).
+    (`packed_linear`: the quantized mode; ggml_mode.py passes its own, with its own `norm`,
+    `feed_forward` and `attention` classes).
 
     A layer's attention becomes a PackedAttention (wq/wk/wv fused into `wqkv`) and its
     feed-forward a PackedFeedForward (w1/w3 into `w13`) when all their parts are packable
@@ -363,6 +372,7 @@ def install(
     config = model.config
     norm = norm or KernelRMSNorm
     feed_forward_class = feed_forward or PackedFeedForward
+    attention_class = attention or PackedAttention
     float_norms = (
         model.norm.weight.dtype == torch.float32 and model.norm.weight.device.type == "cpu"
     )
@@ -376,7 +386,7 @@ def install(
         qkv = _fusable(matrices, [f"{attention}.{p}.weight" for p in ("wq", "wk", "wv")])
         if qkv is not None:
             wqkv = linear(qkv)  # one tensor: the attention splits it
-            layer.attention = PackedAttention(config, wqkv, layer.attention.wo)
+            layer.attention = attention_class(config, wqkv, layer.attention.wo)
         else:
             _pack_each(layer.attention, attention, ("wq", "wk", "wv"), matrices, linear)
         gate_up = _fusable(matrices, [f"{ffn}.{p}.weight" for p in ("w1", "w3")])

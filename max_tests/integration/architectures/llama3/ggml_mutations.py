@@ -27,11 +27,7 @@ def _float_activations(engine: Llama3Engine) -> None:
                 matrix.blocks.numpy().reshape(-1), matrix.qtype, (matrix.rows, matrix.cols)
             )
 
-            def forward(x, dense=dense, module=module):
-                y = F.linear(x, dense)
-                return y if module.splits is None else y.split(module.splits, dim=-1)
-
-            module.forward = forward
+            module._product = lambda x, dense=dense: F.linear(x, dense)
 
 
 def _model_rope(engine: Llama3Engine) -> None:
