@@ -10,6 +10,7 @@ of the matrix (tolerance entry x mutation: the failing metric and first failing 
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from goldens import compare, diff, schema
+from goldens.record import case_specs
 from goldens.tolerances import entries, tolerance
 from max_tests.integration.architectures.llama3 import (
     diagnosis,
@@ -44,21 +46,92 @@ def _cell(verdict: judge.Verdict) -> str:
     of the first failing case, or PASS."""
     for report in verdict.reports:
         if report.status == compare.FAIL:
-            check = report.first_failing_check
-            if not report.input_ids_match or check is None:
-                where = ""
-            elif check.in_prompt:
-                where = f"@p{check.position}"
-            else:
-                where = f"@{check.step}"
-            return f"{report.failing_metrics[0]}{where}"
+            return _failing_cell(report)
     return "PASS" if not verdict.failures else "cases"
+
+
+def _failing_cell(report: compare.CaseReport) -> str:
+    check = report.first_failing_check
+    if not report.input_ids_match or check is None:
+        where = ""
+    elif check.in_prompt:
+        where = f"@p{check.position}"
+    else:
+        where = f"@{check.step}"
+    return f"{report.failing_metrics[0]}{where}"
+
+
+# One engine and one memo of forced runs per (checkpoint, mutation) for the whole module: the
+# matrix's runs are the later tests' runs (the unmutated float32 engine, norm_eps, kv_position),
+# never computed twice. A mutation patches its own engine only (mutations.load).
+_ENGINES: dict[tuple[str, str | None], tuple[object, dict]] = {}
+
+
+def _engine(variant: Variant, mutation: mutations.Mutation | None):
+    key = (variant.test_id, mutation.name if mutation else None)
+    if key not in _ENGINES:
+        _ENGINES[key] = (mutations.load(variant, mutation), {})
+    return _ENGINES[key]
+
+
+def _column(engine, memo, golden_of, tolerances, variant, run_everything: bool):
+    """One mutation's cells, stopping when it has its answer: cases run one at a time in the
+    golden's order (short before long), each entry's verdict settled at its first failing case
+    (the `all` cell) and at its first failing short case or the end of the short cases (the
+    `short` cell). An entry that every case lets through has run every case, and so has the
+    unmutated engine (`run_everything`): those cells are the full lane verdicts.
+
+    Returns {entry: (short cell, all cell, full "all" verdict or None)} and the cases run."""
+    long_ids = {spec.id for spec in case_specs(variant.model) if spec.long}
+    cells: dict[str, list] = {tol.key: [None, None] for tol in tolerances}
+    runs: dict[str, list] = {ref: [] for ref in golden_of}
+    ran = 0
+    for ref, (golden, _) in golden_of.items():
+        entries_here = [tol for tol in tolerances if tol.reference == ref]
+        for index, case in enumerate(golden.cases):
+            pending = [t for t in entries_here if None in cells[t.key]]
+            if not pending and not run_everything:
+                break
+            key = (case.prompt, tuple(case.token_ids), len(case.steps[0].topk_ids))
+            ran += (*key, tuple(case.positions)) not in memo
+            (run,) = engine_runs.forced_runs(engine, dataclasses.replace(golden, cases=[case]), memo)
+            runs[ref].append(run)
+            prompt_rows = dict(zip(run.positions, run.prompt_logits, strict=True)) if run.positions else {}
+            for tol in pending:
+                report = compare.compare_case(
+                    case, run.input_ids, run.tokens, run.logits, tol, prompt_rows
+                )
+                if report.status == compare.FAIL:
+                    settled = cells[tol.key]
+                    settled[1] = settled[1] or _failing_cell(report)
+                    if case.id not in long_ids:
+                        settled[0] = settled[0] or _failing_cell(report)
+            if all(c.id in long_ids for c in golden.cases[index + 1 :]):
+                for tol in entries_here:  # every short case seen: no failing one is a PASS
+                    cells[tol.key][0] = cells[tol.key][0] or "PASS"
+    result = {}
+    for tol in tolerances:
+        short, every = cells[tol.key]
+        if every is not None and short is not None and not run_everything:
+            result[tol.key] = (short, every, None)
+            continue
+        golden, name = golden_of[tol.reference]
+        verdicts = {
+            lane: judge.compare_runs(
+                runs[tol.reference], golden, name, tol.reference, tol, variant, str, lane=lane
+            )
+            for lane in ("short", "all")
+        }
+        result[tol.key] = (_cell(verdicts["short"]), _cell(verdicts["all"]), verdicts["all"])
+    return result, ran
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) -> None:
     """Each cell is `short lane / all cases`: a mutation must fail with all cases (short and
-    long) under every entry; the short column shows which bugs only the long cases catch."""
+    long) under every entry; the short column shows which bugs only the long cases catch. A
+    mutation runs the long cases only where every short case let it through (the cells are
+    the same either way: the first failing check of the first failing case)."""
     variant = _variant(encoding)
     if variant.path is None:
         pytest.fail(f"the mutation matrix needs {variant.unavailable_reason}")
@@ -66,27 +139,22 @@ def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) 
     keys = [tol.key for tol in tolerances]
     golden_of = {ref: goldens.load(ref, variant) for ref in ("own", "torch")}
     last_position = min(golden.last_position for golden, _ in golden_of.values())
-    config = mutations.load(variant, None).config
+    config = _engine(variant, None)[0].config
     applicable = [m for m in mutations.MUTATIONS if m.applies_to(config, last_position)]
     matrix: dict[tuple[str, str], str] = {}
     numbers: dict[tuple[str, str], str] = {}
     failed_all: dict[tuple[str, str], bool] = {}
+    ran: dict[str, int] = {}
     for mutation in [None, *applicable]:
-        engine = mutations.load(variant, mutation)
-        memo: dict = {}  # the own and torch goldens mostly hold the same token sequences
-        runs = {ref: engine_runs.forced_runs(engine, g, memo) for ref, (g, _) in golden_of.items()}
+        engine, memo = _engine(variant, mutation)
         column = mutation.name if mutation else "unmutated"
-        for tol in tolerances:
-            golden, name = golden_of[tol.reference]
-            verdicts = {
-                lane: judge.compare_runs(
-                    runs[tol.reference], golden, name, tol.reference, tol, variant, str, lane=lane
-                )
-                for lane in ("short", "all")
-            }
-            matrix[tol.key, column] = " / ".join(_cell(v) for v in verdicts.values())
-            numbers[tol.key, column] = verdicts["all"].summary()
-            failed_all[tol.key, column] = bool(verdicts["all"].failures)
+        cells, ran[column] = _column(
+            engine, memo, golden_of, tolerances, variant, run_everything=mutation is None
+        )
+        for key, (short, every, verdict) in cells.items():
+            matrix[key, column] = f"{short} / {every}"
+            numbers[key, column] = verdict.summary() if verdict else every
+            failed_all[key, column] = every != "PASS"
 
     columns = ["unmutated", *(m.name for m in applicable)]
     skipped = [m.name for m in mutations.MUTATIONS if m not in applicable]
@@ -99,6 +167,10 @@ def test_every_tolerance_catches_every_mutation(encoding: str, goldens, capsys) 
         for column in columns:
             print(f"  {column:<22}" + "".join(f"{matrix[k, column]:>34}" for k in keys))
         print(f"  {'':<22}" + "".join(f"{k:>34}" for k in keys))
+        print(
+            f"  engine runs (case x golden token sequence): {sum(ran.values())}, per column "
+            + ", ".join(f"{c} {ran[c]}" for c in columns)
+        )
     let_through = [
         f"{key} lets {m} through: {numbers[key, m]}"
         for key in keys
@@ -119,12 +191,14 @@ def test_a_kv_cache_mutation_first_fails_at_the_first_decode_step(goldens) -> No
     golden, name = goldens.load("own", variant)
     mutation = mutations.BY_NAME["kv_position"]
     tol = tolerance("own", "float32", "cpu")
-    verdict = judge.check(mutations.load(variant, mutation), golden, name, "own", tol, variant)
+    engine, memo = _engine(variant, mutation)
+    verdict = judge.check(engine, golden, name, "own", tol, variant, memo=memo)
     assert [r.first_failing.step for r in verdict.reports] == [1] * len(verdict.reports)
     # Step 0 (prefill) is the unmutated engine's, bit for bit: the same distance to the golden.
     # (Not ~0: the golden was made at the machine's thread count, tests run on one thread,
     # and float32 sums round differently.)
-    unmutated = judge.check(mutations.load(variant, None), golden, name, "own", tol, variant)
+    plain_engine, plain_memo = _engine(variant, None)
+    unmutated = judge.check(plain_engine, golden, name, "own", tol, variant, memo=plain_memo)
     for mutated, plain in zip(verdict.reports, unmutated.reports, strict=True):
         assert mutated.steps[0].max_logprob_diff == plain.steps[0].max_logprob_diff
         assert mutated.steps[0].kl == plain.steps[0].kl
@@ -137,8 +211,8 @@ def test_a_failing_golden_keeps_its_run_as_a_golden_file(goldens, tmp_path: Path
     variant = _variant("float32")
     golden, name = goldens.load("own", variant)
     tol = tolerance("own", "float32", "cpu")
-    engine = mutations.load(variant, mutations.BY_NAME["norm_eps"])
-    verdict = judge.check(engine, golden, name, "own", tol, variant)
+    engine, memo = _engine(variant, mutations.BY_NAME["norm_eps"])
+    verdict = judge.check(engine, golden, name, "own", tol, variant, memo=memo)
     failures = failure_report.failures_with_report(
         verdict,
         golden,
@@ -156,7 +230,8 @@ def test_a_failing_golden_keeps_its_run_as_a_golden_file(goldens, tmp_path: Path
         assert case.token_ids == [int(row.argmax()) for row in forced.logits]
     klass, _ = diff.file_class(diff.diff_file(name.file_name, _lenient(golden), _lenient(run)))
     assert klass in ("over tolerance", "tokens changed")
-    unmutated = judge.check(mutations.load(variant, None), golden, name, "own", tol, variant)
+    plain_engine, plain_memo = _engine(variant, None)
+    unmutated = judge.check(plain_engine, golden, name, "own", tol, variant, memo=plain_memo)
     assert (
         failure_report.failures_with_report(
             unmutated, golden, str, tmp_path / "pass", "x", run_of=(variant, engine, "eager")
@@ -176,8 +251,8 @@ def test_a_norm_eps_mutation_fails_naming_its_html_report(goldens, tmp_path: Pat
     variant = _variant("float32")
     golden, name = goldens.load("own", variant)
     tol = tolerance("own", "float32", "cpu")
-    engine = mutations.load(variant, mutations.BY_NAME["norm_eps"])
-    verdict = judge.check(engine, golden, name, "own", tol, variant)
+    engine, memo = _engine(variant, mutations.BY_NAME["norm_eps"])
+    verdict = judge.check(engine, golden, name, "own", tol, variant, memo=memo)
     directory = failure_report.report_directory(tmp_path)  # kept by Bazel: test.outputs
     failures = failure_report.failures_with_report(
         verdict, golden, engine.tokenizer.decode, directory, variant.test_id
@@ -272,8 +347,8 @@ def test_a_failure_against_torch_names_the_first_diverging_layer(goldens, tmp_pa
     variant = _variant("float32")
     golden, name = goldens.load("torch", variant)
     tol = tolerance("torch", "float32", "cpu")
-    engine = mutations.load(variant, mutations.BY_NAME["norm_eps"])
-    verdict = judge.check(engine, golden, name, "torch", tol, variant)
+    engine, memo = _engine(variant, mutations.BY_NAME["norm_eps"])
+    verdict = judge.check(engine, golden, name, "torch", tol, variant, memo=memo)
     layer = diagnosis.diverging_layer(engine, variant, golden, verdict)
     assert layer is not None and layer[0] == verdict.reports[0].case_id
     assert layer[1].startswith("first diverging layer: layer 0, attention norm (")
