@@ -94,9 +94,13 @@ def _column(engine, memo, golden_of, tolerances, variant, run_everything: bool):
                 break
             key = (case.prompt, tuple(case.token_ids), len(case.steps[0].topk_ids))
             ran += (*key, tuple(case.positions)) not in memo
-            (run,) = engine_runs.forced_runs(engine, dataclasses.replace(golden, cases=[case]), memo)
+            (run,) = engine_runs.forced_runs(
+                engine, dataclasses.replace(golden, cases=[case]), memo
+            )
             runs[ref].append(run)
-            prompt_rows = dict(zip(run.positions, run.prompt_logits, strict=True)) if run.positions else {}
+            prompt_rows = (
+                dict(zip(run.positions, run.prompt_logits, strict=True)) if run.positions else {}
+            )
             for tol in pending:
                 report = compare.compare_case(
                     case, run.input_ids, run.tokens, run.logits, tol, prompt_rows
