@@ -17,8 +17,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
+from testing import gguf_reader
 from tools.gen_tiny_model.tests.llama_cpp_reference import ReferenceLlama
 from tools.gen_tiny_model.tiny_llama import TinyLlamaConfig
+
+# gguf-py's reader and transformers' GGUF loader opened 4x faster (testing/gguf_reader.py)
+gguf_reader.install()
 
 TESTDATA = Path("max_tests/integration/architectures/llama3/testdata")
 # Prompts of the checkpoints' own check, deliberately not cases.yaml's: the golden prompts'
