@@ -15,7 +15,7 @@ filler of up to 5000 positions), and checks three properties:
 - every logit is finite, from `forward_logits` and `generate` alike.
 
 Each property runs FUZZ_EXAMPLES (25) examples; a planted run stops at its first failing
-example, unshrunk (testing/fuzz.py): the file took 101 s on the 2-core Xeon while they shrank, 16 s now.
+example, unshrunk (testing/fuzz.py): 16 s for the file on the 2-core Xeon (101 s shrinking).
 The runs use testing/fuzz.py's settings: deterministic (derandomize=True, no example
 database), so CI sees the same examples every time; on a failure hypothesis prints the falsifying
 example and a `@reproduce_failure(...)` line (print_blob=True) that replays exactly that example.
