@@ -25,6 +25,13 @@ source tree first on the path), never runs them: their own targets do.
 
 Without a selection an empty target fails with 5, as pytest says.
 
+Sharding (`shard_count` on the target): Bazel's TEST_TOTAL_SHARDS and TEST_SHARD_INDEX split
+the selected tests round-robin in collection order, or in contiguous runs with
+PYTEST_SHARDS=contiguous in the target's env (tests that share per-process state in order,
+e.g. one engine per checkpoint, keep it); each shard runs its share in a process of its own,
+and the runner touches TEST_SHARD_STATUS_FILE to say it shards. A shard left with no
+test while the selection holds some passes with the skipped case saying so.
+
 The check is scoped to the package: give a selection to the target that holds the test (the
 README's one-case commands do), or to a suite of its package's targets, not to `//...`, where
 packages without a match fail.
@@ -79,6 +86,42 @@ class _Collected:
         self.selected = list(session.items)
 
 
+class _Shard:
+    """A pytest plugin keeping this shard's share of the selected tests (module docstring)."""
+
+    def __init__(self, total: int, index: int, contiguous: bool) -> None:
+        self.total, self.index, self.contiguous = total, index, contiguous
+        self.selected_before = 0  # tests the selection holds, over every shard
+
+    def _shard_of(self, position: int, count: int) -> int:
+        if self.contiguous:
+            return position * self.total // count
+        return position % self.total
+
+    @pytest.hookimpl(trylast=True)  # after -k/-m deselect
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
+        self.selected_before = len(items)
+        count = len(items)
+        mine = [item for i, item in enumerate(items) if self._shard_of(i, count) == self.index]
+        others = [item for i, item in enumerate(items) if self._shard_of(i, count) != self.index]
+        if others:
+            config.hook.pytest_deselected(items=others)
+        items[:] = mine
+
+
+def _shard() -> _Shard | None:
+    total = int(os.environ.get("TEST_TOTAL_SHARDS", "1") or 1)
+    if total <= 1:
+        return None
+    status = os.environ.get("TEST_SHARD_STATUS_FILE")
+    if status:
+        Path(status).touch()
+    order = os.environ.get("PYTEST_SHARDS", "round_robin")
+    if order not in ("round_robin", "contiguous"):
+        raise SystemExit(f"pytest_runner: PYTEST_SHARDS={order!r}: round_robin or contiguous")
+    return _Shard(total, int(os.environ.get("TEST_SHARD_INDEX", "0")), order == "contiguous")
+
+
 class _FrozenImports:
     """A pytest plugin moving what collection imported out of the garbage collector's sight.
 
@@ -104,9 +147,20 @@ def main() -> int:
         args += ["-k", test_filter]
     user_args = sys.argv[1:]
     own = _Collected()
-    code = pytest.main(args + user_args, plugins=[own, _FrozenImports()])
+    shard = _shard()
+    plugins = [own, _FrozenImports()] + ([shard] if shard else [])
+    code = pytest.main(args + user_args, plugins=plugins)
     if code != pytest.ExitCode.NO_TESTS_COLLECTED:
         return code
+    if shard is not None and shard.selected_before:
+        message = (
+            f"shard {shard.index + 1} of {shard.total} holds none of the "
+            f"{shard.selected_before} selected tests: the other shards ran them"
+        )
+        print(f"pytest_runner: {message}")
+        if xml:
+            _write_skipped_case(xml, message)
+        return pytest.ExitCode.OK
     if not own.selection_pairs():
         print(
             "pytest_runner: this target collected no test and has no -k/-m selection; "

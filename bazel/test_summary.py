@@ -4,8 +4,9 @@ Every pytest_test writes JUnit XML (test.xml); golden tests add an `ambiguous_st
 property per test (steps where the greedy token swapped at a near-tie and every number
 passed) and a `headroom` property per tolerance entry it checked (`ENTRY|SHARE|TEST|WHERE|METRIC`:
 the worst metric as a share of the entry's threshold). Prints `tests: N passed, N failed, N
-skipped, N ambiguous steps`, then the three entries closest to their thresholds; exit 1 when
-no test ran at all, so a CI that ran nothing is never green.
+skipped, N ambiguous steps, N golden checks` (`golden_checks` properties: every step and
+prompt position the judge lanes compared), then the three entries closest to their
+thresholds; exit 1 when no test ran at all, so a CI that ran nothing is never green.
 
   python3 -m bazel.test_summary "$(./bazelw info bazel-testlogs)"
 """
@@ -17,12 +18,24 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 
+def reports(testlogs: Path) -> list[Path]:
+    """Every target's JUnit XML once: a sharded target's `shard_N_of_M/test.xml` files are
+    left out where Bazel wrote their merge beside them (its `test.xml`)."""
+    found = []
+    for xml in sorted(testlogs.rglob("test.xml")):
+        shard = xml.parent.name.startswith("shard_") and "_of_" in xml.parent.name
+        if shard and (xml.parent.parent / "test.xml").is_file():
+            continue
+        found.append(xml)
+    return found
+
+
 def closest(testlogs: Path, count: int = 3) -> list[str]:
     """The `count` tolerance entries whose worst check came closest to the threshold, each
     with its share, test and place: `own/float32/cpu 35% (tiny-float32-llama3_1, long_8k,
     prompt position 4097, logprob)`."""
     worst: dict[str, tuple[float, str]] = {}
-    for xml in sorted(testlogs.rglob("test.xml")):
+    for xml in reports(testlogs):
         for prop in ET.parse(xml).getroot().iter("property"):
             if prop.get("name") != "headroom":
                 continue
@@ -34,8 +47,8 @@ def closest(testlogs: Path, count: int = 3) -> list[str]:
 
 
 def summarize(testlogs: Path) -> dict[str, int]:
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "ambiguous": 0}
-    for xml in sorted(testlogs.rglob("test.xml")):
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "ambiguous": 0, "checks": 0}
+    for xml in reports(testlogs):
         for case in ET.parse(xml).getroot().iter("testcase"):
             if case.find("skipped") is not None:
                 counts["skipped"] += 1
@@ -46,6 +59,8 @@ def summarize(testlogs: Path) -> dict[str, int]:
             for prop in case.iter("property"):
                 if prop.get("name") == "ambiguous_steps":
                     counts["ambiguous"] += int(prop.get("value", "0"))
+                elif prop.get("name") == "golden_checks":
+                    counts["checks"] += int(prop.get("value", "0"))
     return counts
 
 
@@ -56,7 +71,8 @@ def main(argv: list[str]) -> int:
     c = summarize(Path(argv[0]))
     print(
         f"tests: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, "
-        f"{c['ambiguous']} ambiguous steps"
+        f"{c['ambiguous']} ambiguous steps, {c['checks']} golden checks (steps and prompt "
+        "positions compared by the judge lanes)"
     )
     nearest = closest(Path(argv[0]))
     if nearest:

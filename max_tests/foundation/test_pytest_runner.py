@@ -182,3 +182,41 @@ def test_without_a_source_tree_the_selection_is_not_checked_and_says_so(project)
     assert "no source tree here to check it" in result.stdout
     [(_, message)] = _cases(project)
     assert "none of this target's tests ran" in message
+
+
+def _shard_env(project, index: int, total: int = 2) -> dict:
+    status = project.parent / f"shard_status_{index}"
+    return {
+        "TEST_TOTAL_SHARDS": str(total),
+        "TEST_SHARD_INDEX": str(index),
+        "TEST_SHARD_STATUS_FILE": str(status),
+    }
+
+
+def test_shards_split_the_selected_tests_and_together_run_each_once(project):
+    (project / "test_many.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('n', range(5))\ndef test_n(n):\n    pass\n"
+    )
+    ran = []
+    for index in (0, 1):
+        result = _run(project, "test_many.py", "-v", env=_shard_env(project, index))
+        assert result.returncode == 0, result.stdout
+        assert (project.parent / f"shard_status_{index}").exists()  # tells Bazel it shards
+        ran.append(sorted(name for name, skipped in _cases(project) if skipped is None))
+    assert ran == [["test_n[0]", "test_n[2]", "test_n[4]"], ["test_n[1]", "test_n[3]"]]
+    contiguous = []
+    for index in (0, 1):
+        env = _shard_env(project, index) | {"PYTEST_SHARDS": "contiguous"}
+        assert _run(project, "test_many.py", env=env).returncode == 0
+        contiguous.append(sorted(name for name, skipped in _cases(project) if skipped is None))
+    assert contiguous == [["test_n[0]", "test_n[1]", "test_n[2]"], ["test_n[3]", "test_n[4]"]]
+
+
+def test_a_shard_left_without_a_test_passes_saying_so(project):
+    result = _run(project, "test_llama.py", "-k", RIGHT, env=_shard_env(project, 1))
+    assert result.returncode == 0, result.stdout
+    [(name, message)] = _cases(project)
+    assert "shard 2 of 2 holds none of the 1 selected tests" in message
+    # a selection matching nothing still fails, sharded or not
+    result = _run(project, "test_llama.py", "-k", TYPO, env=_shard_env(project, 0))
+    assert result.returncode == 5

@@ -11,7 +11,8 @@ spec.loader.exec_module(test_summary)
 XML = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="4">
  <testcase name="test_llama[tiny-float32-llama3_1]">
-  <properties><property name="ambiguous_steps" value="2"/></properties>
+  <properties><property name="ambiguous_steps" value="2"/>
+   <property name="golden_checks" value="120"/></properties>
  </testcase>
  <testcase name="test_llama[real-unknown-llama3_1]"><skipped message="no file"/></testcase>
  <testcase name="test_llama[tiny-q4_k-llama3_1]">
@@ -30,9 +31,12 @@ def test_counts_passed_failed_skipped_and_ambiguous_steps(tmp_path, capsys):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "test.xml").write_text(XML.replace('value="2"', 'value="0"'))
     counts = test_summary.summarize(tmp_path)
-    assert counts == {"passed": 4, "failed": 2, "skipped": 2, "ambiguous": 4}
+    assert counts == {"passed": 4, "failed": 2, "skipped": 2, "ambiguous": 4, "checks": 240}
     assert test_summary.main([str(tmp_path)]) == 0
-    assert capsys.readouterr().out == "tests: 4 passed, 2 failed, 2 skipped, 4 ambiguous steps\n"
+    assert capsys.readouterr().out == (
+        "tests: 4 passed, 2 failed, 2 skipped, 4 ambiguous steps, 240 golden checks (steps and "
+        "prompt positions compared by the judge lanes)\n"
+    )
 
 
 def test_no_test_run_at_all_is_an_error(tmp_path):
@@ -66,3 +70,14 @@ def test_the_three_entries_closest_to_their_thresholds_are_named(tmp_path, capsy
     assert test_summary.main([str(tmp_path)]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("closest to tolerance: own/bfloat16/cpu 95% (tiny-bfloat16-llama3_1")
+
+
+def test_a_sharded_target_counts_once(tmp_path):
+    """Bazel writes each shard's XML and their merge: only the merge is counted."""
+    target = tmp_path / "test_llama_serving"
+    for shard in ("shard_1_of_2", "shard_2_of_2"):
+        (target / shard).mkdir(parents=True)
+        (target / shard / "test.xml").write_text(XML)
+    assert test_summary.summarize(tmp_path)["passed"] == 4  # no merge: the shards count
+    (target / "test.xml").write_text(XML)
+    assert test_summary.summarize(tmp_path)["passed"] == 2

@@ -83,6 +83,7 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
     # .ci/run adds these up from the JUnit XML into its closing line, and names the three
     # entries closest to their thresholds (bazel/test_summary.py).
     record_property("ambiguous_steps", sum(v.ambiguous_steps for v in verdicts))
+    record_property("golden_checks", sum(v.steps + v.prompt_positions for v in verdicts))
     for verdict in verdicts:
         share, metric, where = verdict.headroom()
         test_id = _case_id(variant, mode)

@@ -17,6 +17,7 @@ cases (`Llama3Engine.generate`) is printed and recorded as the JUnit property
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from max_tests.integration.architectures.llama3 import (
     scenarios,
 )
 from max_tests.integration.architectures.llama3.variants import Variant, variants
+from pipelines.llama3.serving import ServingEngine
 
 VARIANTS = variants()
 MODES = ("eager", "quantized")
@@ -81,6 +83,36 @@ def _served(engine, served_memo: dict, golden, serving) -> scenarios.Served:
     return served_memo[key]
 
 
+# Where the docs state batch invariance as bitwise (README, the serving lane's row): the
+# quantized mode's Q4_1 and Q4_K checkpoints in a ragged batch and over paged blocks, short
+# cases (whole prompts at once; a chunked prefill sums in another order).
+BITWISE = {
+    ("quantized", encoding, scenario, "short")
+    for encoding in ("q4_1", "q4_k")
+    for scenario in ("batch", "paged")
+}
+
+
+def not_bitwise(mode: str, encoding: str, scenario: str, lane: str, delta: float) -> list[str]:
+    if (mode, encoding, scenario, lane) in BITWISE and delta != 0:
+        return [
+            f"{scenario} ({mode}, {encoding}): served vs solo max |Δ log-prob| {delta:.3g}, "
+            "documented as bitwise (0) for this mode, checkpoint and scenario"
+        ]
+    return []
+
+
+def lane_counters(serving: scenarios.Serving, served: scenarios.Served) -> list[str]:
+    """What a serving must have exercised to be the lane it names: a preempt lane preempted,
+    a prefix lane read blocks from the cache."""
+    missing = []
+    if serving.tight_pool and served.preemptions == 0:
+        missing.append(f"{serving.name}: no sequence was preempted (the pool is not tight)")
+    if serving.prefix and served.cache_hits == 0:
+        missing.append(f"{serving.name}: no block was read from the prefix cache")
+    return missing
+
+
 def _cases() -> list:
     lane = os.environ.get(LANE_ENV, "all")
     return [
@@ -129,7 +161,12 @@ def test_llama_serving(
                 )
                 delta = scenarios.max_logprob_delta(served.runs, solo)
                 record_property("invariance", f"{serving.name}|{reference}|{delta:.6g}")
+                record_property("golden_checks", verdict.steps + verdict.prompt_positions)
+                failures += lane_counters(serving, served)
+                failures += not_bitwise(mode, variant.encoding, scenario, case_lane, delta)
                 extra = []
+                if served.cache_hits:
+                    extra.append(f"{served.cache_hits} blocks read from the prefix cache")
                 if served.cached_positions:
                     extra.append(
                         f"{served.cached_positions} prompt positions from the prefix cache"
@@ -149,3 +186,52 @@ def test_llama_serving(
                     f"{_case_id(variant, mode, scenario)}-{serving.name}",
                 )
     assert not failures, "\n\n".join(failures)
+
+
+def _tiny_short(goldens, encoding: str):
+    (variant,) = [v for v in VARIANTS if v.size == "tiny" and v.encoding == encoding]
+    full, _ = goldens.load("own", variant)
+    return variant, judge.in_lane(full, variant.model, "short")
+
+
+def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
+    """The counters are proven: a pool large enough for everyone never preempts, and a prefix
+    cache whose hashes never repeat is never read; each is named, the goldens alone pass."""
+    variant, golden = _tiny_short(goldens, "float32")
+    engine = engine_runs.load_engine(variant, "cpu")
+    (preempt,) = scenarios.SERVINGS["preempt"]
+    (prefix,) = scenarios.SERVINGS["prefix"]
+    assert lane_counters(preempt, scenarios.served_runs(engine, golden, preempt)) == []
+    assert lane_counters(prefix, scenarios.served_runs(engine, golden, prefix)) == []
+    roomy = dataclasses.replace(preempt, tight_pool=False)
+    assert lane_counters(preempt, scenarios.served_runs(engine, golden, roomy)) == [
+        "preempt: no sequence was preempted (the pool is not tight)"
+    ]
+    monkeypatch.setattr(ServingEngine, "_block_hash", lambda self, parent, tokens: os.urandom(32))
+    assert lane_counters(prefix, scenarios.served_runs(engine, golden, prefix)) == [
+        "prefix: no block was read from the prefix cache"
+    ]
+
+
+def test_a_batch_that_moves_a_bitwise_lane_by_one_ulp_fails(goldens, monkeypatch) -> None:
+    """One served logit nudged by 1e-5 (inside every tolerance) fails the bitwise claim of
+    the quantized Q4_K batch lane, and only it."""
+    variant, golden = _tiny_short(goldens, "q4_k")
+    engine = engine_runs.load_engine(variant, "cpu", mode="quantized")
+    solo = engine_runs.forced_runs(engine, golden)
+    (batch, *_) = scenarios.SERVINGS["batch"]
+    delta = scenarios.max_logprob_delta(scenarios.served_runs(engine, golden, batch).runs, solo)
+    assert not_bitwise("quantized", "q4_k", "batch", "short", delta) == []
+    step = ServingEngine._step
+
+    def nudged(self, seq, logits):
+        logits = logits.clone()
+        logits[0] += 1e-5
+        step(self, seq, logits)
+
+    monkeypatch.setattr(ServingEngine, "_step", nudged)
+    delta = scenarios.max_logprob_delta(scenarios.served_runs(engine, golden, batch).runs, solo)
+    assert 0 < delta < 1e-4
+    (failure,) = not_bitwise("quantized", "q4_k", "batch", "short", delta)
+    assert "documented as bitwise" in failure
+    assert not_bitwise("quantized", "q4_k", "chunked", "short", delta) == []
