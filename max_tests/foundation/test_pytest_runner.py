@@ -216,6 +216,7 @@ def test_a_shard_left_without_a_test_passes_saying_so(project):
     result = _run(project, "test_llama.py", "-k", RIGHT, env=_shard_env(project, 1))
     assert result.returncode == 0, result.stdout
     [(name, message)] = _cases(project)
+    assert name == "none of this target's tests selected"
     assert "shard 2 of 2 holds none of the 1 selected tests" in message
     # a selection matching nothing still fails, sharded or not
     result = _run(project, "test_llama.py", "-k", TYPO, env=_shard_env(project, 0))
