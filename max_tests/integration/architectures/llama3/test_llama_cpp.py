@@ -125,11 +125,17 @@ def test_llama_cpp_differs_by_design_where_its_entry_says_so(encoding, goldens) 
     )
 
 
+# ggml/q4_k/llama_cpp's why: "one row of long_8k's 75 is off by 0.83", an 8-bit rounding flip
+# (measured on an Intel Xeon, llama.cpp's icelake backend).
+KNOWN_LONG_ROW = ("long_8k", "prompt position 512")
+KNOWN_LONG_DISTANCE = 0.833
+
+
 def test_llama_cpp_meets_the_ggml_goldens_on_q4_k(goldens, record_property) -> None:
     """The ggml mode's goldens (llama.cpp's numerics) judge llama.cpp tightly where the float
     goldens cannot (2.28 apart): within ggml/q4_k/llama_cpp (1e-3) on the short cases,
     measured 1.9e-5; over every case all rows but one of long_8k too (that one a rounding
-    flip at 8k positions, its entry says)."""
+    flip at 8k positions, its entry says: bounded here by the entry's mutation floor)."""
     variant = TINY["q4_k"]
     golden, name = goldens.load("ggml", variant)
     tol = tolerance("ggml", "q4_k", "llama_cpp")
@@ -140,14 +146,23 @@ def test_llama_cpp_meets_the_ggml_goldens_on_q4_k(goldens, record_property) -> N
     print(f"llama.cpp vs the ggml golden, every case: {every.summary()}")
     record_property("llama_cpp_ggml_q4_k_short", f"{short.max_logprob_diff:.3g}")
     assert not short.failures, short.summary()
-    over = [
-        (report.case_id, check.where)
+    over = {
+        (report.case_id, check.where): check.max_logprob_diff
         for report in every.reports
         for check in report.checks
         if check.max_logprob_diff > tol.logprob_atol
-    ]
+    }
     print(f"rows over {tol.logprob_atol:g} in every case: {over}")
-    assert len(over) <= 1 and all(case == "long_8k" for case, _ in over), over
+    # Not an allowance of "one row, any amount": at most one row of long_8k (the entry's `why`:
+    # on this Xeon's icelake backend prompt position 512, 0.833; another backend may flip
+    # another row or none), and under the entry's mutation floor, what the weakest file edit
+    # moves llama.cpp by: a row moved that far is a bug, not a rounding flip.
+    assert len(over) <= 1 and all(case == KNOWN_LONG_ROW[0] for case, _ in over), over
+    floor = tol.mutation_floor.logprob
+    assert all(d < floor for d in over.values()), (
+        f"{over}: over ggml/q4_k/llama_cpp's mutation floor {floor:g} ({KNOWN_LONG_ROW} "
+        f"measured {KNOWN_LONG_DISTANCE:g}): a bug, or measure again"
+    )
 
 
 def test_llama_cpp_on_smollm2_is_not_judged_by_the_ggml_golden_and_says_why(goldens) -> None:
