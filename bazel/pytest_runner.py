@@ -101,9 +101,9 @@ class _Shard:
     @pytest.hookimpl(trylast=True)  # after -k/-m deselect
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
         self.selected_before = len(items)
-        count = len(items)
-        mine = [item for i, item in enumerate(items) if self._shard_of(i, count) == self.index]
-        others = [item for i, item in enumerate(items) if self._shard_of(i, count) != self.index]
+        mine, others = [], []
+        for i, item in enumerate(items):
+            (mine if self._shard_of(i, len(items)) == self.index else others).append(item)
         if others:
             config.hook.pytest_deselected(items=others)
         items[:] = mine

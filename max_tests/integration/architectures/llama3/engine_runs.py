@@ -79,6 +79,11 @@ def forced_run(engine: Llama3Engine, case: schema.Case) -> Run:
     return _run(spec, input_ids, out, time.perf_counter() - start, positions)
 
 
+def memo_key(case: schema.Case) -> tuple:
+    """What a forced run of `case` depends on: prompt, forced tokens, top-k, prompt positions."""
+    return (case.prompt, tuple(case.token_ids), len(case.steps[0].topk_ids), tuple(case.positions))
+
+
 def forced_runs(engine: Llama3Engine, golden: schema.Golden, memo: dict | None = None) -> list[Run]:
     """`forced_run` of every case. With `memo` (one dict per engine), a prompt and token
     sequence already run, e.g. by the other golden of the same checkpoint, is not run again:
@@ -87,8 +92,7 @@ def forced_runs(engine: Llama3Engine, golden: schema.Golden, memo: dict | None =
         return [forced_run(engine, case) for case in golden.cases]
     runs = []
     for case in golden.cases:
-        top_k = len(case.steps[0].topk_ids)
-        key = (case.prompt, tuple(case.token_ids), top_k, tuple(case.positions))
+        key = memo_key(case)
         if key not in memo:
             memo[key] = forced_run(engine, case)
         runs.append(

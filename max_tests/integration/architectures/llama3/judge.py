@@ -131,20 +131,19 @@ def compare_runs(
         if run is None:
             failures.append(f"no run of case {case.id!r} of golden {source}")
             continue
-        report = compare.compare_case(
-            case,
-            run.input_ids,
-            run.tokens,
-            run.logits,
-            tolerance,
-            dict(zip(run.positions, run.prompt_logits, strict=True)) if run.positions else {},
-        )
+        report = compare_run(case, run, tolerance)
         reports.append(report)
         if report.status == compare.FAIL:
             failures.append(
                 compare.format_failure(report, case, str(source), decode, regenerate, run.input_ids)
             )
     return Verdict(source, reference, tolerance, reports, failures, tuple(runs))
+
+
+def compare_run(case: schema.Case, run: Run, tolerance: Tolerance) -> compare.CaseReport:
+    """One teacher-forced run against its golden case."""
+    prompt_rows = dict(zip(run.positions, run.prompt_logits, strict=True)) if run.positions else {}
+    return compare.compare_case(case, run.input_ids, run.tokens, run.logits, tolerance, prompt_rows)
 
 
 def _short(cases: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -89,7 +89,7 @@ class Served:
     runs: list[Run]
     cached_positions: int  # golden prompt positions read from the prefix cache: not compared
     preemptions: int
-    cache_hits: int = 0  # blocks the requests read from the prefix cache
+    cache_hits: int  # blocks the requests read from the prefix cache
 
 
 def served_runs(engine: Llama3Engine, golden: schema.Golden, serving: Serving) -> Served:
@@ -106,7 +106,6 @@ def served_runs(engine: Llama3Engine, golden: schema.Golden, serving: Serving) -
         lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
         config["num_blocks"] = max(blocks_for(n, serving.block_size) for n in lengths) + 2
     results = {}
-    server = None
     if serving.prefix:
         # One pool for every case and its siblings: the cache the case reads is theirs.
         blocks = _prefix_pool(requests, serving)
@@ -142,8 +141,7 @@ def served_runs(engine: Llama3Engine, golden: schema.Golden, serving: Serving) -
         )
         cached += len(request.prompt_positions) - len(served.prompt_positions)
         preemptions += served.preemptions
-    hits = server.pool.hits if server is not None and server.pool is not None else 0
-    return Served(runs, cached, preemptions, hits)
+    return Served(runs, cached, preemptions, server.pool.hits)
 
 
 def _request(engine: Llama3Engine, case: schema.Case) -> Request:

@@ -71,13 +71,7 @@ def _engine(variant: Variant, mode: str):
 # that differs in any request is served again (batch composition may move the numbers; that
 # is what the invariance figure measures).
 def _served(engine, served_memo: dict, golden, serving) -> scenarios.Served:
-    key = (
-        serving,
-        tuple(
-            (c.id, c.prompt, tuple(c.token_ids), len(c.steps[0].topk_ids), tuple(c.positions))
-            for c in golden.cases
-        ),
-    )
+    key = (serving, tuple((c.id, *engine_runs.memo_key(c)) for c in golden.cases))
     if key not in served_memo:
         served_memo[key] = scenarios.served_runs(engine, golden, serving)
     return served_memo[key]

@@ -61,15 +61,19 @@ def _failing_cell(report: compare.CaseReport) -> str:
     return f"{report.failing_metrics[0]}{where}"
 
 
-# One engine and one memo of forced runs per (checkpoint, mutation) for the whole module: the
-# matrix's runs are the later tests' runs (the unmutated float32 engine, norm_eps, kv_position),
-# never computed twice. A mutation patches its own engine only (mutations.load).
+# One engine and one memo of forced runs per (checkpoint, mutation), kept while the tests stay
+# on one checkpoint: a matrix's columns, and the float32 tests after the matrices (norm_eps serves
+# three of them, the unmutated engine two), never compute a run twice. Another
+# checkpoint drops them (a long case's runs hold 60 MB of logits). A mutation patches its own
+# engine only (mutations.load).
 _ENGINES: dict[tuple[str, str | None], tuple[object, dict]] = {}
 
 
 def _engine(variant: Variant, mutation: mutations.Mutation | None):
     key = (variant.test_id, mutation.name if mutation else None)
     if key not in _ENGINES:
+        if any(test_id != variant.test_id for test_id, _ in _ENGINES):
+            _ENGINES.clear()
         _ENGINES[key] = (mutations.load(variant, mutation), {})
     return _ENGINES[key]
 
@@ -92,19 +96,13 @@ def _column(engine, memo, golden_of, tolerances, variant, run_everything: bool):
             pending = [t for t in entries_here if None in cells[t.key]]
             if not pending and not run_everything:
                 break
-            key = (case.prompt, tuple(case.token_ids), len(case.steps[0].topk_ids))
-            ran += (*key, tuple(case.positions)) not in memo
+            ran += engine_runs.memo_key(case) not in memo
             (run,) = engine_runs.forced_runs(
                 engine, dataclasses.replace(golden, cases=[case]), memo
             )
             runs[ref].append(run)
-            prompt_rows = (
-                dict(zip(run.positions, run.prompt_logits, strict=True)) if run.positions else {}
-            )
             for tol in pending:
-                report = compare.compare_case(
-                    case, run.input_ids, run.tokens, run.logits, tol, prompt_rows
-                )
+                report = judge.compare_run(case, run, tol)
                 if report.status == compare.FAIL:
                     settled = cells[tol.key]
                     settled[1] = settled[1] or _failing_cell(report)
