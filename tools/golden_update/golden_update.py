@@ -1,11 +1,12 @@
 """golden_update: change a golden on purpose, in one reviewed command.
 
-Regenerates the engine's goldens (and transformers' when asked with --torch, or when their
-inputs changed: a checkpoint, the cases, the transformers version) into a pending folder
-outside testdata/, compares them with the pinned archives the way golden_diff does (identical,
-noise, moved, over tolerance, tokens changed, cases changed), prints the review, and only then
-publishes: with --accept every changed golden file, or, in a terminal, one file at a time
-(accept, reject, skip, show the diff). Each archive with an accepted file gets its next version
+Regenerates the engine's goldens, eager's and the ggml mode's (`ggml_*`, on the encodings where
+that mode has its own), and transformers' when asked with --torch or when their inputs changed
+(a checkpoint, the cases, the transformers version), into a pending folder outside testdata/;
+compares them with the pinned archives the way golden_diff does (identical, noise, moved, over
+tolerance, tokens changed, cases changed), prints the review, and only then publishes: with
+--accept every changed golden file, or, in a terminal, one file at a time (accept, reject,
+skip, show the diff). Each archive with an accepted file gets its next version
 through the upload command (tools/artifacts), pinned in MODULE.bazel and the distdir file, and
 the golden tests run again. An identical or noise-only result publishes nothing and says so.
 
@@ -30,6 +31,7 @@ import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from goldens import schema
 from goldens.artifacts import archive
 from goldens.artifacts.store_options import add_store_arguments, store_from_args
 from goldens.cli_files import OneLineParser, repo_root, user_path
@@ -57,6 +59,8 @@ PENDING = ".goldens-pending"  # under the repository root; git-ignored
 PUBLISHABLE = ("moved", "over tolerance", "tokens changed", "cases changed")
 # A kept run of a failing test was fed the golden's tokens after its first changed one.
 NOT_FROM_A_FORCED_RUN = ("tokens changed", "cases changed")
+# The producers whose runs are the engine archive's goldens: eager's and the ggml mode's.
+GOLDEN_PRODUCERS = (schema.PRODUCERS["own"], schema.PRODUCERS["ggml"])
 GOLDEN_TESTS = [
     "//max_tests/integration/architectures/llama3:test_llama",
     "//max_tests/integration/architectures/llama3:test_llama_long",
@@ -219,16 +223,37 @@ def _pending_set(inputs: Inputs, pending: Path) -> GoldenSet:
     return golden_set(inputs.name, members, description, f"pending {pending}", partial=True)
 
 
-def _regenerate(pending: Path, args: argparse.Namespace, with_torch: bool) -> None:
-    """evaluate_llama (and run_torch_llama) writing into `pending`, in this process."""
-    from max_tests.integration.architectures.llama3 import evaluate_llama
-    from max_tests.integration.architectures.llama3.testdata import run_torch_llama
+def _regenerate(
+    pending: Path, args: argparse.Namespace, with_torch: bool, evaluate: Callable | None = None
+) -> None:
+    """evaluate_llama (and run_torch_llama) writing into `pending`, in this process: the eager
+    goldens, then the ggml mode's (`ggml_*`, the same archive) on the selected encodings where
+    that mode has goldens of its own."""
+    if evaluate is None:
+        from max_tests.integration.architectures.llama3 import evaluate_llama
 
+        evaluate = evaluate_llama.main
     selection = ["--model", args.model, "--encoding", args.encoding, "--output-dir", str(pending)]
-    if evaluate_llama.main(selection) != 0:
+    if evaluate(selection) != 0:
         raise UpdateError("evaluate_llama failed (above); nothing was published")
-    if with_torch and run_torch_llama.main(selection) != 0:
-        raise UpdateError("run_torch_llama failed (above); nothing was published")
+    for encoding in ggml_encodings(args.model, args.encoding):
+        ggml = ["--model", args.model, "--encoding", encoding, "--mode", "ggml"]
+        if evaluate([*ggml, "--output-dir", str(pending)]) != 0:
+            raise UpdateError("evaluate_llama --mode=ggml failed (above); nothing was published")
+    if with_torch:
+        from max_tests.integration.architectures.llama3.testdata import run_torch_llama
+
+        if run_torch_llama.main(selection) != 0:
+            raise UpdateError("run_torch_llama failed (above); nothing was published")
+
+
+def ggml_encodings(model: str, encoding: str) -> list[str]:
+    """The encodings of the selection whose ggml goldens exist (variants.GGML_ENCODINGS), each
+    with a checkpoint on this machine."""
+    from max_tests.integration.architectures.llama3.variants import GGML_ENCODINGS, variants
+
+    chosen = [e for e in GGML_ENCODINGS if encoding in ("all", e)]
+    return [e for e in chosen if any(v.path is not None for v in variants(model, e))]
 
 
 def _torch_inputs_changed(pinned: GoldenSet) -> list[str]:
@@ -258,14 +283,15 @@ def _torch_inputs_changed(pinned: GoldenSet) -> list[str]:
 
 
 def _acceptable_from_forced_runs(changed: list[FileDiff], runs: GoldenSet) -> list[FileDiff]:
-    """The kept runs that can become goldens: eager ones whose greedy tokens did not change."""
+    """The kept runs that can become goldens: the engine's eager runs and its ggml mode's (the
+    producers of the engine's archive), whose greedy tokens did not change."""
     acceptable = []
     for diff in changed:
         klass, why = file_class(diff)
         producer = (diff.after.provenance if diff.after else {}).get("producer")
         if diff.name not in runs.files:
             continue
-        if producer != "engine":
+        if producer not in GOLDEN_PRODUCERS:
             print(f"{diff.name}: a run of producer {producer!r}, not a golden; not accepted")
         elif klass in NOT_FROM_A_FORCED_RUN:
             print(

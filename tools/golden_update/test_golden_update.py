@@ -24,6 +24,7 @@ VOCAB, STEPS, TOP_K = 64, 4, 20
 FLOAT32 = "tinyllama_float32_all_golden.json"
 Q4_K = "tinyllama_q4_k_all_golden.json"
 TORCH = "torch_tinyllama_float32_golden.json"
+GGML = "ggml_tinyllama_q4_k_golden.json"
 
 
 def _provenance(producer: str, encoding: str) -> schema.Provenance:
@@ -63,6 +64,7 @@ BASE = {
     FLOAT32: _golden("engine", "float32", _logits(0)),
     Q4_K: _golden("engine", "q4_k", _logits(1)),
     TORCH: _golden("torch", "float32", _logits(0)),
+    GGML: _golden("engine-ggml", "q4_k", _logits(2)),
 }
 
 
@@ -81,7 +83,10 @@ def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     files.mkdir()
     for name, golden in BASE.items():
         schema.write(golden, files / name)
-    for name, members in (("test_llama_golden", [FLOAT32, Q4_K]), ("torch_llama_golden", [TORCH])):
+    for name, members in (
+        ("test_llama_golden", [FLOAT32, Q4_K, GGML]),
+        ("torch_llama_golden", [TORCH]),
+    ):
         paths = [str(files / m) for m in members]
         code = upload_artifact.main(
             ["upload", name, "1", *paths, "--update-module", *_flags(root)[1:]]
@@ -168,7 +173,7 @@ def test_accept_publishes_the_next_version_of_the_changed_archive_only(repo: Pat
     (published,) = (repo / "artifacts" / "test_llama_golden" / "2").rglob("*.tar.gz")
     assert archive.sha256_hex(published.read_bytes()) == pin.sha256
     members = archive.unpack_members(published.read_bytes())
-    assert sorted(members) == [FLOAT32, Q4_K]
+    assert sorted(members) == [GGML, FLOAT32, Q4_K]
     assert members[FLOAT32] == schema.to_json(_moved()[FLOAT32]).encode()
     assert pin.sha256 in (repo / "third_party" / "golden_distdir.bazelrc").read_text()
 
@@ -247,3 +252,47 @@ def test_a_reverted_change_pins_the_earlier_version_again_and_publishes_nothing(
     assert golden_update.main(["--accept", "--no-test", *_flags(repo)], _regenerating(BASE)) == 0
     assert _pins(repo)["test_llama_golden"] == 1  # version 1 holds these files
     assert _store(repo) == stored  # nothing new in the store
+
+
+def test_the_ggml_goldens_are_regenerated_beside_the_eager_ones(tmp_path, monkeypatch) -> None:
+    """After eager's, evaluate_llama --mode=ggml on each selected encoding with ggml goldens
+    (a ggml-mode change is reviewed and published like any other)."""
+    calls = []
+    monkeypatch.setattr(golden_update, "ggml_encodings", lambda model, encoding: ["q4_k", "q4_1"])
+    args = golden_update._parser().parse_args(["--model=all"])
+    golden_update._regenerate(tmp_path, args, False, lambda argv: calls.append(argv) or 0)
+    out = ["--output-dir", str(tmp_path)]
+    assert calls == [
+        ["--model", "all", "--encoding", "all", *out],
+        ["--model", "all", "--encoding", "q4_k", "--mode", "ggml", *out],
+        ["--model", "all", "--encoding", "q4_1", "--mode", "ggml", *out],
+    ]
+    failing = iter([0, 1])
+    with pytest.raises(golden_update.UpdateError, match="--mode=ggml failed"):
+        golden_update._regenerate(tmp_path, args, False, lambda argv: next(failing))
+
+
+def test_a_failing_ggml_tests_kept_run_is_accepted(repo: Path, tmp_path) -> None:
+    """A kept run of producer engine-ggml is a golden of the engine's archive: accepted."""
+    logits = _logits(2)
+    logits[2, 12] += 0.5  # over ggml/q4_k/cpu's entry, greedy token unchanged
+    outputs = tmp_path / "outputs.zip"
+    with zipfile.ZipFile(outputs, "w") as zipped:
+        zipped.writestr(GGML, schema.to_json(_golden("engine-ggml", "q4_k", logits)))
+        zipped.writestr("golden_report_tiny-q4_k-llama3_1-ggml_x.html", "<html></html>")
+    args = ["--accept", "--no-test", f"--from={outputs}", *_flags(repo)]
+    assert golden_update.main(args, _regenerating({})) == 0
+    assert _pins(repo) == {"test_llama_golden": 2, "torch_llama_golden": 1}
+
+
+def test_a_kept_run_of_another_mode_is_not_accepted(repo: Path, tmp_path, capsys) -> None:
+    outputs = tmp_path / "outputs.zip"
+    logits = _logits(0)
+    logits[2, 12] += 0.5
+    with zipfile.ZipFile(outputs, "w") as zipped:
+        zipped.writestr(FLOAT32, schema.to_json(_golden("engine-quantized", "float32", logits)))
+        zipped.writestr("golden_report_tiny-float32-llama3_1_x.html", "<html></html>")
+    args = ["--accept", "--no-test", f"--from={outputs}", *_flags(repo)]
+    assert golden_update.main(args, _regenerating({})) == 0
+    assert "producer 'engine-quantized', not a golden" in capsys.readouterr().out
+    assert _pins(repo)["test_llama_golden"] == 1
