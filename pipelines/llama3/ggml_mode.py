@@ -161,7 +161,8 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [max_seq_len, head_dim] with ggml's angles (kernels/ggml_dot.c:
     ggml_rope_tables): float32 angles multiplied up pair by pair, the rope_freqs factors of
-    the file (or the ones Llama 3.1's scaling implies), libm's cosf and sinf. model.py's
+    the file (or the ones Llama 3.1's scaling implies), then cos and sin correctly rounded by
+    the kernels' own double-precision functions (no libm: the same bits everywhere). model.py's
     tables compute each angle once in float32 from float64-free inverse frequencies; at 8k
     positions the two differ by up to 5e-4 in an angle, which llama.cpp's numbers follow."""
     factors = None  # the mode runs on the CPU only (engine.from_gguf keeps no raw blocks else)
@@ -172,7 +173,7 @@ def rope_tables(
         factors = (rope_inverse_frequencies(plain) / rope_inverse_frequencies(config)).float()
     cos = torch.empty(max_seq_len, config.head_dim, dtype=torch.float32)
     sin = torch.empty_like(cos)
-    kernels().ggml_rope_tables(
+    status = kernels().ggml_rope_tables(
         max_seq_len,
         config.head_dim,
         config.rope_theta,
@@ -180,6 +181,12 @@ def rope_tables(
         cos.data_ptr(),
         sin.data_ptr(),
     )
+    if status != 0:
+        raise ValueError(
+            f"the ggml mode's rope tables take angles up to 2^26 rad; {max_seq_len} positions "
+            f"with rope_theta {config.rope_theta} and these rope factors exceed them: use a "
+            "smaller max_seq_len"
+        )
     return cos, sin
 
 

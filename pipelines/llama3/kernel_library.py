@@ -177,7 +177,11 @@ def load(isa: str) -> ctypes.CDLL:
     lib.ggml_swiglu_rows.argtypes = [ptr, i64, i64, ptr]
     lib.ggml_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.ggml_attention.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
+    lib.ggml_rope_tables.restype = ctypes.c_int
     lib.ggml_rope_tables.argtypes = [i64, i64, ctypes.c_float, ptr, ptr, ptr]
+    lib.ggml_rope_pow.restype = ctypes.c_float
+    lib.ggml_rope_pow.argtypes = [ctypes.c_float, ctypes.c_float]
+    lib.ggml_rope_sin_cos.argtypes = [ptr, i64, ptr, ptr]
     lib.ggml_layer_bytes.restype = i64
     lib.ggml_layer_bytes.argtypes = []
     lib.ggml_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64]
@@ -196,7 +200,7 @@ def load(isa: str) -> ctypes.CDLL:
         "ggml_swiglu",
         "ggml_swiglu_rows",
         "ggml_attention",
-        "ggml_rope_tables",
+        "ggml_rope_sin_cos",
         "ggml_decode_layers",
         *_PACKERS,
     )

@@ -715,24 +715,131 @@ void ggml_attention(float *qkv, int64_t seq, const float *cos, const float *sin,
   }
 }
 
-/* The rope tables as ggml's rope computes its angles: theta_scale = powf(base, -2 / hd), the
- * angle of pair i at position p is p * theta_scale^i multiplied up in float32 (divided by
- * freq_factors[i], the rope_freqs tensor, when given), then libm's cosf and sinf. Written in
- * this engine's "rotate half" layout: cos, sin [positions, hd], entries i and i + hd/2 alike. */
-void ggml_rope_tables(int64_t positions, int64_t hd, float base, const float *freq_factors,
-                      float *cos_out, float *sin_out) {
+/* --- the rope tables, the same bits from every compiler and libm ---------------------------
+ * cos, sin and pow without libm's cosf, sinf and powf (whose last bit is each libm's own):
+ * double-precision range reduction and Taylor polynomials in +, -, * and / only (-std=c11:
+ * nothing is contracted into an FMA), rounded once to float. Each double result is within a
+ * few double ulps of the exact value, so its float rounding is the correctly rounded float
+ * unless the exact value lies within about 1e-15 (relative) of a tie between two floats; the
+ * tables' test (test_ggml_mode.py) holds every entry of the checkpoints' tables to the
+ * correctly rounded one. glibc's cosf and sinf, which llama.cpp calls, round about 1% of the
+ * entries the other way, by 1 ulp: measured against llama-server in test_llama_cpp. */
+
+/* pi / 2 in three parts of 26, 26 and 53 bits (k * ROPE_PIO2_1 and k * ROPE_PIO2_2 exact for
+ * k < 2^27), and ln 2 in two (n * ROPE_LN2_HI exact for n < 2^21). */
+static const double ROPE_PIO2_1 = 0x1.921fb5p+0, ROPE_PIO2_2 = 0x1.110b46p-26,
+                    ROPE_PIO2_3 = 0x1.1a62633145c07p-54, ROPE_TWO_OVER_PI = 0x1.45f306dc9c883p-1;
+static const double ROPE_LN2_HI = 0x1.62e42feep-1, ROPE_LN2_LO = 0x1.a39ef35793c76p-33;
+
+/* The largest angle the reduction is exact for (k < 2^26): 2^26 rad, far beyond any position. */
+#define ROPE_MAX_ANGLE 67108864.0
+
+/* sin and cos of x (|x| < ROPE_MAX_ANGLE): x = k pi/2 + r, |r| <= pi/4 (x - k * PIO2_1 is exact,
+ * Sterbenz), then Taylor series to r^17 and r^18 (the next terms are below 1e-19). */
+static void rope_sin_cos(double x, double *sin_out, double *cos_out) {
+  const int negative = x < 0;
+  const double ax = negative ? -x : x;
+  const int64_t k = (int64_t)(ax * ROPE_TWO_OVER_PI + 0.5);
+  const double kd = (double)k;
+  const double r = ((ax - kd * ROPE_PIO2_1) - kd * ROPE_PIO2_2) - kd * ROPE_PIO2_3;
+  const double r2 = r * r;
+  const double s =
+      r + r * r2 *
+              (-1.0 / 6.0 +
+               r2 * (1.0 / 120.0 +
+                     r2 * (-1.0 / 5040.0 +
+                           r2 * (1.0 / 362880.0 +
+                                 r2 * (-1.0 / 39916800.0 +
+                                       r2 * (1.0 / 6227020800.0 +
+                                             r2 * (-1.0 / 1307674368000.0 +
+                                                   r2 * (1.0 / 355687428096000.0))))))));
+  const double c =
+      1.0 +
+      r2 * (-1.0 / 2.0 +
+            r2 * (1.0 / 24.0 +
+                  r2 * (-1.0 / 720.0 +
+                        r2 * (1.0 / 40320.0 +
+                              r2 * (-1.0 / 3628800.0 +
+                                    r2 * (1.0 / 479001600.0 +
+                                          r2 * (-1.0 / 87178291200.0 +
+                                                r2 * (1.0 / 20922789888000.0 +
+                                                      r2 * (-1.0 / 6402373705728000.0)))))))));
+  double sx, cx;
+  switch (k & 3) {
+    case 0: sx = s, cx = c; break;
+    case 1: sx = c, cx = -s; break;
+    case 2: sx = -s, cx = -c; break;
+    default: sx = -c, cx = s; break;
+  }
+  *sin_out = negative ? -sx : sx;
+  *cos_out = cx;
+}
+
+/* base^e for base > 0 (a normal float) and |e * ln base| < 700: exp(e * log(base)). log: base =
+ * m 2^n with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172,
+ * to s^25; exp: y = n ln 2 + r, |r| <= ln 2 / 2, Taylor to r^17, times 2^n (exact). */
+static double rope_pow(double base, double e) {
+  int n = 0;
+  double m = base;
+  while (m >= 1.4142135623730951) m *= 0.5, n++; /* powers of two: exact */
+  while (m < 0.7071067811865476) m *= 2.0, n--;
+  const double s = (m - 1.0) / (m + 1.0), s2 = s * s;
+  double series = 1.0 / 25.0;
+  for (int j = 23; j >= 1; j -= 2) series = 1.0 / (double)j + s2 * series;
+  const double log_base = (double)n * ROPE_LN2_HI + ((double)n * ROPE_LN2_LO + 2.0 * s * series);
+  const double y = e * log_base;
+  const double ny = (double)(int64_t)(y / (ROPE_LN2_HI + ROPE_LN2_LO) + (y < 0 ? -0.5 : 0.5));
+  const double r = (y - ny * ROPE_LN2_HI) - ny * ROPE_LN2_LO;
+  double poly = 1.0;
+  for (int j = 17; j >= 1; j--) poly = 1.0 + r * poly / (double)j;
+  int64_t shift = (int64_t)ny;
+  double scale = 1.0;
+  for (; shift > 0; shift--) scale *= 2.0;
+  for (; shift < 0; shift++) scale *= 0.5;
+  return poly * scale;
+}
+
+float ggml_rope_pow(float base, float e) { return (float)rope_pow((double)base, (double)e); }
+
+void ggml_rope_sin_cos(const float *angles, int64_t n, float *sin_out, float *cos_out) {
+  for (int64_t i = 0; i < n; i++) {
+    double s, c;
+    rope_sin_cos((double)angles[i], &s, &c);
+    sin_out[i] = (float)s;
+    cos_out[i] = (float)c;
+  }
+}
+
+/* The rope tables as ggml's rope computes its angles: theta_scale = base^(-2 / hd), the angle
+ * of pair i at position p is p * theta_scale^i multiplied up in float32 (divided by
+ * freq_factors[i], the rope_freqs tensor, when given), then cos and sin of the float angle,
+ * correctly rounded (above). Written in this engine's "rotate half" layout: cos, sin
+ * [positions, hd], entries i and i + hd/2 alike. Returns -1 (nothing written) when an angle
+ * would be negative, not finite or beyond ROPE_MAX_ANGLE, else 0. */
+int ggml_rope_tables(int64_t positions, int64_t hd, float base, const float *freq_factors,
+                     float *cos_out, float *sin_out) {
   const int64_t half = hd / 2;
-  const float theta_scale = powf(base, -2.0f / (float)hd);
+  const float theta_scale = ggml_rope_pow(base, -2.0f / (float)hd);
+  /* float products and quotients by positive numbers are monotonic: the last position holds
+   * every pair's largest angle */
+  float last = (float)(positions - 1);
+  for (int64_t i = 0; positions > 0 && i < half; i++) {
+    const float angle = freq_factors ? last / freq_factors[i] : last;
+    if (!(angle >= 0.0f && angle < ROPE_MAX_ANGLE)) return -1;
+    last *= theta_scale;
+  }
   for (int64_t p = 0; p < positions; p++) {
     float theta = (float)p;
     for (int64_t i = 0; i < half; i++) {
       const float angle = freq_factors ? theta / freq_factors[i] : theta;
-      const float c = cosf(angle), s = sinf(angle);
-      cos_out[p * hd + i] = cos_out[p * hd + i + half] = c;
-      sin_out[p * hd + i] = sin_out[p * hd + i + half] = s;
+      double s, c;
+      rope_sin_cos((double)angle, &s, &c);
+      cos_out[p * hd + i] = cos_out[p * hd + i + half] = (float)c;
+      sin_out[p * hd + i] = sin_out[p * hd + i + half] = (float)s;
       theta *= theta_scale;
     }
   }
+  return 0;
 }
 
 /* --- one decode step through every layer ---------------------------------------------------

@@ -187,6 +187,17 @@ def test_swiglu_is_silu_times_up_and_the_same_on_every_build() -> None:
     assert error[gate > -80].max() < 1e-6  # expf within ~2 ulp, then a division and a product
 
 
+def test_the_rope_tables_refuse_angles_their_reduction_cannot_take() -> None:
+    """Past 2^26 rad the range reduction is no longer exact: refused, nothing written."""
+    cos, sin = torch.full((1, 2), 7.0), torch.full((1, 2), 7.0)
+    for isa in ISAS:
+        lib = kernel_library.load(isa)
+        assert lib.ggml_rope_tables(2**26 + 2, 2, 1e4, None, cos.data_ptr(), sin.data_ptr()) == -1
+        assert lib.ggml_rope_tables(1, 2, 1e4, None, cos.data_ptr(), sin.data_ptr()) == 0
+        assert cos.tolist() == [[1.0, 1.0]] and sin.tolist() == [[0.0, 0.0]]
+        cos.fill_(7.0)
+
+
 def test_matrices_keep_the_engines_row_order_and_refuse_other_types() -> None:
     w = _weights(GGMLQuantizationType.Q8_0, 8, 64, seed=8)
     order = torch.tensor([3, 1, 2, 0, 7, 6, 5, 4])
