@@ -9,12 +9,16 @@ an f16 cache, move log-probabilities by 6e-3 to 3e-2 on the float32 tiny file, a
 with these). It is started in a process group of its own and stopped on exit from the block
 (SIGTERM, then SIGKILL after 5 s), also when the block raises; its output goes to a log file
 whose tail is in any error. Debian's package `llama.cpp-tools` provides the binary
-(tools/llama_cpp/install.sh); `LLAMA_SERVER` names another one.
+(tools/llama_cpp/install.sh, which installs `PINNED_VERSION`); `LLAMA_SERVER` names another
+one. `version()` is what the binary says it is; `pin_mismatch()` says when that is not the
+version the llama.cpp lane's figures were measured with.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -49,6 +53,45 @@ def binary() -> str:
             f"llama.cpp-tools), or set ${BINARY_ENV} to a llama-server binary"
         )
     return found
+
+
+# The llama.cpp every llama.cpp figure and tolerance entry of this project was measured with:
+# what `llama-server --version` prints (its release and build number). tools/llama_cpp/
+# install.sh installs Debian's package of it (tools/llama_cpp/test_install.py keeps the two
+# pins together).
+PINNED_VERSION = "0.7.0 (build 11669)"
+_VERSION = re.compile(r"version: (\S+) \(build (\d+)")
+
+
+@functools.lru_cache(maxsize=8)
+def version(path: str | None = None) -> str:
+    """`llama-server --version` as "RELEASE (build N)" (of `path`, else `binary()`)."""
+    path = path or binary()
+    try:
+        done = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise EngineError(f"{path} --version failed: {error}") from None
+    match = _VERSION.search(done.stdout + done.stderr)
+    if match is None:
+        tail = (done.stdout + done.stderr).strip()[-300:]
+        raise EngineError(f"{path} --version printed no 'version: X (build N)': {tail!r}")
+    return f"{match.group(1)} (build {match.group(2)})"
+
+
+def pin_mismatch(path: str | None = None) -> str | None:
+    """None when the llama-server to run is PINNED_VERSION, else what to do about it."""
+    path = path or binary()
+    found = version(path)
+    if found == PINNED_VERSION:
+        return None
+    return (
+        f"{path} is llama.cpp {found}; the llama.cpp lane's entries were measured with "
+        f"{PINNED_VERSION} (goldens/engines/llama_server.py PINNED_VERSION): run "
+        "tools/llama_cpp/install.sh, which installs it, or measure the entries again with "
+        "this version and move the pin"
+    )
 
 
 def free_port() -> int:

@@ -9,7 +9,9 @@ numerics differ by design (8-bit activations, its own bfloat16): their entries s
 `judged: false` with the measured distance, and the test checks that the distance is still
 what the entry records. Without llama-server the tests skip with the install command;
 .ci/run installs it (tools/llama_cpp/install.sh) and sets CI_REQUIRE_LLAMA_CPP=1, under which
-they fail instead.
+they fail instead. The entries hold the figures of one llama.cpp (llama_server.PINNED_VERSION,
+the one install.sh installs): another version fails the lane, naming both; every result
+records the version it judged (JUnit property `llama_cpp_version`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ def _llama_server() -> None:
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{e} (${REQUIRE_ENV}=1: the llama.cpp lane must run)")
         pytest.skip(str(e))
+    # The entries hold one version's figures: another version's verdict would be a guess.
+    mismatch = llama_server.pin_mismatch()
+    if mismatch is not None:
+        pytest.fail(mismatch)
+
+
+@pytest.fixture(autouse=True)
+def _recorded_version(record_property) -> None:
+    """Each result names the llama.cpp it judged (the JUnit property `llama_cpp_version`)."""
+    record_property("llama_cpp_version", llama_server.version())
 
 
 @contextlib.contextmanager
