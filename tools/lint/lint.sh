@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Lint the repository: ruff (lint rules and formatting) over the Python files, buildifier
-# (formatting and lint warnings) over BUILD, .bzl and MODULE.bazel files. CI runs it first.
+# (formatting and lint warnings) over BUILD, .bzl and MODULE.bazel files, and the documents'
+# bit-level claims against the tests (tools/claims.py). CI runs it first.
 #
 #   tools/lint/lint.sh          check; exit 1 and name each file and the fix command
 #   tools/lint/lint.sh --fix    apply ruff's safe fixes, ruff format and buildifier's format
@@ -78,6 +79,9 @@ echo "ruff $RUFF_VERSION: format --check"
 "$ruff" format --check --quiet . || status=1
 echo "buildifier $BUILDIFIER_VERSION: format and lint, ${#starlark[@]} files"
 "$buildifier" -mode=check -lint=warn "${starlark[@]}" || status=1
+# Documents: every bit-level property README.md and docs/ state names the test that backs it,
+# and every test they name exists (tools/claims.py).
+python3 -m tools.claims --quiet || status=1
 if [ "$status" != 0 ]; then
   echo "lint failed: tools/lint/lint.sh --fix applies the formatting; lint warnings are fixed by hand" >&2
 fi

@@ -37,7 +37,7 @@ def test_missing_llama3_1_file_is_named(tmp_path, monkeypatch, capsys):
     assert f"{absent} does not exist" in capsys.readouterr().err
 
 
-def test_output_dir_is_created_with_its_parents(tmp_path, capsys):
+def test_output_dir_is_created_with_its_parents_and_a_rerun_writes_the_same_bytes(tmp_path, capsys):
     output = tmp_path / "a" / "b"
     argv = ["--model=tinyllama", "--encoding=float32", f"--output-dir={output}"]
     assert _exit_code(argv) == 0
@@ -46,6 +46,11 @@ def test_output_dir_is_created_with_its_parents(tmp_path, capsys):
     golden = json.loads((output / written[0]).read_text())
     assert golden["provenance"]["model"] == "tinyllama" and len(golden["cases"]) > 0
     assert capsys.readouterr().out.splitlines()[-1] == f"1 goldens written to {output}"
+    # Regenerated on the same machine, a golden is byte-identical (docs/goldens.md, "Every
+    # CPU"): no timings, no dates, one torch thread.
+    again = tmp_path / "again"
+    assert _exit_code([*argv[:-1], f"--output-dir={again}"]) == 0
+    assert (again / written[0]).read_bytes() == (output / written[0]).read_bytes()
 
 
 def test_output_dir_that_is_a_file_exits_2_and_keeps_the_file(tmp_path, capsys):

@@ -1,10 +1,11 @@
-"""The ggml mode computes the same bits on every machine, so its goldens are bitwise facts:
+"""What computes the same bits on every machine, so that its goldens are bitwise facts:
 
 - every kernel build the CPU runs (portable C, AVX2, AVX-512, VNNI) and thread counts 1 and 2
   give the same logits, prompt log-probs and tokens, on tiny Q4_K and SmolLM2 Q4_1 (each
   checkpoint's short golden cases, run as the goldens run them);
 - so does every ATen kernel level the CPU runs (`ATEN_CPU_CAPABILITY`, read once at start-up:
-  a child process per level);
+  a child process per level) and oneDNN's (`ONEDNN_MAX_CPU_ISA`), for the ggml mode and for
+  tiny bfloat16 in eager (its attention in float32, rounded once);
 - the rope tables need no libm: every entry is the correctly rounded cos and sin of its float
   angle (kernels/ggml_dot.c computes them in double precision with +, -, * and / alone), for
   the checkpoints' theta, head size and rope factors at 8,400 positions.
@@ -53,8 +54,8 @@ def _available(variant):
     return variant
 
 
-def fingerprint(variant, isa: str | None = None, threads: int = 1) -> str:
-    """sha256 of the short golden cases' runs in the ggml mode: their tokens, logits and prompt
+def fingerprint(variant, isa: str | None = None, threads: int = 1, mode: str = "ggml") -> str:
+    """sha256 of the short golden cases' runs in `mode`: their tokens, logits and prompt
     log-prob rows, as bytes."""
     previous_threads = torch.get_num_threads()
     previous_isa = os.environ.get(kernel_library.KERNELS_ENV)
@@ -62,7 +63,7 @@ def fingerprint(variant, isa: str | None = None, threads: int = 1) -> str:
         if isa is not None:
             os.environ[kernel_library.KERNELS_ENV] = isa
         torch.set_num_threads(threads)
-        engine = engine_runs.load_engine(variant, "cpu", mode="ggml")
+        engine = engine_runs.load_engine(variant, "cpu", mode=mode)
         runs = [engine_runs.run_case(engine, s) for s in case_specs(variant.model) if not s.long]
     finally:
         torch.set_num_threads(previous_threads)
@@ -86,24 +87,36 @@ def test_every_build_and_thread_count_gives_the_same_bits(variant) -> None:
     assert len(ISAS) >= 2, f"only {ISAS} run here: nothing compared"
 
 
+# What runs under every kernel level: the ggml mode on its checkpoints, and tiny bfloat16 in
+# eager (attention in float32, rounded once: docs/goldens.md, "Every CPU").
+LEVEL_RUNS = [(v, "ggml") for v in VARIANTS] + [
+    (v, "eager") for v in variants("tinyllama") if v.encoding == "bfloat16"
+]
+# Each level's environment: ATen's levels, and oneDNN's (bfloat16 matmuls) where it has one.
+LEVELS = [{"ATEN_CPU_CAPABILITY": level} for level in ATEN_LEVELS] + [
+    {"ONEDNN_MAX_CPU_ISA": isa}
+    for isa, flag in (("AVX2", "avx2"), ("SSE41", ""))
+    if not flag or flag in CPU_FLAGS
+]
+
 _CHILD = """
-import sys
-from max_tests.integration.architectures.llama3 import test_ggml_bits as t
-for v in t.VARIANTS:
-    print(v.test_id, t.fingerprint(v))
+from max_tests.integration.architectures.llama3 import test_same_bits as t
+for v, mode in t.LEVEL_RUNS:
+    print(f"{v.test_id}-{mode}", t.fingerprint(v, mode=mode))
 """
 
 
-def test_every_aten_level_gives_the_same_bits() -> None:
-    """One child process per ATen level (the level is read once, at torch's start-up)."""
-    for variant in VARIANTS:
+def test_every_kernel_level_gives_the_same_bits() -> None:
+    """One child process per ATen or oneDNN level (each is read once, at start-up)."""
+    for variant, _ in LEVEL_RUNS:
         _available(variant)
-    expected = {v.test_id: fingerprint(v) for v in VARIANTS}
+    expected = {f"{v.test_id}-{mode}": fingerprint(v, mode=mode) for v, mode in LEVEL_RUNS}
+    assert len(expected) == 3
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    for level in ATEN_LEVELS:
+    for level in LEVELS:
         child = subprocess.run(
             [sys.executable, "-c", _CHILD],
-            env={**env, "ATEN_CPU_CAPABILITY": level},
+            env={**env, **level},
             capture_output=True,
             text=True,
             timeout=600,

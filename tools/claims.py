@@ -1,0 +1,153 @@
+"""claims: the bit-level properties README.md and docs/ state, and the tests that back them.
+
+A paragraph (or table row) that says something holds bit for bit (`bit for bit`,
+`bit-identical`, `bitwise`, `same bits`, `byte-identical`) must name the test that breaks when
+it stops holding: a backticked test function, test file or Bazel test target. Every test name
+a document cites must exist (a renamed test leaves its claim unbacked). Pure Python, no
+packages: tools/lint/lint.sh runs it on every CI run, before the tests.
+
+    python3 -m tools.claims           list the property claims and their tests; exit 1 and name
+                                      each unbacked claim or unknown test name
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+PROPERTY = re.compile(
+    r"bit for bit|bit-for-bit|bit-identical|bitwise|same bits|byte-identical|bit-exact", re.I
+)
+CODE = re.compile(r"`([^`\n]+)`")
+# A test-like name, not a flag (`--test_env`, `--test_arg`).
+TEST_NAME = re.compile(r"(?<![-\w])(test_\w+|\w+_test)\b")
+# Names a document may put in backticks that look like tests and are not: the golden archives.
+NOT_TESTS = {"test_llama_golden", "py_test"}
+# What a macro makes of a target's name (bazel/pytest.bzl gpu_pytest_test: NAME and NAME_on_cpu).
+GENERATED_SUFFIXES = ("_on_cpu",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    document: str
+    line: int
+    text: str
+    tests: tuple[str, ...]
+
+
+def blocks(text: str) -> Iterable[tuple[int, str]]:
+    """(first line number, text) of each paragraph and table row, code fences left out."""
+    lines = text.splitlines()
+    start, current, fenced = 0, [], False
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            if current:
+                yield start, "\n".join(current)
+            current = []
+            continue
+        if fenced:
+            continue
+        if not line.strip() or line.startswith("|") or line.startswith("#"):
+            if current:
+                yield start, "\n".join(current)
+            current = []
+            if line.startswith("|"):
+                yield number, line
+            continue
+        if not current:
+            start = number
+        current.append(line)
+    if current:
+        yield start, "\n".join(current)
+
+
+def cited_tests(text: str) -> list[str]:
+    names = []
+    for code in CODE.findall(text):
+        names += [n for n in TEST_NAME.findall(code) if n not in NOT_TESTS]
+    return names
+
+
+def claims(document: Path, root: Path) -> list[Claim]:
+    found = []
+    for line, text in blocks(document.read_text()):
+        if PROPERTY.search(text):
+            name = str(document.relative_to(root))
+            found.append(Claim(name, line, " ".join(text.split()), tuple(cited_tests(text))))
+    return found
+
+
+def known_tests(root: Path) -> set[str]:
+    """Test functions, test files, test targets and test macros of the source tree."""
+    names: set[str] = set()
+    for path in root.rglob("*.py"):
+        if path.parts[len(root.parts)].startswith(("bazel-", ".")):
+            continue
+        if path.stem.startswith("test_"):
+            names.add(path.stem)
+        names.update(re.findall(r"^\s*def (test_\w+)", path.read_text(errors="replace"), re.M))
+    for path in root.rglob("*.bzl"):  # the test macros (pytest_test, llama3_test, ...)
+        if not path.parts[len(root.parts)].startswith(("bazel-", ".")):
+            names.update(re.findall(r"^def (\w+)\(", path.read_text(), re.M))
+    for path in root.rglob("BUILD.bazel"):
+        if path.parts[len(root.parts)].startswith(("bazel-", ".")):
+            continue
+        for target in re.findall(r'name = "(\w+)"', path.read_text()):
+            names.add(target)
+            names.update(target + suffix for suffix in GENERATED_SUFFIXES)
+    return names
+
+
+def documents(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def problems(root: Path) -> tuple[list[Claim], list[str]]:
+    """Every property claim, and what is wrong: unbacked claims, unknown test names."""
+    every, wrong = [], []
+    known = known_tests(root)
+    for document in documents(root):
+        for claim in claims(document, root):
+            every.append(claim)
+            if not claim.tests:
+                wrong.append(
+                    f"{claim.document}:{claim.line}: states a bit-level property and names no "
+                    f"test: {claim.text[:160]}"
+                )
+        for line, text in blocks(document.read_text()):
+            for name in cited_tests(text):
+                if name not in known:
+                    wrong.append(
+                        f"{document.relative_to(root)}:{line}: names `{name}`, which is no "
+                        "test function, test file or target here"
+                    )
+    return every, wrong
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="claims", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]))
+    parser.add_argument("--quiet", action="store_true", help="print only what is wrong")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if not (root / "README.md").is_file():
+        print(f"claims: {root} has no README.md: pass --root=REPOSITORY", file=sys.stderr)
+        return 2
+    every, wrong = problems(root)
+    if not args.quiet:
+        for claim in every:
+            print(f"{claim.document}:{claim.line}: {', '.join(claim.tests)}")
+    for problem in wrong:
+        print(f"claims: {problem}", file=sys.stderr)
+    backed = len(every) - sum("names no test" in w for w in wrong)
+    print(f"claims: {len(every)} bit-level claims, {backed} backed by a named test")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

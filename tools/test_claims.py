@@ -1,0 +1,49 @@
+"""tools/claims.py on scratch repositories: a bit-level claim without a named test fails, so does
+a document naming a test that does not exist; a backed claim passes. The repository itself is
+checked by tools/lint/lint.sh (the check reads every test file of the source tree)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools import claims
+
+
+def _repo(tmp_path: Path, readme: str) -> Path:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(readme)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "test_kernels.py").write_text("def test_builds_agree():\n    pass\n")
+    (tmp_path / "pkg" / "BUILD.bazel").write_text('pytest_test(\n    name = "kernels_test",\n)\n')
+    return tmp_path
+
+
+def test_a_backed_claim_passes(tmp_path, capsys) -> None:
+    root = _repo(tmp_path, "Every build gives the same bits (`test_builds_agree`).\n")
+    assert claims.main([f"--root={root}"]) == 0
+    assert "1 bit-level claims, 1 backed" in capsys.readouterr().out
+
+
+def test_a_claim_without_a_test_fails_naming_its_line(tmp_path, capsys) -> None:
+    root = _repo(tmp_path, "# Title\n\nThe kernels agree\nbit for bit on every CPU.\n")
+    assert claims.main([f"--root={root}", "--quiet"]) == 1
+    assert "README.md:3: states a bit-level property and names no test" in capsys.readouterr().err
+
+
+def test_a_table_row_is_its_own_claim(tmp_path, capsys) -> None:
+    readme = "| a | bitwise in batch | `kernels_test` |\n| b | bit-identical to gguf-py | |\n"
+    assert claims.main([f"--root={_repo(tmp_path, readme)}", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "README.md:2:" in err and "README.md:1:" not in err
+
+
+def test_a_test_name_that_does_not_exist_fails(tmp_path, capsys) -> None:
+    root = _repo(tmp_path, "Bitwise (`test_builds_agree`, `test_renamed_away`); `--test_env`.\n")
+    assert claims.main([f"--root={root}", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "names `test_renamed_away`, which is no test" in err and "test_env" not in err
+
+
+def test_code_fences_are_not_claims(tmp_path) -> None:
+    root = _repo(tmp_path, "```\nsame bits\n```\n")
+    assert claims.main([f"--root={root}", "--quiet"]) == 0
