@@ -12,7 +12,9 @@ engine serves them (pipelines/llama3/serving.py), held to the same goldens and t
 - `prefix`: each case served after two sibling requests, one sharing its first blocks (read
   from the prefix cache) and one holding its second block's tokens at the start (equal block
   tokens after another history must not be shared). Prompt positions inside the cached prefix
-  are not computed, so not compared (the verdict says how many).
+  are not computed again by the case: the sibling that wrote those blocks computed them (the
+  same tokens, the same history), and its rows stand in the case's run, so they are compared
+  too (the verdict says how many).
 - `preempt`: all cases batched in a pool too small for them: sequences are preempted and
   recomputed.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 
 from goldens import schema
 from goldens.record import CaseSpec
@@ -87,7 +90,7 @@ def serving_engine(engine: Llama3Engine, **config) -> ServingEngine:
 @dataclasses.dataclass(frozen=True)
 class Served:
     runs: list[Run]
-    cached_positions: int  # golden prompt positions read from the prefix cache: not compared
+    cached_positions: int  # golden prompt positions read from the prefix cache (the sibling's rows)
     preemptions: int
     cache_hits: int  # blocks the requests read from the prefix cache
 
@@ -112,7 +115,8 @@ def served_runs(engine: Llama3Engine, golden: schema.Golden, serving: Serving) -
         server = serving_engine(engine, max_batch=1, num_blocks=blocks, **config)
         for request in requests:
             family = [*_siblings(request, serving.block_size, engine.config.vocab_size), request]
-            results[request.id] = server.serve(family)[request.id]
+            served = server.serve(family)
+            results[request.id] = _with_siblings_rows(served, request)
     elif serving.order == "split":
         server = serving_engine(engine, **config, num_blocks=_all_blocks(requests, serving))
         half = len(requests) // 2
@@ -139,7 +143,7 @@ def served_runs(engine: Llama3Engine, golden: schema.Golden, serving: Serving) -
                 prompt_logits,
             )
         )
-        cached += len(request.prompt_positions) - len(served.prompt_positions)
+        cached += sum(p < served.cached_prefix for p in served.prompt_positions)
         preemptions += served.preemptions
     return Served(runs, cached, preemptions, server.pool.hits)
 
@@ -160,8 +164,28 @@ def _siblings(request: Request, block_size: int, vocab: int) -> list[Request]:
         shifted = [*prompt[block_size : 2 * block_size], *other]
         siblings.append(Request(f"{request.id}/shifted", shifted, 1))
     if full >= 1:
-        siblings.append(Request(f"{request.id}/sharing", [*prompt[: full * block_size], *other], 1))
+        shared = full * block_size
+        positions = tuple(p for p in request.prompt_positions if p < shared)
+        sharing = [*prompt[:shared], *other]
+        siblings.append(Request(f"{request.id}/sharing", sharing, 1, prompt_positions=positions))
     return siblings
+
+
+def _with_siblings_rows(served: dict, request: Request):
+    """The case's result with the prompt rows it read from the prefix cache taken from the
+    sibling that computed them (`/sharing`: the case's tokens up to its shared blocks), in the
+    order of the case's prompt_positions; a position neither computed stays out."""
+    own, sibling = served[request.id], served.get(f"{request.id}/sharing")
+    if sibling is None or not sibling.prompt_positions:
+        return own
+    rows = {}
+    for source in (sibling, own):  # the case's own rows win where both computed one
+        if source.output.prompt_logits is not None:
+            rows.update(zip(source.prompt_positions, source.output.prompt_logits, strict=True))
+    positions = [p for p in request.prompt_positions if p in rows]
+    logits = torch.stack([rows[p] for p in positions]) if positions else None
+    output = dataclasses.replace(own.output, prompt_logits=logits)
+    return dataclasses.replace(own, output=output, prompt_positions=positions)
 
 
 def _prefix_pool(requests: list[Request], serving: Serving) -> int:

@@ -98,12 +98,17 @@ def not_bitwise(mode: str, encoding: str, scenario: str, lane: str, delta: float
 
 def lane_counters(serving: scenarios.Serving, served: scenarios.Served) -> list[str]:
     """What a serving must have exercised to be the lane it names: a preempt lane preempted,
-    a prefix lane read blocks from the cache."""
+    a prefix lane read blocks from the cache and compared the prompt positions inside them
+    (the rows of the sibling that computed them)."""
     missing = []
     if serving.tight_pool and served.preemptions == 0:
         missing.append(f"{serving.name}: no sequence was preempted (the pool is not tight)")
     if serving.prefix and served.cache_hits == 0:
         missing.append(f"{serving.name}: no block was read from the prefix cache")
+    elif serving.prefix and served.cached_positions == 0:
+        missing.append(
+            f"{serving.name}: no prompt position read from the prefix cache was compared"
+        )
     return missing
 
 
@@ -163,7 +168,8 @@ def test_llama_serving(
                     extra.append(f"{served.cache_hits} blocks read from the prefix cache")
                 if served.cached_positions:
                     extra.append(
-                        f"{served.cached_positions} prompt positions from the prefix cache"
+                        f"{served.cached_positions} prompt positions from the prefix cache "
+                        "(compared: the sibling's rows)"
                     )
                 if served.preemptions:
                     extra.append(f"{served.preemptions} preemptions")
@@ -189,8 +195,9 @@ def _tiny_short(goldens, encoding: str):
 
 
 def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
-    """The counters are proven: a pool large enough for everyone never preempts, and a prefix
-    cache whose hashes never repeat is never read; each is named, the goldens alone pass."""
+    """The counters are proven: a pool large enough for everyone never preempts, a prefix lane
+    that leaves the cached prompt positions out compares none of them, and a prefix cache whose
+    hashes never repeat is never read; each is named, the goldens alone pass."""
     variant, golden = _tiny_short(goldens, "float32")
     engine = engine_runs.load_engine(variant, "cpu")
     (preempt,) = scenarios.SERVINGS["preempt"]
@@ -201,6 +208,11 @@ def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
     assert lane_counters(preempt, scenarios.served_runs(engine, golden, roomy)) == [
         "preempt: no sequence was preempted (the pool is not tight)"
     ]
+    with monkeypatch.context() as patch:
+        patch.setattr(scenarios, "_with_siblings_rows", lambda served, request: served[request.id])
+        assert lane_counters(prefix, scenarios.served_runs(engine, golden, prefix)) == [
+            "prefix: no prompt position read from the prefix cache was compared"
+        ]
     monkeypatch.setattr(ServingEngine, "_block_hash", lambda self, parent, tokens: os.urandom(32))
     assert lane_counters(prefix, scenarios.served_runs(engine, golden, prefix)) == [
         "prefix: no block was read from the prefix cache"
