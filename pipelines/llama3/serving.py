@@ -285,6 +285,11 @@ class ServingEngine:
             seq.skip = set(range(len(seq.fed))) - set(recompute)
         return True
 
+    def _chunk(self, computed: int, remaining: int) -> int:
+        """How many of a sequence's `remaining` fed tokens, after its first `computed`, this
+        step computes: `chunk_size` of them at most (a decode step: the one new token)."""
+        return remaining if self.chunk_size is None else min(self.chunk_size, remaining)
+
     def _schedule(
         self, running: list[_Sequence], waiting: collections.deque
     ) -> list[tuple[_Sequence, int, int]]:
@@ -294,8 +299,7 @@ class ServingEngine:
         for seq in list(running):
             if seq not in running:
                 continue
-            remaining = len(seq.fed) - seq.computed
-            count = remaining if self.chunk_size is None else min(self.chunk_size, remaining)
+            count = self._chunk(seq.computed, len(seq.fed) - seq.computed)
             end = seq.computed + count
             while len(seq.table) * self.block_size < end:
                 block = self.pool.allocate()
