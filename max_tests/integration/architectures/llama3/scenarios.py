@@ -81,8 +81,10 @@ LONG_SERVINGS = {
 }
 # Where a long prompt meets small chunks: chunks of 1, 3 and 16 over the 512 positions before
 # WINDOW_END (tiny long_8k: 2304 .. 2815, where bfloat16 in chunks of 1 moved position 2560 by
-# 0.087; SmolLM2's 2,138-token prompt: its last 512), the rest in one piece each side.
+# 0.087), or over the last 16th of a prompt that ends sooner (SmolLM2's 2,138 tokens: its last
+# 133, 30 layers a row), the rest in one piece each side.
 WINDOW_END = 2816
+WINDOW_SHARE = 16  # a prompt ending before WINDOW_END gets a window of a 16th of it at most
 LONG_SERVINGS["chunked"] += tuple(
     Serving(f"chunk{size}@window", chunk_size=size, window=512, column="cpu_chunked")
     for size in (1, 3, 16)
@@ -106,12 +108,12 @@ def serving_engine(engine: Llama3Engine, window: int = 0, **config) -> ServingEn
 
 def windowed(base: type[ServingEngine], window: int) -> type[ServingEngine]:
     """`base` whose prefill takes chunks of `chunk_size` only over the `window` positions
-    ending at WINDOW_END (or at the prompt's end, if sooner): one piece up to the window, the
-    chunks, one piece after it."""
+    ending at WINDOW_END (or at the prompt's end, if sooner, and then over a WINDOW_SHARE-th of
+    the prompt at most): one piece up to the window, the chunks, one piece after it."""
 
     def _chunk(self, computed: int, remaining: int) -> int:
         end = min(WINDOW_END, computed + remaining)
-        start = max(0, end - window)
+        start = max(0, end - min(window, end // WINDOW_SHARE))
         if remaining == 1 or self.chunk_size is None:
             return base._chunk(self, computed, remaining)
         if computed < start:
