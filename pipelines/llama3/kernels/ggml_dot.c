@@ -731,6 +731,23 @@ static const double ROPE_PIO2_1 = 0x1.921fb5p+0, ROPE_PIO2_2 = 0x1.110b46p-26,
                     ROPE_PIO2_3 = 0x1.1a62633145c07p-54, ROPE_TWO_OVER_PI = 0x1.45f306dc9c883p-1;
 static const double ROPE_LN2_HI = 0x1.62e42feep-1, ROPE_LN2_LO = 0x1.a39ef35793c76p-33;
 
+/* Taylor coefficients after the first term: sin's of r^3 .. r^17 and cos's of r^2 .. r^18
+ * (constants folded by the compiler: one IEEE division each). */
+static const double ROPE_SIN[8] = {-1.0 / 6.0,       1.0 / 120.0,          -1.0 / 5040.0,
+                                   1.0 / 362880.0,   -1.0 / 39916800.0,    1.0 / 6227020800.0,
+                                   -1.0 / 1307674368000.0, 1.0 / 355687428096000.0};
+static const double ROPE_COS[9] = {-1.0 / 2.0,           1.0 / 24.0,           -1.0 / 720.0,
+                                   1.0 / 40320.0,        -1.0 / 3628800.0,     1.0 / 479001600.0,
+                                   -1.0 / 87178291200.0, 1.0 / 20922789888000.0,
+                                   -1.0 / 6402373705728000.0};
+
+/* c[0] + x (c[1] + x (... + x c[n - 1])), innermost first. */
+static double rope_horner(const double *c, int n, double x) {
+  double p = c[n - 1];
+  for (int j = n - 2; j >= 0; j--) p = c[j] + x * p;
+  return p;
+}
+
 /* The largest angle the reduction is exact for (k < 2^26): 2^26 rad, far beyond any position. */
 #define ROPE_MAX_ANGLE 67108864.0
 
@@ -743,27 +760,8 @@ static void rope_sin_cos(double x, double *sin_out, double *cos_out) {
   const double kd = (double)k;
   const double r = ((ax - kd * ROPE_PIO2_1) - kd * ROPE_PIO2_2) - kd * ROPE_PIO2_3;
   const double r2 = r * r;
-  const double s =
-      r + r * r2 *
-              (-1.0 / 6.0 +
-               r2 * (1.0 / 120.0 +
-                     r2 * (-1.0 / 5040.0 +
-                           r2 * (1.0 / 362880.0 +
-                                 r2 * (-1.0 / 39916800.0 +
-                                       r2 * (1.0 / 6227020800.0 +
-                                             r2 * (-1.0 / 1307674368000.0 +
-                                                   r2 * (1.0 / 355687428096000.0))))))));
-  const double c =
-      1.0 +
-      r2 * (-1.0 / 2.0 +
-            r2 * (1.0 / 24.0 +
-                  r2 * (-1.0 / 720.0 +
-                        r2 * (1.0 / 40320.0 +
-                              r2 * (-1.0 / 3628800.0 +
-                                    r2 * (1.0 / 479001600.0 +
-                                          r2 * (-1.0 / 87178291200.0 +
-                                                r2 * (1.0 / 20922789888000.0 +
-                                                      r2 * (-1.0 / 6402373705728000.0)))))))));
+  const double s = r + r * r2 * rope_horner(ROPE_SIN, 8, r2);
+  const double c = 1.0 + r2 * rope_horner(ROPE_COS, 9, r2);
   double sx, cx;
   switch (k & 3) {
     case 0: sx = s, cx = c; break;
