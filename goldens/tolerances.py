@@ -15,6 +15,7 @@ REFERENCES = ("own", "torch")
 # entries() leaves them out unless asked, as the code-mutation matrix runs the eager engine.
 MODE_REFERENCES = ("ggml",)
 FLOORS = ("noise_floor", "isa_noise_floor", "mutation_floor")
+CASES = ("all", "short")  # an entry's `cases`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Tolerance:
     # the noise across the kernel levels of one CPU (calibrate_tolerances --kernel-levels)
     isa_noise_floor: Floor | None = None
     mutation_floor: Floor | None = None
+    # which cases the entry judges: "all", or "short" where its `why` measures the long
+    # cases off by design (the restriction lives in the reviewed entry, not in a test)
+    cases: str = "all"
 
     @property
     def reference(self) -> str:
@@ -82,7 +86,25 @@ def tolerance(reference: str, encoding: str, device: str, fallback: bool = False
             f"|Δ log-prob| {measured.get('logprob')}, KL {measured.get('kl')})"
         )
     floors = {f: Floor(**entry.pop(f)) for f in FLOORS if f in entry}
+    if entry.get("cases", "all") not in CASES:
+        raise ValueError(
+            f"{key}: cases {entry['cases']!r} is not one of {', '.join(CASES)} "
+            f"({TOLERANCES_FILE.name})"
+        )
     return Tolerance(key=key, **entry, **floors)
+
+
+def judged_lane(lane: str, tolerance: Tolerance) -> str:
+    """The cases judged when `lane` ("all", "short", "long") is asked of `tolerance`: its own
+    `cases` where it judges fewer; a lane with none of its cases is an error naming both."""
+    if tolerance.cases == "all" or lane == tolerance.cases:
+        return lane
+    if lane == "all":
+        return tolerance.cases
+    raise ValueError(
+        f"{tolerance.key} judges the {tolerance.cases} cases only (its why in "
+        f"{TOLERANCES_FILE.name}); the {lane} lane has none of them"
+    )
 
 
 def entries(reference: str | None = None, encoding: str | None = None) -> list[Tolerance]:

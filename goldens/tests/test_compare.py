@@ -9,11 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from goldens import compare
+from goldens import compare, tolerances
 from goldens.record import CaseSpec, record_case
 from goldens.sanity import degeneracy_problems
 from goldens.schema import Golden, Provenance
-from goldens.tolerances import Tolerance, tolerance
+from goldens.tolerances import Tolerance, judged_lane, tolerance
 
 VOCAB = 64
 TOL = Tolerance(
@@ -222,6 +222,31 @@ def test_every_encoding_and_device_has_a_documented_tolerance():
 def test_missing_tolerance_names_the_key():
     with pytest.raises(KeyError, match="own/float16/cpu"):
         tolerance("own", "float16", "cpu")
+
+
+def test_an_entry_that_judges_the_short_cases_narrows_every_lane_that_asks_more():
+    short = dataclasses.replace(TOL, key="ggml/q4_k/llama_cpp", cases="short")
+    assert judged_lane("all", short) == "short"
+    assert judged_lane("short", short) == "short"
+    with pytest.raises(ValueError, match="ggml/q4_k/llama_cpp judges the short cases only"):
+        judged_lane("long", short)
+    for lane in ("all", "short", "long"):
+        assert judged_lane(lane, TOL) == lane
+    assert tolerance("ggml", "q4_k", "llama_cpp").cases == "short"  # the one entry that does
+
+
+def test_an_entry_with_unknown_cases_is_refused_naming_it(monkeypatch):
+    table = {"own": {"float32": {"cpu": {**_entry(), "cases": "long"}}}}
+    monkeypatch.setattr(tolerances, "_table", lambda: table)
+    with pytest.raises(ValueError, match="own/float32/cpu: cases 'long' is not one of all, short"):
+        tolerance("own", "float32", "cpu")
+
+
+def _entry() -> dict:
+    return {
+        "logprob_atol": 1e-3, "kl_max": 1e-6, "topk_overlap_min": 0.95,
+        "near_tie_margin": 2e-3, "why": "w",
+    }  # fmt: skip
 
 
 def _golden(cases) -> Golden:

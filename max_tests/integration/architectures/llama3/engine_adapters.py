@@ -18,7 +18,7 @@ import torch
 from goldens import schema
 from goldens.engines.base import Engine, forced_run
 from goldens.record import CaseSpec
-from goldens.tolerances import Tolerance
+from goldens.tolerances import Tolerance, judged_lane
 from max_tests.integration.architectures.llama3 import judge
 from max_tests.integration.architectures.llama3.engine_runs import Run, load_engine
 from max_tests.integration.architectures.llama3.golden_files import GoldenSource
@@ -132,7 +132,8 @@ def judge_engine(
     lane: str = "all",
 ) -> judge.Verdict:
     """judge.check for any engine: `engine` teacher-forced on the cases of `lane` of `golden`
-    and compared under `tolerance`."""
+    and compared under `tolerance` (the cases it judges)."""
+    lane = judged_lane(lane, tolerance)
     runs = external_runs(engine, judge.in_lane(golden, variant.model, lane))
     return judge.compare_runs(
         runs, golden, source, reference, tolerance, variant, engine.decode, lane=lane

@@ -7,7 +7,7 @@ import dataclasses
 
 from goldens import compare, schema
 from goldens.record import CaseSpec, case_specs
-from goldens.tolerances import Tolerance
+from goldens.tolerances import Tolerance, judged_lane
 from max_tests.integration.architectures.llama3.engine_runs import Run, forced_runs
 from max_tests.integration.architectures.llama3.golden_files import GoldenSource, regenerate_command
 from max_tests.integration.architectures.llama3.variants import Variant
@@ -114,7 +114,9 @@ def compare_runs(
     lane: str = "all",
 ) -> Verdict:
     """Teacher-forced runs (`forced_runs` of this golden) against the golden, case by case;
-    with a `lane`, only that lane's cases (and cases.yaml's cases of that lane)."""
+    with a `lane`, only that lane's cases (and cases.yaml's cases of that lane), and only the
+    cases the tolerance judges (its `cases`)."""
+    lane = judged_lane(lane, tolerance)
     golden = in_lane(golden, variant.model, lane)
     by_id = {run.spec.id: run for run in runs}
     failures, reports = [], []
@@ -164,6 +166,7 @@ def check(
 ) -> Verdict:
     """The engine teacher-forced on `golden` (the cases of `lane`) and compared with it
     under `tolerance` (`memo`: see `forced_runs`)."""
+    lane = judged_lane(lane, tolerance)
     runs = forced_runs(engine, in_lane(golden, variant.model, lane), memo)
     decode = engine.tokenizer.decode
     return compare_runs(runs, golden, source, reference, tolerance, variant, decode, device, lane)
