@@ -13,6 +13,7 @@ import torch
 from pipelines.llama3 import ggml_mode, packed
 from pipelines.llama3.compiled import compile_blocks
 from pipelines.llama3.config import LlamaConfig
+from pipelines.llama3.decoder import Decoder
 from pipelines.llama3.gguf_file import GGUFFile
 from pipelines.llama3.gguf_loader import (
     CheckpointError,
@@ -218,6 +219,14 @@ class Llama3Engine:
         return cls(config, model, tokenizer, device, dtype, mode)
 
     @property
+    def eos_ids(self) -> frozenset[int]:
+        """The ids that end a sequence: the tokenizer's end-of-sequence and end-of-turn ids,
+        else the checkpoint's `tokenizer.ggml.eos_token_id` (none: nothing stops early)."""
+        if self.tokenizer is not None:
+            return frozenset(self.tokenizer.eos_ids)
+        return frozenset({self.config.eos_token_id} - {None})
+
+    @property
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: every matrix once (embedding rows aside)."""
         total = 0
@@ -254,7 +263,8 @@ class Llama3Engine:
         forced_tokens: list[int] | None = None,
         prompt_positions: Sequence[int] = (),
     ) -> GenerationOutput:
-        """Prefill, then greedy decode, each step reading the keys and values of the KV cache.
+        """Prefill, then decode, each step reading the keys and values of the KV cache; the
+        next token and the stop are the decoder's (decoder.Decoder: greedy, end-of-sequence ids).
 
         With `forced_tokens` (teacher forcing) step i feeds forced_tokens[i] to the next step
         instead of the greedy choice, for len(forced_tokens) steps and no EOS stop: every
@@ -264,12 +274,13 @@ class Llama3Engine:
         prefill's logits at those positions (`prompt_logits`); the LM head runs on them only.
         """
         if forced_tokens is not None:
-            max_new_tokens, stop_on_eos = len(forced_tokens), False
             bad = [t for t in forced_tokens if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise ValueError(f"forced tokens {bad[:5]} are outside the vocabulary")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        decoder = Decoder(
+            max_new_tokens, self.eos_ids if stop_on_eos else frozenset(), forced_tokens
+        )
+        max_new_tokens = decoder.max_new_tokens
         prompt = self._tensor(input_ids)
         positions = [int(p) for p in prompt_positions]
         if any(not 0 <= p < len(input_ids) - 1 for p in positions):
@@ -278,14 +289,8 @@ class Llama3Engine:
                 f"(a {len(input_ids)}-token prompt; its last position is the first step)"
             )
         self.model.setup_caches(len(input_ids) + max_new_tokens)
-        eos_ids = set()
-        if stop_on_eos:
-            eos_ids = (
-                self.tokenizer.eos_ids if self.tokenizer else {self.config.eos_token_id} - {None}
-            )
         step_logits = torch.empty(max_new_tokens, self.config.vocab_size, dtype=torch.float32)
         next_token = torch.empty(1, 1, dtype=torch.long, device=self.device)
-        tokens: list[int] = []
 
         _synchronize(self.device)
         start = time.perf_counter()
@@ -296,17 +301,15 @@ class Llama3Engine:
 
         start = time.perf_counter()
         for step in range(max_new_tokens):
-            token = int(torch.argmax(logits))
             step_logits[step] = logits
-            tokens.append(token)
-            if token in eos_ids or step == max_new_tokens - 1:
+            token = decoder.step(logits)
+            if token is None:
                 break
-            if forced_tokens is not None:
-                token = forced_tokens[step]
             next_token.fill_(token)  # one preallocated [1, 1] input for every step
             logits = self.model(next_token, len(input_ids) + step)[0, -1]
         _synchronize(self.device)
         decode_seconds = time.perf_counter() - start
+        tokens = decoder.tokens
         return GenerationOutput(
             tokens,
             step_logits[: len(tokens)].clone(),

@@ -6,8 +6,15 @@ complex pairs; the KV cache is allocated on demand by `setup_caches`; the model 
 on the meta device and given its weights by `load_state_dict(assign=True)`; and Attention's
 projection and cache write are methods of their own (`project`, `update_cache`), which the
 quantized mode's subclass (packed.PackedAttention) and the tests' planted bugs replace.
+
+Two entries run the same layers: `Transformer.forward` (a batch of equal-length sequences over
+the contiguous cache that `setup_caches` allocates: `Llama3Engine.generate`) and
+`Transformer.forward_paged` (a ragged batch over a paged cache that `PagedBatch` describes:
+the serving engine, serving.py, which keeps the blocks and the schedule and computes nothing
+of the transformer itself). Every layer's arithmetic is the same code in both.
 """
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -141,6 +148,61 @@ def grouped_attention(
     ).to(q.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedBatch:
+    """A ragged batch over a paged KV cache: the pieces' rows concatenated, never padded.
+
+    Piece i is `counts[i]` consecutive rows (a prefill chunk, or one decode token) of one
+    sequence; it attends to the keys in slots `contexts[i]`, whose last `counts[i]` are its own
+    rows'. Row r's keys and values go to slot `write[r]` where `fresh[r]` (a position kept
+    from before, as a preempted sequence's, is not written again).
+    """
+
+    k: torch.Tensor  # [layers, slots, n_kv_heads, head_dim]: every layer's keys
+    v: torch.Tensor
+    counts: list[int]
+    contexts: list[torch.Tensor]  # per piece: long slot indices
+    write: torch.Tensor  # [rows] long
+    fresh: torch.Tensor  # [rows] bool
+
+    def decode_rows(self) -> torch.Tensor:
+        """[rows] bool: the rows of one-row pieces (a decode step)."""
+        return torch.tensor([c == 1 for c in self.counts for _ in range(c)], dtype=torch.bool)
+
+
+def write_paged(
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    xk: torch.Tensor,
+    xv: torch.Tensor,
+    batch: PagedBatch,
+    rows: torch.Tensor,
+) -> None:
+    """Keys and values [1, n_kv_heads, rows, head_dim] of the `rows` (bool) into their slots of
+    one layer's caches [slots, n_kv_heads, head_dim]."""
+    new_k, new_v = xk[0].transpose(0, 1), xv[0].transpose(0, 1)  # [rows, kv_heads, hd]
+    cache_k[batch.write[rows]] = new_k[rows].to(cache_k.dtype)
+    cache_v[batch.write[rows]] = new_v[rows].to(cache_v.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    context: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One piece's attention, q [1, heads, count, hd] over the keys of slots `context` of one
+    layer's caches (the piece's own the last `count` of them): grouped_attention with the mask
+    of a chunk after `len(context) - count` earlier positions."""
+    count = q.shape[2]
+    keys = cache_k[context].transpose(0, 1)[None]  # [1, kv_heads, ctx, hd]
+    values = cache_v[context].transpose(0, 1)[None]
+    past = len(context) - count
+    mask = None if count == 1 or past == 0 else causal_mask(count, past, q.device)
+    return grouped_attention(q, keys, values, mask, mask is None and count > 1, scale)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -176,6 +238,31 @@ class Attention(nn.Module):
         output = grouped_attention(xq, keys, values, mask, mask is None and seqlen > 1, self.scale)
         output = output.transpose(1, 2).reshape(bsz, seqlen, -1)  # [bsz, seq, heads * head_dim]
         return self.wo(output)
+
+    def forward_paged(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        batch: PagedBatch,
+    ) -> torch.Tensor:
+        """`forward` for a ragged batch x [1, rows, dim] over one layer's paged caches
+        [slots, n_kv_heads, head_dim]: the same projection, then each piece's attention."""
+        xq, xk, xv = self.project(x, cos, sin)
+        write_paged(cache_k, cache_v, xk, xv, batch, batch.fresh)
+        outputs, offset = [], 0
+        for count, context in zip(batch.counts, batch.contexts, strict=True):
+            q = xq[:, :, offset : offset + count]
+            outputs.append(paged_attention(q, cache_k, cache_v, context, self.scale))
+            offset += count
+        return self.wo(self.merge_pieces(outputs, x.shape[1]))
+
+    @staticmethod
+    def merge_pieces(outputs: list[torch.Tensor], rows: int) -> torch.Tensor:
+        """The pieces' outputs [1, heads, count, hd] as rows [1, rows, heads * hd]."""
+        return torch.cat(outputs, dim=2).transpose(1, 2).reshape(1, rows, -1)
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -231,6 +318,22 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), start_pos, cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
+    def forward_paged(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        batch: PagedBatch,
+    ) -> torch.Tensor:
+        """`forward` for a ragged batch [1, rows, dim] over this layer's paged caches."""
+        attended = self.attention.forward_paged(
+            self.attention_norm(x), cos, sin, cache_k, cache_v, batch
+        )
+        h = x + attended
+        return h + self.feed_forward(self.ffn_norm(h))
+
 
 class Transformer(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
@@ -245,6 +348,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.max_seq_len = 0
         self.max_batch_size = 0
+        self.rope_len = 0  # positions the rope tables cover (setup_rope)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         # (config, max_seq_len, device) -> (cos, sin): precompute_rope, or a mode's own
@@ -269,12 +373,21 @@ class Transformer(nn.Module):
         max_seq_len = max(max_seq_len, self.max_seq_len)
         max_batch_size = max(max_batch_size, self.max_batch_size)
         weight = self.tok_embeddings.weight
-        self.rope_cos, self.rope_sin = self.rope_tables(self.config, max_seq_len, weight.device)
+        self.setup_rope(max_seq_len)
         shape = (max_batch_size, self.config.n_kv_heads, max_seq_len, self.config.head_dim)
         for layer in self.layers:
             layer.attention.cache_k = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
             layer.attention.cache_v = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
+
+    def setup_rope(self, positions: int) -> None:
+        """RoPE tables for `positions` positions at least (no KV cache: a paged forward's
+        caches are its caller's). Each entry depends on its position only, so the tables of
+        a longer run hold the same values for the positions they share."""
+        if positions > self.rope_len:
+            device = self.tok_embeddings.weight.device
+            self.rope_cos, self.rope_sin = self.rope_tables(self.config, positions, device)
+            self.rope_len = positions
 
     def forward(
         self, tokens: torch.Tensor, start_pos: int, outputs: Sequence[int] | None = None
@@ -305,6 +418,24 @@ class Transformer(nn.Module):
         if outputs is not None:
             h = h[:, list(outputs)]
         return self._logits(h)
+
+    def forward_paged(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        batch: PagedBatch,
+        outputs: Sequence[Sequence[int]],
+    ) -> list[torch.Tensor | None]:
+        """A ragged batch: tokens [rows] at `positions` [rows] (long, within setup_rope's) ->
+        per piece, the logits [len(outputs[i]), vocab] float32 of its rows `outputs[i]`
+        (indices into the batch's rows; None where it asks for none). Keys and values go to
+        `batch`'s caches; each piece reads its own context (PagedBatch)."""
+        h = self.tok_embeddings(tokens)[None]  # [1, rows, dim]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for index, layer in enumerate(self.layers):
+            h = layer.forward_paged(h, cos, sin, batch.k[index], batch.v[index], batch)
+        # The head per piece, as each sequence alone computes it (its rows, not the batch's).
+        return [self._logits(h[0, list(rows)]) if rows else None for rows in outputs]
 
     def attention_mask(
         self, seqlen: int, start_pos: int, device: torch.device

@@ -32,9 +32,12 @@ from pipelines.llama3.kernel_library import library
 from pipelines.llama3.model import (
     Attention,
     FeedForward,
+    PagedBatch,
     RMSNorm,
     Transformer,
     apply_rotary_emb,
+    paged_attention,
+    write_paged,
 )
 from pipelines.llama3.packing import GROUP, PackedWeight, RawMatrix, dequantize, pack_rows
 
@@ -223,6 +226,38 @@ class PackedAttention(Attention):
         if x.shape[0] == x.shape[1] == 1 and self._decode_applies(cos, sin):
             return self.wo(self._decode_step(x, start_pos, cos, sin))
         return super().forward(x, start_pos, cos, sin, mask)
+
+    def forward_paged(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        batch: PagedBatch,
+    ) -> torch.Tensor:
+        """Attention.forward_paged, the decode rows through the paged kernel
+        (`decode_attention_paged`, bit-identical to the contiguous one `forward` runs) where
+        it reads these caches (float32, CPU): the kernel writes a decode row's keys itself,
+        into the row's write slot, the last of the slots it reads."""
+        if not (cache_k.dtype == torch.float32 and cache_k.device.type == "cpu"):
+            return super().forward_paged(x, cos, sin, cache_k, cache_v, batch)
+        qkv = self.wqkv(x)
+        xq, xk, xv = self.rotate(qkv, cos, sin)
+        write_paged(cache_k, cache_v, xk, xv, batch, batch.fresh & ~batch.decode_rows())
+        outputs, offset = [], 0
+        for count, context in zip(batch.counts, batch.contexts, strict=True):
+            if count == 1:
+                slots = context.clone()
+                slots[-1] = batch.write[offset]
+                row = qkv[0, offset].clone()  # the kernel rotates it in place
+                out = self.decode_paged(row, cos[offset], sin[offset], cache_k, cache_v, slots)
+                outputs.append(out.view(1, self.n_heads, 1, self.head_dim))
+            else:
+                q = xq[:, :, offset : offset + count]
+                outputs.append(paged_attention(q, cache_k, cache_v, context, self.scale))
+            offset += count
+        return self.wo(self.merge_pieces(outputs, x.shape[1]))
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

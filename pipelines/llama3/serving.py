@@ -1,7 +1,10 @@
 """The paths a serving engine takes: many requests at once over a paged KV cache.
 
 `ServingEngine(engine, block_size=16, ...)` serves a list of `Request`s the way vLLM, SGLang or
-llama.cpp's server do, with the engine's own weights and modules:
+llama.cpp's server do. It keeps the block pool, the schedule and the prefix cache, and computes
+nothing of the transformer: each step is one call of the model's ragged forward
+(`Transformer.forward_paged` over a `model.PagedBatch` of the pool), and each sequence's next
+token is the decoder's (`decoder.Decoder`, the one `Llama3Engine.generate` uses):
 
 - **Paged KV cache** (`BlockPool`): keys and values live in a pool of fixed-size blocks,
   [layers, blocks, block_size, kv_heads, head_dim]; each sequence has a block table, position p
@@ -17,9 +20,10 @@ llama.cpp's server do, with the engine's own weights and modules:
 - **Preemption**: when the pool has no free block for a running sequence, the most recently
   admitted one gives its blocks back and is recomputed later from its tokens (prompt and what
   it was fed), then continues exactly.
-- **The quantized mode's decode kernel reads the paged cache**: a decode row runs
-  `decode_attention_paged` over its block table's slots (bit-identical to the contiguous
-  kernel `generate` uses); prefill pieces run SDPA over the gathered keys.
+- **Each mode's kernels read the paged cache**: the quantized mode's attention
+  (packed.PackedAttention.forward_paged) runs a decode row through `decode_attention_paged`
+  over its block table's slots (bit-identical to the contiguous kernel `generate` uses);
+  prefill pieces run SDPA over the gathered keys.
 - **Teacher forcing per request**: `Request.forced_tokens` feeds the golden's tokens, as
   `Llama3Engine.generate` does; `prompt_positions` returns logits of those prompt positions
   (positions read from the prefix cache are not computed, so not returned).
@@ -42,8 +46,9 @@ from collections.abc import Sequence
 
 import torch
 
+from pipelines.llama3.decoder import Decoder
 from pipelines.llama3.engine import GenerationOutput, Llama3Engine
-from pipelines.llama3.model import causal_mask, grouped_attention, precompute_rope
+from pipelines.llama3.model import PagedBatch, precompute_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +144,7 @@ class _Sequence:
     computed: int = 0  # positions of `fed` whose keys are in the pool
     table: list[int] = dataclasses.field(default_factory=list)
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its full blocks
-    tokens: list[int] = dataclasses.field(default_factory=list)  # greedy choice per step
+    decoder: Decoder | None = None  # the next token and the stop (set by `serve`)
     logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
     prompt_logits: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     cached_prefix: int = 0  # prompt positions read from the prefix cache
@@ -174,10 +179,9 @@ class ServingEngine:
         self.engine, self.model = engine, engine.model
         self.num_blocks = num_blocks  # None: enough for every request of a `serve` at once
         self.pool: BlockPool | None = None
-        self.kernel = False  # decode rows through the paged kernel (set with the pool)
         self.block_size, self.chunk_size, self.max_batch = block_size, chunk_size, max_batch
         self.prefix_caching = prefix_caching
-        self.cos, self.sin = precompute_rope(engine.config, max_context, engine.device)
+        self.model.setup_rope(max_context)
         self.max_context = max_context
         self.preemptions = 0
         self.steps = 0
@@ -222,8 +226,10 @@ class ServingEngine:
             lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
             needed = sum(blocks_for(n, self.block_size) for n in lengths)
             self.pool = BlockPool(self.engine, self.num_blocks or needed + 1, self.block_size)
-            self.kernel = self._decode_kernel()
-        waiting = collections.deque(_Sequence(r, i, list(r.prompt)) for i, r in enumerate(requests))
+        waiting = collections.deque(
+            _Sequence(r, i, list(r.prompt), decoder=self._decoder(r))
+            for i, r in enumerate(requests)
+        )
         running: list[_Sequence] = []
         finished: dict[str, _Sequence] = {}
         start = time.perf_counter()
@@ -247,6 +253,15 @@ class ServingEngine:
         seconds = time.perf_counter() - start
         return {r.id: self._output(finished[r.id], seconds) for r in requests}
 
+    def _decoder(self, request: Request) -> Decoder:
+        """The request's decoder: the checkpoint's end-of-sequence ids, as generate's."""
+        forced = request.forced_tokens
+        return Decoder(
+            request.max_new_tokens,
+            self.engine.eos_ids,
+            None if forced is None else forced[: request.max_new_tokens],
+        )
+
     def _check(self, requests: Sequence[Request]) -> None:
         vocab = self.engine.config.vocab_size
         for r in requests:
@@ -254,6 +269,11 @@ class ServingEngine:
                 raise ValueError(f"request {r.id!r}: empty prompt or max_new_tokens < 1")
             if any(not 0 <= t < vocab for t in [*r.prompt, *(r.forced_tokens or [])]):
                 raise ValueError(f"request {r.id!r}: token ids outside the vocabulary")
+            if r.forced_tokens is not None and len(r.forced_tokens) < r.max_new_tokens:
+                raise ValueError(
+                    f"request {r.id!r}: {len(r.forced_tokens)} forced tokens for "
+                    f"max_new_tokens {r.max_new_tokens}: teacher forcing feeds one per step"
+                )
             if any(not 0 <= p < len(r.prompt) - 1 for p in r.prompt_positions):
                 raise ValueError(f"request {r.id!r}: prompt positions outside the prompt")
             if len(r.prompt) + r.max_new_tokens > self.max_context:
@@ -341,98 +361,57 @@ class ServingEngine:
         return self._block_hash(parent, seq.fed[b * self.block_size : (b + 1) * self.block_size])
 
     def _forward(self, pieces: list[tuple[_Sequence, int, int]]) -> None:
-        """One forward pass over every piece's tokens, ragged; then each sequence's step."""
+        """One forward pass of the model over every piece's tokens, ragged
+        (Transformer.forward_paged over the pool); then each sequence's step."""
         self.batch = pieces  # this step's pieces, for the seams
-        model, pool = self.model, self.pool
-        device = self.engine.device
+        pool, device = self.pool, self.engine.device
         tokens, positions, slots = [], [], []
         for seq, start, count in pieces:
             tokens += seq.fed[start : start + count]
             positions += self._positions(seq, start, count)
             slots += [self._write_slot(seq, p, count == 1) for p in range(start, start + count)]
-        token_ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=device)
-        write = torch.tensor(slots, dtype=torch.long, device=device)
-        skip = [self._skipped(seq, start, count) for seq, start, count in pieces]
-        kernel = self.kernel
-        # A decode row the quantized kernel runs: it writes that position's keys itself.
-        by_kernel = [kernel and count == 1 for _, _, count in pieces]
-        keep = torch.tensor(
-            [not s and not k for piece, k in zip(skip, by_kernel, strict=True) for s in piece],
-            dtype=torch.bool,
+        fresh = [not s for seq, start, count in pieces for s in self._skipped(seq, start, count)]
+        batch = PagedBatch(
+            k=pool.k.view(pool.k.shape[0], -1, *pool.k.shape[3:]),
+            v=pool.v.view(pool.v.shape[0], -1, *pool.v.shape[3:]),
+            counts=[count for _, _, count in pieces],
+            contexts=[
+                torch.tensor(self._context_slots(pieces, i), dtype=torch.long, device=device)
+                for i in range(len(pieces))
+            ],
+            write=torch.tensor(slots, dtype=torch.long, device=device),
+            fresh=torch.tensor(fresh, dtype=torch.bool),
         )
-        contexts = [
-            torch.tensor(self._context_slots(pieces, i), dtype=torch.long, device=device)
-            for i in range(len(pieces))
-        ]
-        for i, (seq, start, _) in enumerate(pieces):
-            if by_kernel[i]:  # the kernel's slots: the context, the new position's write slot
-                contexts[i][-1] = self._write_slot(seq, start, True)
-        h = model.tok_embeddings(token_ids)[None]  # [1, T, dim]
-        cos, sin = self.cos[position_ids], self.sin[position_ids]
-        for index, layer in enumerate(model.layers):
-            attention = layer.attention
-            x = layer.attention_norm(h)
-            qkv = attention.wqkv(x) if kernel else None
-            if kernel:
-                xq, xk, xv = attention.rotate(qkv, cos, sin)
-            else:
-                xq, xk, xv = attention.project(x, cos, sin)
-            k_slots = pool.k[index].view(-1, attention.n_kv_heads, attention.head_dim)
-            v_slots = pool.v[index].view(-1, attention.n_kv_heads, attention.head_dim)
-            new_k, new_v = xk[0].transpose(0, 1), xv[0].transpose(0, 1)  # [T, kv_heads, hd]
-            k_slots[write[keep]] = new_k[keep].to(k_slots.dtype)
-            v_slots[write[keep]] = new_v[keep].to(v_slots.dtype)
-            outputs, offset = [], 0
-            for i, ((_, _, count), context) in enumerate(zip(pieces, contexts, strict=True)):
-                if by_kernel[i]:
-                    row = qkv[0, offset].clone()  # the kernel rotates it in place
-                    out = attention.decode_paged(
-                        row, cos[offset], sin[offset], k_slots, v_slots, context
-                    )
-                    outputs.append(out.view(1, attention.n_heads, 1, attention.head_dim))
-                    offset += 1
-                    continue
-                q = xq[:, :, offset : offset + count]
-                keys = k_slots[context].transpose(0, 1)[None]  # [1, kv_heads, ctx, hd]
-                values = v_slots[context].transpose(0, 1)[None]
-                past = len(context) - count  # the chunk is the context's last `count` keys
-                mask = None if count == 1 or past == 0 else causal_mask(count, past, q.device)
-                causal = mask is None and count > 1
-                out = grouped_attention(q, keys, values, mask, causal, attention.scale)
-                outputs.append(out)
-                offset += count
-            out = torch.cat(outputs, dim=2).transpose(1, 2).reshape(1, len(tokens), -1)
-            h = h + attention.wo(out)
-            h = h + layer.feed_forward(layer.ffn_norm(h))
-        offset = 0
+        outputs, wanted, offset = [], [], 0
         for seq, start, count in pieces:
-            wanted = [
-                p
-                for p in seq.request.prompt_positions
-                if start <= p < start + count and p not in seq.prompt_logits
-            ]
+            wanted.append(
+                [
+                    p
+                    for p in seq.request.prompt_positions
+                    if start <= p < start + count and p not in seq.prompt_logits
+                ]
+            )
             last = start + count == len(seq.fed)
-            rows = [offset + p - start for p in wanted] + ([offset + count - 1] if last else [])
-            logits = model._logits(h[0, rows]) if rows else None
-            for j, p in enumerate(wanted):
-                seq.prompt_logits[p] = logits[j].cpu()
+            outputs.append(
+                [offset + p - start for p in wanted[-1]] + ([offset + count - 1] if last else [])
+            )
+            offset += count
+        logits = self.model.forward_paged(
+            torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            batch,
+            outputs,
+        )
+        for (seq, start, count), positions_wanted, piece_logits in zip(
+            pieces, wanted, logits, strict=True
+        ):
+            for j, p in enumerate(positions_wanted):
+                seq.prompt_logits[p] = piece_logits[j].cpu()
             seq.computed = start + count
             self._publish_full_blocks(seq)
-            if last:
-                self._step(seq, logits[-1].cpu())
-            offset += count
+            if start + count == len(seq.fed):
+                self._step(seq, piece_logits[-1].cpu())
         self.steps += 1
-
-    def _decode_kernel(self) -> bool:
-        """Whether decode rows run the quantized mode's paged kernel: packed attention on the
-        CPU, float32 pool (the kernel's types)."""
-        attention = self.model.layers[0].attention
-        return (
-            hasattr(attention, "decode_paged")
-            and self.pool.k.dtype == torch.float32
-            and self.pool.k.device.type == "cpu"
-        )
 
     def _skipped(self, seq: _Sequence, start: int, count: int) -> list[bool]:
         return [p in seq.skip for p in range(start, start + count)]
@@ -446,26 +425,21 @@ class ServingEngine:
             seq.hashes.append(key)
 
     def _step(self, seq: _Sequence, logits: torch.Tensor) -> None:
-        """The logits after the last fed token: one generated step."""
-        request = seq.request
-        token = int(torch.argmax(logits))
+        """The logits after the last fed token: one generated step (decoder.Decoder, as
+        `Llama3Engine.generate` decodes)."""
         seq.logits.append(logits)
-        seq.tokens.append(token)
-        step = len(seq.tokens) - 1
-        if step == request.max_new_tokens - 1:
+        token = seq.decoder.step(logits)
+        if token is None:
             seq.done = True
-            return
-        if request.forced_tokens is not None:
-            token = request.forced_tokens[step]
-        elif token in (self.engine.tokenizer.eos_ids if self.engine.tokenizer else set()):
-            seq.done = True
-            return
-        seq.fed.append(token)
+        else:
+            seq.fed.append(token)
 
     def _output(self, seq: _Sequence, seconds: float) -> Served:
         positions = [p for p in seq.request.prompt_positions if p in seq.prompt_logits]
         prompt_logits = (
             torch.stack([seq.prompt_logits[p] for p in positions]) if positions else None
         )
-        output = GenerationOutput(seq.tokens, torch.stack(seq.logits), seconds, 0.0, prompt_logits)
+        output = GenerationOutput(
+            seq.decoder.tokens, torch.stack(seq.logits), seconds, 0.0, prompt_logits
+        )
         return Served(output, positions, seq.cached_prefix, seq.preemptions)

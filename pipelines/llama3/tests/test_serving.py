@@ -6,6 +6,7 @@ positions; the golden tests (test_llama_serving) hold the scenarios to the golde
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -149,3 +150,24 @@ def test_the_pool_counts_references_and_evicts_the_least_recently_used(served) -
     pool.release(a)
     assert pool.allocate() == b  # b was used least recently: evicted first
     assert pool.lookup(b"b") is None and pool.lookup(b"a") == a
+
+
+def test_without_a_tokenizer_both_paths_stop_at_the_checkpoint_end_of_sequence() -> None:
+    """One decoder: a file without a vocabulary stops at its eos_token_id in generate and in
+    the serving engine alike (the serving engine once never stopped there)."""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    first = engine.generate(prompt, 4, stop_on_eos=False).tokens
+    engine.tokenizer = None
+    engine.config = dataclasses.replace(engine.config, eos_token_id=first[1])
+    assert engine.eos_ids == {first[1]}
+    solo = engine.generate(prompt, 4)
+    served = ServingEngine(engine).serve([Request("r", prompt, 4)])["r"].output
+    assert solo.tokens == served.tokens == first[:2], (solo.tokens, served.tokens, first)
+    assert torch.equal(solo.logits, served.logits)
+
+
+def test_a_request_with_fewer_forced_tokens_than_steps_is_refused_naming_it() -> None:
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    with pytest.raises(ValueError, match="request 'short': 2 forced tokens for max_new_tokens 3"):
+        ServingEngine(engine).serve([Request("short", [1, 2], 3, forced_tokens=[5, 6])])
