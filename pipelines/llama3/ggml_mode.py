@@ -230,6 +230,49 @@ class GgmlAttention(packed.PackedAttention):
         )
         return self.wo(out)
 
+    def forward_paged(self, x, cos, sin, cache_k, cache_v, batch):
+        """Each piece of a ragged batch through the same kernel call as `forward`: its context's
+        keys gathered into a contiguous cache of its own, the piece's rotated keys and values
+        (the kernel writes them there) then copied to the piece's write slots, where they are
+        new (`batch.fresh`). A row's products, norms and attention see only its own sequence,
+        so a served sequence computes the bits `generate` computes (test_serving)."""
+        if not (cache_k.dtype == torch.float32 and cache_k.device.type == "cpu"):
+            return packed.PackedAttention.forward_paged(self, x, cos, sin, cache_k, cache_v, batch)
+        qkv = self.wqkv(x).contiguous()  # [1, rows, (n_heads + 2 n_kv_heads) * head_dim]
+        out = torch.empty(1, x.shape[1], self.n_heads * self.head_dim, dtype=torch.float32)
+        offset = 0
+        for count, context in zip(batch.counts, batch.contexts, strict=True):
+            past = len(context) - count
+            keys = cache_k[context].transpose(0, 1).contiguous()  # [kv_heads, ctx, hd]
+            values = cache_v[context].transpose(0, 1).contiguous()
+            rows = slice(offset, offset + count)
+            piece = qkv[:, rows].contiguous()
+            work = count * len(context) * self.n_heads * self.head_dim
+            result = torch.empty(1, count, self.n_heads * self.head_dim, dtype=torch.float32)
+            self._lib.ggml_attention(
+                piece.data_ptr(),
+                count,
+                cos[rows].contiguous().data_ptr(),
+                sin[rows].contiguous().data_ptr(),
+                keys.data_ptr(),
+                values.data_ptr(),
+                self.n_heads,
+                self.n_kv_heads,
+                self.head_dim,
+                len(context),
+                past,
+                self.scale,
+                result.data_ptr(),
+                torch.get_num_threads() if work >= PARALLEL_ATTENTION else 1,
+            )
+            out[:, rows] = result
+            fresh = batch.fresh[rows]
+            slots = batch.write[rows][fresh]
+            cache_k[slots] = keys[:, past:].transpose(0, 1)[fresh]
+            cache_v[slots] = values[:, past:].transpose(0, 1)[fresh]
+            offset += count
+        return self.wo(out)
+
 
 class _Layer(ctypes.Structure):
     """kernels/ggml_dot.c's ggml_layer."""

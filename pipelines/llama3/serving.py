@@ -48,7 +48,7 @@ import torch
 
 from pipelines.llama3.decoder import Decoder
 from pipelines.llama3.engine import GenerationOutput, Llama3Engine
-from pipelines.llama3.model import PagedBatch, precompute_rope
+from pipelines.llama3.model import PagedBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,14 +168,6 @@ class ServingEngine:
     ) -> None:
         if block_size < 1 or (chunk_size is not None and chunk_size < 1):
             raise ValueError(f"block_size {block_size} and chunk_size {chunk_size} must be >= 1")
-        if engine.mode == "ggml" and engine.model.rope_tables is not precompute_rope:
-            # its attention, rope and one-call decode are one sequence's (ggml_mode.py); the
-            # batched paths here would run SDPA and the float kernels instead: other numbers
-            raise ValueError(
-                "the serving engine does not run the ggml mode's numerics (ragged batches, "
-                "paged caches); serve with mode 'eager' or 'quantized', or generate one "
-                "sequence at a time with Llama3Engine.generate"
-            )
         self.engine, self.model = engine, engine.model
         self.num_blocks = num_blocks  # None: enough for every request of a `serve` at once
         self.pool: BlockPool | None = None

@@ -233,11 +233,3 @@ def test_the_models_logits_are_the_same_on_every_build(q8_checkpoint, monkeypatc
     plain = quantized.generate(ids, 3, forced_tokens=forced, prompt_positions=[1, 3])
     moved = (plain.logits - outputs[0].logits).abs().max().item()
     assert 1e-4 < moved < 0.5  # the activations' 8 bits, and no more
-
-
-def test_the_serving_engine_refuses_the_ggml_mode_by_name(q8_checkpoint) -> None:
-    """Its batched paths would compute other numbers than the mode's: refused, not approximated."""
-    from pipelines.llama3.serving import ServingEngine
-
-    with pytest.raises(ValueError, match="does not run the ggml mode's numerics"):
-        ServingEngine(Llama3Engine.from_gguf(q8_checkpoint, mode="ggml"))

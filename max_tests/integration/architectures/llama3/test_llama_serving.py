@@ -4,7 +4,8 @@ preemption (scenarios.py), teacher-forced and compared under the same tolerances
 test_llama's solo runs.
 
 Id `{size}-{encoding}-{arch}-{scenario}` for eager, `{size}-{encoding}-{arch}-{mode}-{scenario}`
-for the quantized mode; one alone:
+for the quantized and ggml modes (the ggml mode judged by its own goldens, reference `ggml`, on
+the Q4_K and Q4_1 files); one alone:
   ./bazelw test //max_tests/integration/architectures/llama3:test_llama_serving \\
       --test_arg=-k --test_arg='test_llama_serving[tiny-float32-llama3_1-batch]'
 $LLAMA_TEST_LANE picks the cases as in test_llama (`long`: the long cases, through the
@@ -34,7 +35,19 @@ from max_tests.integration.architectures.llama3.variants import Variant, variant
 from pipelines.llama3.serving import ServingEngine
 
 VARIANTS = variants()
-MODES = ("eager", "quantized")
+MODES = ("eager", "quantized", "ggml")
+# The ggml mode is judged by its own goldens (reference `ggml`), on the files it has them for.
+GGML_ENCODINGS = ("q4_k", "q4_1")
+# Its long lane serves the tiny Q4_K file (long_8k: 46 s for the three scenarios); SmolLM2's
+# long case in the ggml mode is 233 s (ggml's attention kernel, as slow in `generate`),
+# measured bitwise in all eight of its servings, and runs in the short lane only.
+GGML_LONG_MODELS = ("tinyllama",)
+
+
+def references(mode: str) -> tuple[str, ...]:
+    return ("ggml",) if mode == "ggml" else ("own", "torch")
+
+
 LANE_ENV = "LLAMA_TEST_LANE"
 SCENARIOS_ENV = "LLAMA_TEST_SCENARIOS"
 
@@ -84,6 +97,13 @@ BITWISE = {
     ("quantized", encoding, scenario, "short")
     for encoding in ("q4_1", "q4_k")
     for scenario in ("batch", "paged")
+} | {
+    # The ggml mode's rows see only their own sequence in every kernel (its attention one call
+    # per piece over the piece's own context): bitwise in every scenario, chunked included.
+    ("ggml", encoding, scenario, lane)
+    for encoding in GGML_ENCODINGS
+    for scenario in scenarios.SCENARIOS
+    for lane in ("short", "long")
 }
 
 
@@ -127,6 +147,8 @@ def _cases() -> list:
         pytest.param(v, mode, scenario, id=_case_id(v, mode, scenario))
         for v in VARIANTS
         for mode in MODES
+        if mode != "ggml"
+        or (v.encoding in GGML_ENCODINGS and (lane != "long" or v.model in GGML_LONG_MODELS))
         for scenario in _scenarios(lane)
     ]
 
@@ -145,7 +167,7 @@ def test_llama_serving(
     # The short and the long cases each take their own servings (scenarios.servings): in
     # lane "all" (plain pytest) both, as the two Bazel targets run them.
     lanes = ("short", "long") if lane == "all" else (lane,)
-    for reference in ("own", "torch"):
+    for reference in references(mode):
         full, source = goldens.load(reference, variant)
         for case_lane in lanes:
             golden = judge.in_lane(full, variant.model, case_lane)
