@@ -180,3 +180,12 @@ def test_a_request_with_fewer_forced_tokens_than_steps_is_refused_naming_it() ->
     engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
     with pytest.raises(ValueError, match="request 'short': 2 forced tokens for max_new_tokens 3"):
         ServingEngine(engine).serve([Request("short", [1, 2], 3, forced_tokens=[5, 6])])
+
+
+def test_the_compiled_mode_is_refused_by_name_not_served_eagerly() -> None:
+    """Its compiled graphs are the contiguous path's; the paged forward would run the blocks
+    eagerly under the compiled mode's name (compile_blocks is not run: the refusal is first)."""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    engine.mode = "compiled"
+    with pytest.raises(ValueError, match="no compiled paged forward: serve the checkpoint in mode"):
+        ServingEngine(engine)
