@@ -11,6 +11,9 @@ It prints, per measurement, the worst step's max |Δ log-prob| over the golden t
             reductions, SDPA), ONEDNN_MAX_CPU_ISA oneDNN's (bfloat16 matmuls), and
             MKL_ENABLE_INSTRUCTIONS / MKL_CBWR MKL's (float32 matmuls). The worst is the
             cross-ISA noise floor: what another CPU may move a correct run by.
+            With --kernel-builds also the quantized mode (Q4 checkpoints) under each C kernel
+            build this CPU runs (LLAMA_GOLDENS_KERNELS: portable, avx2, avx512, vnni; they
+            sum in different orders) x each ATen level: part of the same floor.
 Every threshold in goldens/tolerances.yaml must sit above the noise and below the
 smallest mutation; the numbers recorded there (noise_floor, isa_noise_floor, mutation_floor)
 come from here.
@@ -21,6 +24,8 @@ Example:
       --encoding=bfloat16 --goldens-dir=/tmp/goldens
   ./bazelw run //max_tests/integration/architectures/llama3:calibrate_tolerances -- \\
       --kernel-levels --encoding=float32
+  ./bazelw run //max_tests/integration/architectures/llama3:calibrate_tolerances -- \\
+      --kernel-levels --kernel-builds --encoding=q4_k
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ import torch
 from goldens import locate, schema
 from goldens.cli_files import user_path
 from goldens.tolerances import Tolerance
-from max_tests.integration.architectures.llama3 import golden_files, judge, mutations
+from max_tests.integration.architectures.llama3 import engine_runs, golden_files, judge, mutations
 from max_tests.integration.architectures.llama3.variants import (
     Variant,
     checkout_testdata,
     variants,
 )
+from pipelines.llama3 import kernel_library
 
 # A tolerance that fails nothing: the measurements read the metrics, not a verdict.
 MEASURE = Tolerance(
@@ -79,11 +85,35 @@ def reachable_kernel_levels() -> list[tuple[str, dict[str, str]]]:
     return [(name, env) for name, env, flag in KERNEL_LEVELS if not flag or flag in flags]
 
 
-def kernel_noise(variant: Variant, goldens_dir: Path | None) -> list[tuple[str, str, float, float]]:
+# The modes whose C kernels have builds that sum in different orders (the ggml mode's builds
+# give the same bits: test_same_bits), and the encodings they run.
+QUANTIZED_ENCODINGS = ("q4_k", "q4_1")
+
+
+def reachable_kernel_builds() -> list[tuple[str, dict[str, str]]]:
+    """(name, environment) for each quantized-mode kernel build x ATen level this CPU runs."""
+    builds = [isa for isa in kernel_library.REQUIRED_FLAGS if kernel_library.runnable(isa)]
+    aten = [env for name, env in reachable_kernel_levels() if name.startswith("aten ")]
+    return [
+        (
+            f"quantized {isa} x aten {env['ATEN_CPU_CAPABILITY']}",
+            {kernel_library.KERNELS_ENV: isa, **env, NOISE_MODE_ENV: "quantized"},
+        )
+        for isa in builds
+        for env in aten
+    ]
+
+
+NOISE_MODE_ENV = "CALIBRATE_NOISE_MODE"  # the mode a --noise-json process loads
+
+
+def kernel_noise(
+    variant: Variant, goldens_dir: Path | None, levels: list[tuple[str, dict[str, str]]]
+) -> list[tuple[str, str, float, float]]:
     """Rows (kind, what, max |Δ log-prob|, max KL): the unmutated engine on one thread
-    against both goldens under each reachable kernel level, each in a fresh process."""
+    against both goldens under each of `levels`, each in a fresh process."""
     rows = []
-    for name, env in reachable_kernel_levels():
+    for name, env in levels:
         command = [sys.executable, "-m", MODULE, "--noise-json", f"--encoding={variant.encoding}"]
         if goldens_dir is not None:
             command.append(f"--goldens-dir={goldens_dir}")
@@ -158,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also measure the noise under every kernel level this CPU reaches (KERNEL_LEVELS)",
     )
+    parser.add_argument(
+        "--kernel-builds",
+        action="store_true",
+        help="also measure the quantized mode under every C kernel build x ATen level (Q4 files)",
+    )
     # One process of --kernel-levels: the unmutated engine's worst numbers as one JSON line.
     parser.add_argument("--noise-json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -182,7 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.noise_json:
         torch.set_num_threads(1)  # as the tests run
         (variant,) = selected
-        engine = mutations.load(variant, None)
+        mode = os.environ.get(NOISE_MODE_ENV, "eager")
+        engine = (
+            mutations.load(variant, None)
+            if mode == "eager"
+            else engine_runs.load_engine(variant, "cpu", mode=mode)
+        )
         measured = {
             ref: worst(engine, load_golden(ref, variant, goldens_dir), variant)
             for ref in ("own", "torch")
@@ -192,12 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     for variant in selected:
         print(f"calibrate_tolerances: {variant.test_id} ...", file=sys.stderr, flush=True)
         print(f"\n{variant.encoding} ({variant.test_id})")
-        print(f"  {'kind':<9} {'what':<34} {'max |Δ log-prob|':>17} {'max KL':>10}")
+        print(f"  {'kind':<9} {'what':<40} {'max |Δ log-prob|':>17} {'max KL':>10}")
         rows = measure(variant, goldens_dir)
         if args.kernel_levels:
-            rows += kernel_noise(variant, goldens_dir)
+            rows += kernel_noise(variant, goldens_dir, reachable_kernel_levels())
+        if args.kernel_builds and variant.encoding in QUANTIZED_ENCODINGS:
+            rows += kernel_noise(variant, goldens_dir, reachable_kernel_builds())
         for kind, what, logprob, kl in rows:
-            print(f"  {kind:<9} {what:<34} {logprob:>17.3g} {kl:>10.3g}")
+            print(f"  {kind:<9} {what:<40} {logprob:>17.3g} {kl:>10.3g}")
         for reference in ("own", "torch"):
             levels = [r for r in rows if r[0] == "kernels" and r[1].startswith(reference)]
             if levels:
