@@ -194,8 +194,11 @@ class Llama3Engine:
             keep_packed=keep_packed,
         )
         packed_weights = {k: w for k, w in weights.items() if isinstance(w, RawMatrix)}
+        # The ggml mode's model class where it has matrices to run (a float file stays eager's).
+        ggml = mode == "ggml" and bool(packed_weights)
+        model_class = ggml_mode.GgmlTransformer if ggml else Transformer
         with torch.device("meta"):
-            model = Transformer(config)
+            model = model_class(config)
         # assign=True adopts the loaded tensors; nothing is randomly initialised and thrown away.
         dense = {k: w for k, w in weights.items() if k not in packed_weights}
         model.load_state_dict(

@@ -15,6 +15,7 @@ blocks as the file stores them, in kernels/ggml_dot.c (whose header gives each r
                      ggml's rotation and softmax (expf as above, the sum in double)
     rope_tables      ggml's rope angles: float32, multiplied up pair by pair
     FusedDecode      a decode step through every layer in one kernel call
+    GgmlTransformer  the model with ggml's rope tables and the fused decode step
 
 The rest is the quantized mode's structure (packed.py: the fused q/k/v and gate/up products,
 the embedding lookups). Every kernel build computes the same bits (plain C, AVX2, AVX-512
@@ -39,7 +40,7 @@ from torch import nn
 
 from pipelines.llama3 import packed
 from pipelines.llama3.kernel_library import GGML_ORDER, library
-from pipelines.llama3.model import rope_inverse_frequencies
+from pipelines.llama3.model import Transformer, rope_inverse_frequencies
 from pipelines.llama3.packing import RawMatrix
 
 # kernels/ggml_dot.c's weight codes, and the activations ggml quantizes for each
@@ -296,7 +297,7 @@ class _Layer(ctypes.Structure):
 class FusedDecode:
     """One decode step through every layer in one kernel call (ggml_decode_layers): the same
     functions, in the same order, as the layers' modules, so the same bits; about ten
-    Python-level calls per layer fewer (Transformer.decode_layers)."""
+    Python-level calls per layer fewer (GgmlTransformer.run_layers)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model, self._lib = model, kernels()
@@ -355,12 +356,30 @@ class FusedDecode:
         return h
 
 
+class GgmlTransformer(Transformer):
+    """The ggml mode's model (a file with quantized matrices; install() gives it its layers):
+    ggml's rope angles, and one kernel call per decode step through every layer where every
+    layer is this mode's (fused_decode, else None: the layers' modules one by one)."""
+
+    fused_decode: FusedDecode | None = None
+
+    def rope_tables(self, positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.config, positions, device)
+
+    def run_layers(self, h, start_pos: int, cos, sin, mask) -> torch.Tensor:
+        if self.fused_decode is not None and h.shape[:2] == (1, 1) and mask is None:
+            return self.fused_decode(h, start_pos, cos, sin)
+        return super().run_layers(h, start_pos, cos, sin, mask)
+
+
 def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
     """The quantized mode's structure (packed.install) with this mode's products, norms and
-    SwiGLU. A matrix of a type without a ggml product here raises (none reach it: the loader
-    keeps only Q4_0, Q4_1, Q4_K and Q8_0 as raw blocks)."""
+    SwiGLU, on a GgmlTransformer. A matrix of a type without a ggml product here raises (none
+    reach it: the loader keeps only Q4_0, Q4_1, Q4_K and Q8_0 as raw blocks)."""
     if not matrices:
         return  # a float file: ggml's vec_dot_type is F32, the model stays exactly eager's
+    if not isinstance(model, GgmlTransformer):
+        raise TypeError(f"the ggml mode installs on a GgmlTransformer, not {type(model).__name__}")
     unknown = sorted({m.qtype.name for m in matrices.values()} - {t.name for t in WEIGHT_CODES})
     if unknown:
         raise ValueError(f"the ggml mode has no products for {', '.join(unknown)} weights")
@@ -372,6 +391,4 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
         feed_forward=GgmlFeedForward,
         attention=GgmlAttention,
     )
-    model.rope_tables = rope_tables
-    if FusedDecode.applies(model):
-        model.decode_layers = FusedDecode(model)
+    model.fused_decode = FusedDecode(model) if FusedDecode.applies(model) else None

@@ -351,12 +351,18 @@ class Transformer(nn.Module):
         self.rope_len = 0  # positions the rope tables cover (setup_rope)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
-        # (config, max_seq_len, device) -> (cos, sin): precompute_rope, or a mode's own
-        # (ggml_mode.rope_tables: the angles as llama.cpp computes them)
-        self.rope_tables = precompute_rope
-        # (h, start_pos, cos, sin) -> h: a mode's one-call path through every layer for one
-        # new position of one sequence without a mask (ggml_mode.FusedDecode), else None
-        self.decode_layers = None
+
+    def rope_tables(self, positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [positions, head_dim] of precompute_rope. A mode whose angles are
+        another program's overrides it (ggml_mode.GgmlTransformer: llama.cpp's)."""
+        return precompute_rope(self.config, positions, device)
+
+    def run_layers(self, h, start_pos: int, cos, sin, mask) -> torch.Tensor:
+        """Every layer over h, in order. A mode with a fused path through the layers
+        overrides it (ggml_mode.GgmlTransformer: one kernel call per decode step)."""
+        for layer in self.layers:
+            h = layer(h, start_pos, cos, sin, mask)
+        return h
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head (files without output.weight)."""
@@ -386,7 +392,7 @@ class Transformer(nn.Module):
         a longer run hold the same values for the positions they share."""
         if positions > self.rope_len:
             device = self.tok_embeddings.weight.device
-            self.rope_cos, self.rope_sin = self.rope_tables(self.config, positions, device)
+            self.rope_cos, self.rope_sin = self.rope_tables(positions, device)
             self.rope_len = positions
 
     def forward(
@@ -410,11 +416,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[start_pos:end_pos], self.rope_sin[start_pos:end_pos]
 
         mask = self.attention_mask(seqlen, start_pos, tokens.device)
-        if self.decode_layers is not None and bsz == seqlen == 1 and mask is None:
-            h = self.decode_layers(h, start_pos, cos, sin)
-        else:
-            for layer in self.layers:
-                h = layer(h, start_pos, cos, sin, mask)
+        h = self.run_layers(h, start_pos, cos, sin, mask)
         if outputs is not None:
             h = h[:, list(outputs)]
         return self._logits(h)

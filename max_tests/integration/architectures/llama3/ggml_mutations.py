@@ -10,12 +10,13 @@ epsilon ten times too large, a softmax scale off by 0.1%.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable
 
 import torch.nn.functional as F
 
 from pipelines.llama3 import Llama3Engine, ggml_mode, quants
-from pipelines.llama3.model import precompute_rope
+from pipelines.llama3.model import Transformer
 
 
 def _float_activations(engine: Llama3Engine) -> None:
@@ -32,8 +33,8 @@ def _float_activations(engine: Llama3Engine) -> None:
 
 def _model_rope(engine: Llama3Engine) -> None:
     """model.py's rope tables (each angle once in float32) instead of ggml's."""
-    engine.model.rope_tables = precompute_rope
-    engine.model.max_seq_len = 0  # the next setup_caches makes the tables again
+    engine.model.rope_tables = types.MethodType(Transformer.rope_tables, engine.model)
+    engine.model.max_seq_len = engine.model.rope_len = 0  # the next setup makes them again
 
 
 def _norm_eps(engine: Llama3Engine) -> None:
@@ -58,7 +59,7 @@ class GgmlMutation:
         """`engine` with the bug; the one-call decode stays only where it computes it too."""
         self.plant(engine)
         if self.name in ("float_activations", "norm_eps"):
-            engine.model.decode_layers = None  # planted in the modules the one call bypasses
+            engine.model.fused_decode = None  # planted in the modules the one call bypasses
         return engine
 
 

@@ -207,16 +207,6 @@ BY_NAME = {m.name: m for m in MUTATIONS}
 # --- serving-path bugs (pipelines/llama3/serving.py): each in the seam it names -------------
 
 
-def _serving(method: str, replacement: Callable) -> Callable[[Llama3Engine], None]:
-    """A patch giving the engine a serving engine whose `method` is `replacement`."""
-
-    def patch(engine: Llama3Engine) -> None:
-        base = getattr(engine, "serving_class", ServingEngine)
-        engine.serving_class = type(f"Mutated{base.__name__}", (base,), {method: replacement})
-
-    return patch
-
-
 def _sees_the_neighbours_key(self, batch, index):
     own = ServingEngine._context_slots(self, batch, index)
     if index == 0:
@@ -261,6 +251,14 @@ class ServingMutation(Mutation):
     `generate`, never takes that path."""
 
     scenario: str = ""
+    method: str = ""  # the ServingEngine method the bug replaces
+    replacement: Callable | None = None
+
+    @property
+    def serving_class(self) -> type[ServingEngine]:
+        """ServingEngine with the bug: what the scenarios serve through (scenarios.served_runs)."""
+        methods = {self.method: self.replacement}
+        return type(f"Mutated{ServingEngine.__name__}", (ServingEngine,), methods)
 
 
 SERVING_MUTATIONS = [
@@ -268,43 +266,49 @@ SERVING_MUTATIONS = [
         "cross_sequence_keys",
         "a sequence's attention also sees its neighbour's first key (ragged batch)",
         {},
-        _serving("_context_slots", _sees_the_neighbours_key),
         scenario="batch",
+        method="_context_slots",
+        replacement=_sees_the_neighbours_key,
     ),
     ServingMutation(
         "block_table_off_by_one",
         "a block's first position stored in the previous block (paged cache)",
         {},
-        _serving("_slot", _block_table_off_by_one),
         scenario="paged",
+        method="_slot",
+        replacement=_block_table_off_by_one,
     ),
     ServingMutation(
         "rope_chunk_boundary",
         "RoPE one position early at the start of each prefill chunk after the first",
         {},
-        _serving("_positions", _rope_late_at_chunk_start),
         scenario="chunked",
+        method="_positions",
+        replacement=_rope_late_at_chunk_start,
     ),
     ServingMutation(
         "prefix_hash_unchained",
         "prefix blocks keyed by their own tokens only, not their history",
         {},
-        _serving("_block_hash", _block_hash_of_own_tokens),
         scenario="prefix",
+        method="_block_hash",
+        replacement=_block_hash_of_own_tokens,
     ),
     ServingMutation(
         "resume_without_last_kv",
         "a preempted sequence resumed without its last token's keys and values",
         {},
-        _serving("_resume_from", _resumed_without_last_kv),
         scenario="preempt",
+        method="_resume_from",
+        replacement=_resumed_without_last_kv,
     ),
     ServingMutation(
         "decode_into_other_sequence",
         "a decode token's keys and values written into another sequence's cache",
         {},
-        _serving("_write_slot", _decode_written_to_another_sequence),
         scenario="batch",
+        method="_write_slot",
+        replacement=_decode_written_to_another_sequence,
     ),
 ]
 

@@ -99,10 +99,11 @@ def servings(scenario: str, lane: str) -> tuple[Serving, ...]:
     return table.get(scenario, ())
 
 
-def serving_engine(engine: Llama3Engine, window: int = 0, **config) -> ServingEngine:
-    """The engine's serving engine (a scenario mutation replaces its class on the engine);
-    with `window`, its chunks confined to that window (`windowed`)."""
-    base = getattr(engine, "serving_class", ServingEngine)
+def serving_engine(
+    engine: Llama3Engine, base: type[ServingEngine], window: int = 0, **config
+) -> ServingEngine:
+    """A `base` (ServingEngine, or a serving mutation's class) over the engine; with
+    `window`, its chunks confined to that window (`windowed`)."""
     return (windowed(base, window) if window else base)(engine, **config)
 
 
@@ -133,8 +134,13 @@ class Served:
     cache_hits: int  # blocks the requests read from the prefix cache
 
 
-def served_runs(engine: Llama3Engine, golden: schema.Golden, serving: Serving) -> Served:
-    """Every case of `golden` teacher-forced through the serving engine as `serving` says."""
+def served_runs(
+    engine: Llama3Engine,
+    golden: schema.Golden,
+    serving: Serving,
+    serving_class: type[ServingEngine] = ServingEngine,
+) -> Served:
+    """Every case of `golden` teacher-forced through a `serving_class` as `serving` says."""
     requests = [_request(engine, case) for case in golden.cases]
     max_context = max(len(r.prompt) + r.max_new_tokens for r in requests) + 8
     config = dict(
@@ -151,18 +157,19 @@ def served_runs(engine: Llama3Engine, golden: schema.Golden, serving: Serving) -
     if serving.prefix:
         # One pool for every case and its siblings: the cache the case reads is theirs.
         blocks = _prefix_pool(requests, serving)
-        server = serving_engine(engine, max_batch=1, num_blocks=blocks, **config)
+        server = serving_engine(engine, serving_class, max_batch=1, num_blocks=blocks, **config)
         for request in requests:
             family = [*_siblings(request, serving.block_size, engine.config.vocab_size), request]
             served = server.serve(family)
             results[request.id] = _with_siblings_rows(served, request)
     elif serving.order == "split":
-        server = serving_engine(engine, **config, num_blocks=_all_blocks(requests, serving))
+        blocks = _all_blocks(requests, serving)
+        server = serving_engine(engine, serving_class, **config, num_blocks=blocks)
         half = len(requests) // 2
         results.update(server.serve(requests[:half]))
         results.update(server.serve(requests[half:]))
     else:
-        server = serving_engine(engine, **config)
+        server = serving_engine(engine, serving_class, **config)
         order = requests[::-1] if serving.order == "reversed" else requests
         results = server.serve(order)
     runs, cached, preemptions = [], 0, 0

@@ -13,6 +13,7 @@ from goldens import compare
 from goldens.tolerances import tolerance
 from max_tests.integration.architectures.llama3 import engine_runs, judge, mutations, scenarios
 from max_tests.integration.architectures.llama3.variants import Variant, variants
+from pipelines.llama3.serving import ServingEngine
 
 COLUMNS = scenarios.SCENARIOS  # solo first
 
@@ -31,12 +32,16 @@ def _cell(verdict: judge.Verdict) -> str:
     return f"FAIL@p{check.position}" if check.in_prompt else f"FAIL@step{check.step}"
 
 
-def _verdicts(engine, golden, source, tol, variant, scenario) -> list[judge.Verdict]:
-    if scenario == "solo":
-        return [judge.check(engine, golden, source, "own", tol, variant, lane="short")]
+def _verdicts(
+    engine, serving_class, golden, source, tol, variant, scenario, solo_memo: dict
+) -> list[judge.Verdict]:
+    if scenario == "solo":  # generate: no serving class in its path, one run for every row
+        return [
+            judge.check(engine, golden, source, "own", tol, variant, memo=solo_memo, lane="short")
+        ]
     verdicts = []
     for serving in scenarios.servings(scenario, "short"):
-        served = scenarios.served_runs(engine, golden, serving)
+        served = scenarios.served_runs(engine, golden, serving, serving_class)
         compared = scenarios.restricted(golden, served.runs)
         verdicts.append(
             judge.compare_runs(
@@ -63,13 +68,16 @@ def test_each_serving_bug_fails_in_its_scenario_and_only_solo_misses_it(
     tol = tolerance("own", encoding, "cpu")
     rows = [None, *mutations.SERVING_MUTATIONS]
     matrix: dict[tuple[str, str], str] = {}
+    # A serving bug is in its class (no config overrides, no patch of the engine): one engine
+    # for every row, and one solo run.
+    engine, solo_memo = engine_runs.load_engine(variant, mode=mode), {}
     for mutation in rows:
-        engine = engine_runs.load_engine(variant, mode=mode)
-        if mutation is not None:
-            mutation.patch(engine)  # serving bugs have no config overrides
+        serving_class = ServingEngine if mutation is None else mutation.serving_class
         name = "unmutated" if mutation is None else mutation.name
         for scenario in COLUMNS:
-            verdicts = _verdicts(engine, golden, source, tol, variant, scenario)
+            verdicts = _verdicts(
+                engine, serving_class, golden, source, tol, variant, scenario, solo_memo
+            )
             failing = [v for v in verdicts if v.failures]
             matrix[name, scenario] = _cell(failing[0]) if failing else "PASS"
     width = max(len(r.name) for r in mutations.SERVING_MUTATIONS) + 2
