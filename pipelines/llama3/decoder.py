@@ -5,13 +5,16 @@ One place for the choice that `Llama3Engine.generate` and the serving engine
 `generation.py` (its `sample_top_p`/argmax and `stop_tokens`):
 
 - **greedy**: the step's token is the argmax of its logits (the first of equal maxima);
+- **sampling**: with `sampling` (sampling.SamplerSettings), the token drawn from the step's
+  processed distribution by the counter-based generator at the token's position, keyed by
+  the request's seed (or one of the system's, drawn here); the penalties' history is the
+  prompt and the tokens fed so far;
 - **teacher forcing**: with `forced_tokens`, step i feeds forced_tokens[i] to the next step
   instead of the choice, and no end-of-sequence id stops it: the logits of every step follow
   the sequence being checked, while `tokens` keeps the model's own choice;
 - **stop conditions**: `max_new_tokens` steps, or a choice among `eos_ids` (the checkpoint's:
   `Llama3Engine.eos_ids`).
 
-A sampler plugs in at `choose`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 import torch
+
+from pipelines.llama3 import sampling as sampling_lib
 
 
 @dataclasses.dataclass
@@ -30,8 +35,14 @@ class Decoder:
     eos_ids: Collection[int] = frozenset()
     forced_tokens: Sequence[int] | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)  # the choice of each step
+    sampling: sampling_lib.SamplerSettings | None = None  # None: greedy
+    prompt: Sequence[int] = ()  # the request's prompt: penalties' history, draw positions
+    seed: int | None = None  # the draws' key: the settings' seed, else the system's
 
     def __post_init__(self) -> None:
+        if self.sampling is not None and self.seed is None:
+            seed = self.sampling.seed
+            self.seed = sampling_lib.system_seed() if seed is None else seed
         if self.forced_tokens is not None:
             # teacher forcing runs the forced sequence to its end: no early stop
             self.max_new_tokens, self.eos_ids = len(self.forced_tokens), frozenset()
@@ -39,8 +50,13 @@ class Decoder:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
 
     def choose(self, logits: torch.Tensor) -> int:
-        """This step's token from its logits [vocab]: greedy."""
-        return int(torch.argmax(logits))
+        """This step's token from its logits [vocab]: greedy, or drawn at its position."""
+        if self.sampling is None:
+            return int(torch.argmax(logits))
+        step = len(self.tokens)
+        fed = self.tokens if self.forced_tokens is None else self.forced_tokens[:step]
+        history = [*self.prompt, *fed]
+        return sampling_lib.sample(logits, self.sampling, self.seed, history, len(history))
 
     def step(self, logits: torch.Tensor) -> int | None:
         """Record this step's choice; the token to feed the next step, or None: stop."""

@@ -24,6 +24,7 @@ from pipelines.llama3.gguf_loader import (
 )
 from pipelines.llama3.model import Transformer
 from pipelines.llama3.packing import RawMatrix
+from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.tokenizer import Tokenizer
 
 
@@ -265,9 +266,11 @@ class Llama3Engine:
         stop_on_eos: bool = True,
         forced_tokens: list[int] | None = None,
         prompt_positions: Sequence[int] = (),
+        sampling: SamplerSettings | None = None,
     ) -> GenerationOutput:
         """Prefill, then decode, each step reading the keys and values of the KV cache; the
-        next token and the stop are the decoder's (decoder.Decoder: greedy, end-of-sequence ids).
+        next token and the stop are the decoder's (decoder.Decoder: greedy, end-of-sequence ids;
+        with `sampling`, drawn by sampling.SamplerSettings at each position under its seed).
 
         With `forced_tokens` (teacher forcing) step i feeds forced_tokens[i] to the next step
         instead of the greedy choice, for len(forced_tokens) steps and no EOS stop: every
@@ -281,7 +284,11 @@ class Llama3Engine:
             if bad:
                 raise ValueError(f"forced tokens {bad[:5]} are outside the vocabulary")
         decoder = Decoder(
-            max_new_tokens, self.eos_ids if stop_on_eos else frozenset(), forced_tokens
+            max_new_tokens,
+            self.eos_ids if stop_on_eos else frozenset(),
+            forced_tokens,
+            sampling=sampling,
+            prompt=input_ids,
         )
         max_new_tokens = decoder.max_new_tokens
         prompt = self._tensor(input_ids)

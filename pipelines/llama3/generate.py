@@ -1,9 +1,13 @@
-"""Generate text greedily from a GGUF checkpoint with the Llama 3 engine.
+"""Generate text from a GGUF checkpoint with the Llama 3 engine: greedily, or sampled with
+--temperature (and --top-k, --top-p, --min-p, penalties, --seed; pipelines/llama3/sampling.py).
 
 Example:
     bazel run //pipelines/llama3:generate -- \\
         --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --prompt "The capital of France is" --max-new-tokens 16 --mode=quantized
+    bazel run //pipelines/llama3:generate -- \\
+        --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --prompt "Once upon a time" --temperature 0.8 --top-p 0.95 --seed 7
 """
 
 import argparse
@@ -15,6 +19,7 @@ import torch
 
 from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
+from pipelines.llama3.sampling import ORDERS, SamplerSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,7 +52,48 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
     )
+    sampling = parser.add_argument_group("sampling (without --temperature: greedy)")
+    sampling.add_argument("--temperature", type=float, default=None, help="> 0: sample")
+    sampling.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: off)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
+    sampling.add_argument("--min-p", type=float, default=0.0, help="relative to the top (0: off)")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0)
+    sampling.add_argument("--presence-penalty", type=float, default=0.0)
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0)
+    sampling.add_argument("--order", choices=ORDERS, default="transformers", help="chain order")
+    sampling.add_argument("--seed", type=int, default=None, help="default: the system's")
     return parser
+
+
+def _sampling(args, parser) -> SamplerSettings | None:
+    if args.temperature is None:
+        given = [
+            flag
+            for flag, value, off in (
+                ("--top-k", args.top_k, 0),
+                ("--top-p", args.top_p, 1.0),
+                ("--min-p", args.min_p, 0.0),
+                ("--seed", args.seed, None),
+            )
+            if value != off
+        ]
+        if given:
+            parser.error(f"{', '.join(given)} sample: give --temperature too (1.0: unscaled)")
+        return None
+    try:
+        return SamplerSettings(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            order=args.order,
+            seed=args.seed,
+        )
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device={args.device}: this torch has no CUDA device; use --device=cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
+    sampling = _sampling(args, parser)
     gguf_path = args.gguf
     print(f"loading {gguf_path} on {args.device} ({args.dtype}, {args.mode})", file=sys.stderr)
     try:
@@ -76,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     input_ids = engine.tokenizer.encode(args.prompt)
-    out = engine.generate(input_ids, args.max_new_tokens)
+    out = engine.generate(input_ids, args.max_new_tokens, sampling=sampling)
     print(args.prompt + engine.tokenizer.decode(out.tokens))
     prefill_rate = len(input_ids) / out.prefill_seconds
     print(

@@ -49,6 +49,7 @@ import torch
 from pipelines.llama3.decoder import Decoder
 from pipelines.llama3.engine import GenerationOutput, Llama3Engine
 from pipelines.llama3.model import PagedBatch
+from pipelines.llama3.sampling import SamplerSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Request:
     max_new_tokens: int
     forced_tokens: list[int] | None = None  # teacher forcing: fed instead of the greedy choice
     prompt_positions: tuple[int, ...] = ()  # prompt positions whose logits to return
+    sampling: SamplerSettings | None = None  # None: greedy (decoder.Decoder)
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -260,6 +262,8 @@ class ServingEngine:
             request.max_new_tokens,
             self.engine.eos_ids,
             None if forced is None else forced[: request.max_new_tokens],
+            sampling=request.sampling,
+            prompt=request.prompt,
         )
 
     def _check(self, requests: Sequence[Request]) -> None:

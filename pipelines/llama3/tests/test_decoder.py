@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipelines.llama3 import sampling
 from pipelines.llama3.decoder import Decoder
+from pipelines.llama3.sampling import SamplerSettings
 
 
 def _logits(*best: int, vocab: int = 8) -> list[torch.Tensor]:
@@ -53,3 +55,42 @@ def test_equal_maxima_choose_the_first_id() -> None:
 def test_no_step_is_refused() -> None:
     with pytest.raises(ValueError, match="max_new_tokens=0 must be at least 1"):
         Decoder(0)
+
+
+def _sampled(seed: int | None, prompt=(1, 2), forced=None, steps: int = 12) -> Decoder:
+    settings = SamplerSettings(temperature=1.0, seed=seed, repetition_penalty=1.2)
+    decoder = Decoder(steps, forced_tokens=forced, sampling=settings, prompt=list(prompt))
+    flat = torch.zeros(64)
+    for _ in range(decoder.max_new_tokens):
+        decoder.step(flat)
+    return decoder
+
+
+def test_a_seed_gives_the_same_draws_and_another_seed_others() -> None:
+    assert _sampled(5).tokens == _sampled(5).tokens
+    assert _sampled(5).tokens != _sampled(6).tokens
+
+
+def test_a_draw_is_keyed_by_its_position_not_by_the_step() -> None:
+    """The same step after a longer prompt is another position: another uniform."""
+    assert _sampled(5, prompt=(1, 2)).tokens != _sampled(5, prompt=(1, 2, 3)).tokens
+    decoder = _sampled(5, prompt=(1, 2), steps=1)
+    position = 2  # the first drawn token follows the two prompt tokens
+    u = float(sampling.uniform(5, position))
+    ids, probs = sampling.processed(torch.zeros(64), decoder.sampling, [1, 2])
+    assert decoder.tokens == [int(sampling.pick(ids, probs, u))]
+
+
+def test_an_unseeded_request_draws_its_seed_from_the_system() -> None:
+    seeds = {_sampled(None, steps=1).seed for _ in range(4)}
+    assert len(seeds) == 4  # 64 random bits each: equal seeds have chance 6/2^64
+
+
+def test_teacher_forcing_penalizes_the_forced_history() -> None:
+    """The penalties' history is what was fed: the forced tokens, not the draws."""
+    forced = [7, 7, 7, 7]
+    decoder = _sampled(5, forced=forced, steps=4)
+    history = [1, 2, 7, 7, 7]
+    ids, probs = sampling.processed(torch.zeros(64), decoder.sampling, history)
+    u = float(sampling.uniform(5, len(history)))
+    assert decoder.tokens[3] == int(sampling.pick(ids, probs, u))

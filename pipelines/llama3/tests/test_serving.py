@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipelines.llama3 import Llama3Engine
+from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import BlockPool, PoolExhausted, Request, ServingEngine
 
 TESTDATA = Path(
@@ -189,3 +190,86 @@ def test_the_compiled_mode_is_refused_by_name_not_served_eagerly() -> None:
     engine.mode = "compiled"
     with pytest.raises(ValueError, match="no compiled paged forward: serve the checkpoint in mode"):
         ServingEngine(engine)
+
+
+# Seeded sampling on the serving paths: a request's draws are keyed by its seed and the
+# position (sampling.uniform), so where a path computes the same logits as generate it must
+# draw the same tokens, whatever the batch, its order, the chunks, the blocks, the prefix
+# cache, a preemption, or an unseeded batch-mate (the last request).
+SAMPLED = [
+    SamplerSettings(temperature=0.9, top_k=40, top_p=0.95, seed=1),
+    SamplerSettings(temperature=1.5, min_p=0.05, order="llama_cpp", seed=2),
+    SamplerSettings(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.2, seed=3),
+    SamplerSettings(temperature=1.0),  # unseeded: the system's randomness
+]
+ALL_PATHS = {
+    "batch": {},
+    "reversed": {},
+    "chunk1": {"chunk_size": 1},
+    "chunk3-block4": {"chunk_size": 3, "block_size": 4},
+    "block4": {"block_size": 4},
+    "prefix": {"block_size": 2, "prefix_caching": True},
+    "preempt": {"block_size": 4, "num_blocks": 6},
+}
+# Where each mode's served logits are bitwise generate's (the docs' serving table): the ggml
+# mode everywhere, the quantized mode in whole-prompt batches over any block size, eager for
+# one request at a time. Elsewhere the logits move within tolerance and a draw near a
+# cumulative-probability boundary may legitimately flip.
+BITWISE_PATHS = {
+    "ggml": list(ALL_PATHS),
+    "quantized": ["batch", "reversed", "block4"],
+    "eager": ["alone"],
+}
+
+
+def _sampling_mismatches(engine, path: str) -> tuple[list[str], int]:
+    """(ids of seeded requests whose served tokens differ from generate's, how many of their
+    tokens differ from the greedy choice)."""
+    prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
+    requests = [
+        Request(f"s{i}", p, STEPS, sampling=s)
+        for i, (p, s) in enumerate(zip(prompts, SAMPLED, strict=True))
+    ]
+    seeded = [r for r in requests if r.sampling.seed is not None]
+    with torch.inference_mode():
+        expected = {r.id: engine.generate(r.prompt, STEPS, sampling=r.sampling) for r in seeded}
+        greedy = {r.id: engine.generate(r.prompt, STEPS).tokens for r in seeded}
+        if path == "alone":
+            served = {}
+            for r in seeded:
+                served.update(ServingEngine(engine, block_size=4).serve([r]))
+        else:
+            order = requests[::-1] if path == "reversed" else requests
+            served = ServingEngine(engine, **ALL_PATHS[path]).serve(order)
+    mismatched = [r.id for r in seeded if served[r.id].output.tokens != expected[r.id].tokens]
+    not_greedy = sum(
+        a != b for r in seeded for a, b in zip(expected[r.id].tokens, greedy[r.id], strict=False)
+    )
+    return mismatched, not_greedy
+
+
+def test_a_seeded_request_draws_the_same_tokens_on_every_bitwise_path(served) -> None:
+    engine, _, _ = served
+    for path in BITWISE_PATHS[engine.mode]:
+        mismatched, not_greedy = _sampling_mismatches(engine, path)
+        assert not mismatched, f"{engine.mode} {path}: {mismatched} drew other tokens"
+        assert not_greedy > 0, "the sampled tokens are the greedy ones: nothing was drawn"
+
+
+def test_one_seed_shared_by_the_batch_fails(monkeypatch) -> None:
+    """Planted: every request of a batch draws with the first request's seed (TensorRT-LLM's
+    and vLLM's bugs): the seeded requests after the first draw other tokens. The ggml mode,
+    whose batch is bitwise: only the seed can move a draw."""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama_q4_k.gguf", mode="ggml")
+    original = ServingEngine._decoder
+    first: list = []
+
+    def shared(self, request):
+        decoder = original(self, request)
+        first.append(first[0] if first else decoder.seed)
+        decoder.seed = first[0]
+        return decoder
+
+    monkeypatch.setattr(ServingEngine, "_decoder", shared)
+    mismatched, _ = _sampling_mismatches(engine, "batch")
+    assert mismatched == ["s1", "s2"]

@@ -1,0 +1,368 @@
+"""The sampler's own proof (pipelines/llama3/sampling.py).
+
+- Philox4x32-10 gives Random123's known-answer vectors.
+- The processed distribution equals an independent reference (plain Python over lists, both
+  chain orders) on a table of cases that puts each step at its edge: ties at the top-k
+  boundary, a top-p boundary, min-p below a flat top, penalties, extreme temperatures.
+- Draws: for each case, DRAWS tokens drawn by the engine's sampler (seed SEED, positions
+  0 .. DRAWS-1) are tested against the reference probabilities by a G-test at ALPHA = 1e-6.
+  The unmutated sampler passes every case; the chance that it fails one is at most
+  len(CASES) x ALPHA = 1.2e-5 over seeds (the seed is fixed, so the run replays exactly).
+  Each planted sampler bug (MUTATIONS) fails at least one case; the test prints, per bug, the
+  case that catches it and the G-test's power there at ALPHA (noncentral chi-square with
+  lambda = 2 DRAWS KL(mutated || reference), normal approximation), and asserts power >= 0.999.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines.llama3 import generate, sampling
+from pipelines.llama3.sampling import SamplerSettings
+
+ALPHA = 1e-6
+DRAWS = 20_000
+SEED = 20261202
+
+
+def test_philox_gives_random123s_known_answers() -> None:
+    vectors = [
+        ((0, 0, 0, 0), (0, 0), "6627e8d5 e169c58d bc57ac4c 9b00dbd8"),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, "408f276d 41c83b0e a20bc7c6 6d5451fd"),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            "d16cfe09 94fdcceb 5001e420 24126ea1",
+        ),
+    ]
+    for counter, key, expected in vectors:
+        got = " ".join(f"{int(w):08x}" for w in sampling.philox4x32(counter, key))
+        assert got == expected
+
+
+def test_the_uniforms_depend_on_the_seed_and_the_position_only() -> None:
+    u = sampling.uniform(7, np.arange(1000))
+    assert u.min() >= 0 and u.max() < 1 and len(set(u.tolist())) == 1000
+    assert sampling.uniform(7, 123) == u[123]  # a scalar at a position is the array's entry
+    assert not np.array_equal(sampling.uniform(8, np.arange(1000)), u)
+
+
+# --- an independent reference: plain Python over lists ------------------------------------
+
+
+def _reference(logits: list[float], s: SamplerSettings, history: list[int]) -> dict[int, float]:
+    values = [float(v) for v in logits]
+    counts = {t: history.count(t) for t in set(history)}
+    for t, n in counts.items():
+        v = values[t]
+        if s.repetition_penalty != 1.0:
+            v = v / s.repetition_penalty if v > 0 else v * s.repetition_penalty
+        values[t] = v - s.presence_penalty - s.frequency_penalty * n
+    kept = sorted(range(len(values)), key=lambda t: (-values[t], t))
+    scale = {t: 1.0 for t in kept}
+
+    def probs(tokens):
+        top = max(values[t] / scale[t] for t in tokens)
+        weights = {t: math.exp(values[t] / scale[t] - top) for t in tokens}
+        total = sum(weights.values())
+        return {t: w / total for t, w in weights.items()}
+
+    def step(name, tokens):
+        if name == "temperature":
+            for t in tokens:
+                scale[t] = s.temperature
+            return tokens
+        if name == "top_k":
+            return tokens[: s.top_k] if s.top_k else tokens
+        p = probs(tokens)
+        if name == "top_p":
+            out, mass = [], 0.0
+            for t in tokens:
+                if out and mass >= s.top_p:
+                    break
+                out.append(t)
+                mass += p[t]
+            return out if s.top_p < 1 else tokens
+        best = max(p.values())
+        return [t for t in tokens if p[t] >= s.min_p * best] if s.min_p > 0 else tokens
+
+    for name in sampling.CHAINS[s.order]:
+        kept = step(name, kept)
+    return probs(kept)
+
+
+def _logits(probs: list[float]) -> list[float]:
+    return [math.log(p) if p > 0 else -30.0 for p in probs]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    logits: list[float]
+    settings: SamplerSettings
+    history: list[int] = dataclasses.field(default_factory=list)
+
+
+FLAT = _logits([0.3, 0.25, 0.15, 0.1, 0.08, 0.05, 0.04, 0.02, 0.007, 0.003])
+CASES = [
+    Case("top_k tie", _logits([0.4, 0.3, 0.3, 0.0]), SamplerSettings(top_k=2)),
+    Case("top_p edge", FLAT, SamplerSettings(temperature=0.7, top_p=0.6)),
+    Case("top_p hot", FLAT, SamplerSettings(temperature=2.0, top_p=0.8)),
+    Case("min_p flat", FLAT, SamplerSettings(min_p=0.2)),
+    Case(
+        "penalties",
+        FLAT,
+        SamplerSettings(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
+        [0, 0, 1, 5],
+    ),
+    Case(
+        "penalties + positive",
+        [2.0, 1.5, 1.0, -0.5, 0.3],
+        SamplerSettings(repetition_penalty=2.0),
+        [0, 3],
+    ),
+    Case(
+        "llama_cpp chain",
+        FLAT,
+        SamplerSettings(temperature=2.0, top_k=6, top_p=0.7, min_p=0.1, order="llama_cpp"),
+    ),
+    Case(
+        "transformers chain",
+        FLAT,
+        SamplerSettings(temperature=2.0, top_k=6, top_p=0.7, min_p=0.1),
+    ),
+    Case("cold", FLAT, SamplerSettings(temperature=0.01)),
+    Case("hot", FLAT, SamplerSettings(temperature=2.0)),
+    Case("top_p 0.05", FLAT, SamplerSettings(top_p=0.05)),
+    Case("top_k 1", FLAT, SamplerSettings(top_k=1, temperature=2.0)),
+]
+
+
+def _expected(case: Case) -> dict[int, float]:
+    return _reference(case.logits, case.settings, case.history)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_processed_distribution_is_the_references(case: Case) -> None:
+    ids, probs = sampling.processed(np.array(case.logits), case.settings, case.history)
+    expected = _expected(case)
+    assert set(ids.tolist()) == set(expected), (ids, expected)
+    for t, p in zip(ids.tolist(), probs.tolist(), strict=True):
+        assert abs(p - expected[t]) < 1e-12, (t, p, expected[t])
+
+
+def test_the_edges_named_by_peers_bugs() -> None:
+    tie = np.log([0.4, 0.3, 0.3])
+    ids, _ = sampling.processed(tie, SamplerSettings(top_k=2))
+    assert ids.tolist() == [0, 1]  # the tie at the k-th logit broken by id, not over-accepted
+    ids, _ = sampling.processed(tie, SamplerSettings(top_k=2, top_p=0.05))
+    assert ids.tolist() == [0]  # top-k then top-p never masks every token
+    # The two orders give different distributions for the same settings (temperature first
+    # or last): what a user comparing llama.cpp with transformers must choose between.
+    settings = {"temperature": 2.0, "top_p": 0.7}
+    a = sampling.processed(np.array(FLAT), SamplerSettings(**settings))
+    b = sampling.processed(np.array(FLAT), SamplerSettings(**settings, order="llama_cpp"))
+    assert len(a[0]) != len(b[0])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", 0.0, "temperature=0.0 must be > 0"),
+        ("top_k", -1, "top_k=-1 must be >= 0"),
+        ("top_p", 0.0, "top_p=0.0 must lie in (0, 1]"),
+        ("min_p", 1.0, "min_p=1.0 must lie in [0, 1)"),
+        ("order", "vllm", "order='vllm' is not one of transformers, llama_cpp"),
+        ("seed", -1, "seed=-1 must lie in [0, 2**64)"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_field(field, value, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplerSettings(**{field: value})
+
+
+# --- draws against the reference: the G-test and the planted bugs ---------------------------
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(chi-square with df degrees of freedom > x): the regularized upper gamma Q(df/2, x/2)
+    (series below a + 1, Lentz's continued fraction above)."""
+    a, x = df / 2.0, x / 2.0
+    if x <= 0:
+        return 1.0
+    log_front = -x + a * math.log(x) - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1.0 / a
+        n = a
+        while abs(term) > abs(total) * 1e-15:
+            n += 1
+            term *= x / n
+            total += term
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    b, c, d = x + 1 - a, 1e300, 1.0 / (x + 1 - a)
+    h = d
+    for i in range(1, 1000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1e-300 if abs(d) < 1e-300 else d
+        c = b + an / c
+        c = 1e-300 if abs(c) < 1e-300 else c
+        d = 1.0 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return math.exp(log_front) * h
+
+
+def test_the_chi_square_tail_is_right() -> None:
+    # textbook quantiles: chi2(1) 3.841 -> 0.05; chi2(5) 11.07 -> 0.05; chi2(2) x -> exp(-x/2)
+    assert abs(chi2_sf(3.841459, 1) - 0.05) < 1e-6
+    assert abs(chi2_sf(11.070498, 5) - 0.05) < 1e-6
+    assert abs(chi2_sf(40.0, 2) - math.exp(-20.0)) < 1e-18
+
+
+def _draws(case: Case) -> np.ndarray:
+    ids, probs = sampling.processed(np.array(case.logits), case.settings, case.history)
+    return sampling.pick(ids, probs, sampling.uniform(SEED, np.arange(DRAWS)))
+
+
+def g_test(case: Case) -> float:
+    """The G-test's p-value of the sampler's DRAWS draws against the reference."""
+    expected = _expected(case)
+    drawn = _draws(case)
+    if not set(np.unique(drawn).tolist()) <= set(expected):
+        return 0.0  # a token the reference never keeps
+    if len(expected) == 1:
+        return 1.0
+    g = 0.0
+    for t, p in expected.items():
+        observed = int((drawn == t).sum())
+        if observed:
+            g += 2 * observed * math.log(observed / (DRAWS * p))
+    return chi2_sf(g, len(expected) - 1)
+
+
+def power(case: Case) -> float:
+    """The G-test's power at ALPHA against the (mutated) sampler's distribution of `case`."""
+    ids, probs = sampling.processed(np.array(case.logits), case.settings, case.history)
+    expected = _expected(case)
+    mutated = dict(zip(ids.tolist(), probs.tolist(), strict=True))
+    outside = sum(p for t, p in mutated.items() if t not in expected)
+    if outside > 0:  # a token the reference never keeps fails the test once drawn
+        return 1.0 - (1.0 - outside) ** DRAWS
+    kl = sum(p * math.log(p / expected[t]) for t, p in mutated.items() if p > 0)
+    df, lam = len(expected) - 1, 2 * DRAWS * kl
+    crit = _critical(df)
+    z = (df + lam - crit) / math.sqrt(2 * (df + 2 * lam))
+    return 0.5 * math.erfc(-z / math.sqrt(2))
+
+
+def _critical(df: int) -> float:
+    lo, hi = 0.0, 1000.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chi2_sf(mid, df) > ALPHA else (lo, mid)
+    return hi
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_sampler_passes_the_g_test(case: Case) -> None:
+    assert g_test(case) > ALPHA
+
+
+_TOP_P = sampling.top_p
+
+
+def _top_p_one_too_many(ids, values, p):
+    if p >= 1.0:
+        return ids, values
+    kept = len(_TOP_P(ids, values, p)[0])
+    return ids[: kept + 1], values[: kept + 1]
+
+
+def _top_p_one_too_few(ids, values, p):
+    kept_ids, _ = _TOP_P(ids, values, p)
+    n = max(1, len(kept_ids) - 1) if p < 1.0 else len(kept_ids)
+    return ids[:n], values[:n]
+
+
+def _top_k_ties(ids, values, k):
+    return (ids[values >= values[k - 1]], values[values >= values[k - 1]]) if k else (ids, values)
+
+
+def _min_p_of_the_total(ids, values, m):
+    if m <= 0:
+        return ids, values
+    e = np.exp(values - values.max())
+    keep = e / e.sum() >= m  # relative to the total, not to the most likely token
+    return ids[keep], values[keep]
+
+
+_PENALIZED = sampling.penalized
+_TEMPERATURE_LATE = {**sampling.CHAINS, "transformers": ("top_k", "top_p", "temperature", "min_p")}
+MUTATIONS = {
+    "temperature after top-p": ("CHAINS", _TEMPERATURE_LATE),
+    "top-p one token too many": ("top_p", _top_p_one_too_many),
+    "top-p one token too few": ("top_p", _top_p_one_too_few),
+    "top-k ties over-accepted": ("top_k", _top_k_ties),
+    "penalties on the wrong tokens": (
+        "penalized",
+        lambda values, s, history: _PENALIZED(values, s, [t + 1 for t in history]),
+    ),
+    "min-p relative to the total": ("min_p", _min_p_of_the_total),
+}
+
+
+def test_every_planted_sampler_bug_fails_the_g_test(monkeypatch, capsys) -> None:
+    lines, missed = [], []
+    for name, (attribute, replacement) in MUTATIONS.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(sampling, attribute, replacement)
+            caught = [(c, g_test(c)) for c in CASES]
+            caught = [(c, p) for c, p in caught if p <= ALPHA]
+            if not caught:
+                missed.append(name)
+                lines.append(f"  {name:<32} PASS (missed)")
+                continue
+            case, p_value = caught[0]
+            case_power = power(case)
+            lines.append(
+                f"  {name:<32} FAIL on {case.name!r} (p = {p_value:.2g}; power {case_power:.6f})"
+            )
+            assert case_power >= 0.999, f"{name}: power {case_power} on {case.name}"
+    with capsys.disabled():
+        print(
+            f"\nsampler mutations, G-test at alpha {ALPHA:g}, {DRAWS} draws per case, "
+            f"{len(CASES)} cases:\n" + "\n".join(lines)
+        )
+    assert not missed, f"planted bugs no case catches: {missed}"
+
+
+TESTDATA = Path(
+    os.environ.get("PIPELINES_TESTDATA", "max_tests/integration/architectures/llama3/testdata")
+)
+
+
+def test_generate_samples_under_a_seed_and_refuses_sampler_flags_without_temperature(
+    capsys,
+) -> None:
+    common = ["--gguf", str(TESTDATA / "tiny_llama.gguf"), "--prompt", "Hi", "--max-new-tokens"]
+    sampled = [*common, "6", "--temperature", "1.0", "--top-p", "0.9", "--seed", "3"]
+    texts = []
+    for argv in (sampled, sampled, [*sampled[:-1], "4"], [*common, "6"]):
+        assert generate.main(argv) == 0
+        texts.append(capsys.readouterr().out.split(" prompt tokens at")[0])
+    assert texts[0] == texts[1]  # the same seed: the same text
+    assert texts[0] != texts[2] and texts[0] != texts[3]  # another seed; greedy
+    with pytest.raises(SystemExit) as refused:
+        generate.main([*common, "6", "--top-k", "5"])
+    assert refused.value.code == 2
+    assert "--top-k sample: give --temperature too" in capsys.readouterr().err
