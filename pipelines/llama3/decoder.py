@@ -14,7 +14,6 @@ One place for the choice that `Llama3Engine.generate` and the serving engine
   the sequence being checked, while `tokens` keeps the model's own choice;
 - **stop conditions**: `max_new_tokens` steps, or a choice among `eos_ids` (the checkpoint's:
   `Llama3Engine.eos_ids`).
-
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ Example:
 """
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import sys
@@ -80,18 +81,10 @@ def _sampling(args, parser) -> SamplerSettings | None:
         if given:
             parser.error(f"{', '.join(given)} sample: give --temperature too (1.0: unscaled)")
         return None
+    # every field of SamplerSettings is the option of the same name
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplerSettings)}
     try:
-        return SamplerSettings(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-            order=args.order,
-            seed=args.seed,
-        )
+        return SamplerSettings(**fields)
     except ValueError as error:
         parser.error(str(error))
 

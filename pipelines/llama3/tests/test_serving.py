@@ -222,38 +222,49 @@ BITWISE_PATHS = {
 }
 
 
-def _sampling_mismatches(engine, path: str) -> tuple[list[str], int]:
-    """(ids of seeded requests whose served tokens differ from generate's, how many of their
-    tokens differ from the greedy choice)."""
+def _sampled_requests(engine) -> list[Request]:
     prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
-    requests = [
+    return [
         Request(f"s{i}", p, STEPS, sampling=s)
         for i, (p, s) in enumerate(zip(prompts, SAMPLED, strict=True))
     ]
-    seeded = [r for r in requests if r.sampling.seed is not None]
+
+
+def _solo_draws(engine) -> dict[str, list[int]]:
+    """generate's tokens for each seeded request."""
     with torch.inference_mode():
-        expected = {r.id: engine.generate(r.prompt, STEPS, sampling=r.sampling) for r in seeded}
-        greedy = {r.id: engine.generate(r.prompt, STEPS).tokens for r in seeded}
+        return {
+            r.id: engine.generate(r.prompt, STEPS, sampling=r.sampling).tokens
+            for r in _sampled_requests(engine)
+            if r.sampling.seed is not None
+        }
+
+
+def _sampling_mismatches(engine, path: str, solo: dict[str, list[int]]) -> list[str]:
+    """The ids of seeded requests whose served tokens differ from generate's (`solo`)."""
+    requests = _sampled_requests(engine)
+    with torch.inference_mode():
         if path == "alone":
             served = {}
-            for r in seeded:
-                served.update(ServingEngine(engine, block_size=4).serve([r]))
+            for r in requests:
+                if r.id in solo:
+                    served.update(ServingEngine(engine, block_size=4).serve([r]))
         else:
             order = requests[::-1] if path == "reversed" else requests
             served = ServingEngine(engine, **ALL_PATHS[path]).serve(order)
-    mismatched = [r.id for r in seeded if served[r.id].output.tokens != expected[r.id].tokens]
-    not_greedy = sum(
-        a != b for r in seeded for a, b in zip(expected[r.id].tokens, greedy[r.id], strict=False)
-    )
-    return mismatched, not_greedy
+    return [rid for rid, tokens in solo.items() if served[rid].output.tokens != tokens]
 
 
 def test_a_seeded_request_draws_the_same_tokens_on_every_bitwise_path(served) -> None:
     engine, _, _ = served
+    solo = _solo_draws(engine)
+    with torch.inference_mode():
+        greedy = {r.id: engine.generate(r.prompt, STEPS).tokens for r in _sampled_requests(engine)}
+    not_greedy = sum(a != b for rid in solo for a, b in zip(solo[rid], greedy[rid], strict=False))
+    assert not_greedy > 0, "the sampled tokens are the greedy ones: nothing was drawn"
     for path in BITWISE_PATHS[engine.mode]:
-        mismatched, not_greedy = _sampling_mismatches(engine, path)
+        mismatched = _sampling_mismatches(engine, path, solo)
         assert not mismatched, f"{engine.mode} {path}: {mismatched} drew other tokens"
-        assert not_greedy > 0, "the sampled tokens are the greedy ones: nothing was drawn"
 
 
 def test_one_seed_shared_by_the_batch_fails(monkeypatch) -> None:
@@ -270,6 +281,6 @@ def test_one_seed_shared_by_the_batch_fails(monkeypatch) -> None:
         decoder.seed = first[0]
         return decoder
 
+    solo = _solo_draws(engine)
     monkeypatch.setattr(ServingEngine, "_decoder", shared)
-    mismatched, _ = _sampling_mismatches(engine, "batch")
-    assert mismatched == ["s1", "s2"]
+    assert _sampling_mismatches(engine, "batch", solo) == ["s1", "s2"]

@@ -57,6 +57,7 @@ MEASURE = Tolerance(
 
 
 MODULE = "max_tests.integration.architectures.llama3.calibrate_tolerances"
+NOISE_MODE_ENV = "CALIBRATE_NOISE_MODE"  # the mode a --noise-json process loads
 # Kernel settings one machine can switch between, each (name, environment, CPU flag it needs).
 KERNEL_LEVELS = (
     ("aten avx512", {"ATEN_CPU_CAPABILITY": "avx512"}, "avx512f"),
@@ -85,8 +86,8 @@ def reachable_kernel_levels() -> list[tuple[str, dict[str, str]]]:
     return [(name, env) for name, env, flag in KERNEL_LEVELS if not flag or flag in flags]
 
 
-# The modes whose C kernels have builds that sum in different orders (the ggml mode's builds
-# give the same bits: test_same_bits), and the encodings they run.
+# The encodings the quantized mode runs with its C kernels, whose builds sum in different
+# orders (the ggml mode's builds give the same bits: test_same_bits).
 QUANTIZED_ENCODINGS = ("q4_k", "q4_1")
 
 
@@ -102,9 +103,6 @@ def reachable_kernel_builds() -> list[tuple[str, dict[str, str]]]:
         for isa in builds
         for env in aten
     ]
-
-
-NOISE_MODE_ENV = "CALIBRATE_NOISE_MODE"  # the mode a --noise-json process loads
 
 
 def kernel_noise(
