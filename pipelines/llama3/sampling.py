@@ -22,7 +22,29 @@ Every step ranks tokens by (logit descending, id ascending): top-k keeps exactly
 (a tie at the k-th logit is broken by id, never over-accepted); top-p keeps the smallest
 prefix of that ranking whose probability reaches top_p (the first token always); min-p keeps
 the tokens whose probability is at least min_p times the most likely one's. The draw walks the
-kept tokens in that ranking and takes the one whose cumulative interval holds the uniform.
+kept tokens in id order (not in that ranking) and takes the one whose cumulative interval
+holds the uniform: the cumulative probability at each id then moves by at most the total
+variation when the probabilities move, so two near-equal distributions draw differently only
+where the uniform lies that close to a boundary (`compare_draws`; in ranking order, two near-tied
+tokens that swap ranks would swap whole intervals).
+
+**The draw rule** (`compare_draws`), for a run whose logits legitimately differ from the
+reference's within a tolerance, like the near-tie rule for greedy tokens: at one step, with the
+same uniform u, the reference's processed distribution P draws a and the run's Q draws b. If
+a != b the draw is AMBIGUOUS (counted, not failed) only when
+
+1. P and Q keep the same tokens, and their total variation TV(P, Q) is at most the margin the
+   logits' tolerance allows (checked at every step, whether the draws differ or not: the
+   processed distribution's own check) (`draw_margin`: with every log-probability within atol, the
+   processed log-probabilities are within delta = 2 atol max(r, 1/r) / T, r the repetition
+   penalty, T the temperature, so TV <= expm1(delta) / 2);
+2. u lies within TV(P, Q) of P's cumulative boundary next to a on b's side, and within TV(P, Q)
+   of Q's boundary next to b on a's side.
+
+A correct draw from both always satisfies 2 when it differs (the cumulative probability at any
+id moves by at most TV), so a FAIL there is a draw that no tolerance explains: another uniform,
+another seed, another position, another order. After an ambiguous draw the continuations
+follow different histories and are compared no further.
 """
 
 from __future__ import annotations
@@ -96,6 +118,24 @@ def _ranked(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return ids[order], values[order]
 
 
+def _ranked_for(values: np.ndarray, settings: SamplerSettings) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens the chain's truncations see, ranked where they need the ranking.
+
+    With top-k, only the tokens at or above the k-th logit (its ties included) can be kept,
+    and every step before top-k (temperature) is elementwise: those are ranked, not the whole
+    vocabulary. Without truncation there is nothing to rank (the draw walks id order).
+    """
+    ids = np.arange(len(values), dtype=np.int64)
+    s = settings
+    if 0 < s.top_k < len(values):
+        kth = np.partition(values, len(values) - s.top_k)[len(values) - s.top_k]
+        candidates = np.flatnonzero(values >= kth)
+        return _ranked(ids[candidates], values[candidates])
+    if s.top_k or s.top_p < 1.0 or s.min_p > 0.0:
+        return _ranked(ids, values)
+    return ids, values
+
+
 def _softmax(values: np.ndarray) -> np.ndarray:
     e = np.exp(values - values.max())
     return e / e.sum()
@@ -130,10 +170,11 @@ def temperature(ids, values, t: float):
 def processed(
     logits: torch.Tensor | np.ndarray, settings: SamplerSettings, history: Sequence[int] = ()
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(kept ids, their probabilities), ranked: the distribution a step draws from."""
+    """(kept ids, their probabilities): the distribution a step draws from. The ids are
+    ranked (logit descending, id ascending) where a truncation is set, else in id order."""
     values = np.asarray(logits, dtype=np.float64).reshape(-1)
     values = penalized(values, settings, history)
-    ids, values = _ranked(np.arange(len(values), dtype=np.int64), values)
+    ids, values = _ranked_for(values, settings)
     s = settings
     steps = {
         "temperature": lambda i, v: temperature(i, v, s.temperature),
@@ -153,11 +194,83 @@ CHAINS = {
 }
 
 
+def _by_id(ids: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kept ids ascending, and the cumulative probability up to each (normalized)."""
+    order = np.argsort(ids, kind="stable")
+    cdf = np.cumsum(probs[order])
+    return ids[order], cdf / cdf[-1]
+
+
 def pick(ids: np.ndarray, probs: np.ndarray, u):
-    """The kept token(s) whose cumulative interval holds the uniform(s) `u` in [0, 1)."""
-    cdf = np.cumsum(probs)
-    index = np.searchsorted(cdf, np.asarray(u) * cdf[-1], side="right")
+    """The kept token(s) whose cumulative interval, in id order, holds the uniform(s) `u`."""
+    ids, cdf = _by_id(ids, probs)
+    index = np.searchsorted(cdf, np.asarray(u), side="right")
     return ids[np.minimum(index, len(ids) - 1)]
+
+
+# --- the draw rule ---------------------------------------------------------------------------
+
+
+def draw_margin(logprob_atol: float, settings: SamplerSettings) -> float:
+    """The largest TV between two processed distributions whose logits' log-probabilities
+    are within `logprob_atol` of each other and that keep the same tokens (module docstring)."""
+    r = settings.repetition_penalty
+    delta = 2.0 * logprob_atol * max(r, 1.0 / r) / settings.temperature
+    return float(np.expm1(delta) / 2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawVerdict:
+    verdict: str  # "equal", "AMBIGUOUS" or "FAIL"
+    reference_token: int
+    run_token: int
+    tv: float
+    detail: str = ""
+
+
+def _boundary_gap(ids: np.ndarray, cdf: np.ndarray, token: int, toward: int, u: float) -> float:
+    """|u - the cumulative boundary next to `token` on `toward`'s side| (ids ascending)."""
+    i = int(np.searchsorted(ids, token))
+    edge = cdf[i] if toward > token else (cdf[i - 1] if i else 0.0)
+    return abs(u - float(edge))
+
+
+def compare_draws(
+    reference: tuple[np.ndarray, np.ndarray],
+    run: tuple[np.ndarray, np.ndarray],
+    u: float,
+    margin: float,
+) -> DrawVerdict:
+    """The draw rule (module docstring) at one step: P = `reference`, Q = `run`, each
+    (kept ids, probabilities) as `processed` returns them, the step's uniform `u`, the
+    largest TV the logits' tolerance allows (`draw_margin`)."""
+    a, b = int(pick(*reference, u)), int(pick(*run, u))
+    ids_p, cdf_p = _by_id(*reference)
+    ids_q, cdf_q = _by_id(*run)
+    same_kept = np.array_equal(ids_p, ids_q)
+    tv = 0.5 * float(np.abs(np.diff(cdf_p, prepend=0.0) - np.diff(cdf_q, prepend=0.0)).sum())
+    if not same_kept:
+        only_p = np.setdiff1d(ids_p, ids_q)[:5].tolist()
+        only_q = np.setdiff1d(ids_q, ids_p)[:5].tolist()
+        tv = float("inf")
+    if not same_kept:
+        detail = f"the kept tokens differ (only the reference's {only_p}, only the run's {only_q})"
+        return DrawVerdict("FAIL", a, b, tv, detail)
+    if tv > margin:
+        detail = f"TV {tv:.3g} of the processed distributions is over the margin {margin:.3g}"
+        return DrawVerdict("FAIL", a, b, tv, detail)
+    if a == b:
+        return DrawVerdict("equal", a, b, tv)
+    gap_p = _boundary_gap(ids_p, cdf_p, a, b, u)
+    gap_q = _boundary_gap(ids_q, cdf_q, b, a, u)
+    if gap_p > tv or gap_q > tv:
+        detail = (
+            f"u={u:.6f} lies {gap_p:.3g} from the reference's boundary next to {a} and "
+            f"{gap_q:.3g} from the run's next to {b}, more than TV {tv:.3g}: no tolerance "
+            "explains the draw (another uniform, seed, position or order?)"
+        )
+        return DrawVerdict("FAIL", a, b, tv, detail)
+    return DrawVerdict("AMBIGUOUS", a, b, tv, f"u within TV {tv:.3g} of the boundary")
 
 
 # --- counter-based randomness --------------------------------------------------------------
@@ -209,3 +322,35 @@ def sample(
     """The token drawn at `position` from the step's processed distribution."""
     ids, probs = processed(logits, settings, history)
     return int(pick(ids, probs, uniform(seed, position)))
+
+
+def compare_continuations(
+    reference: tuple[Sequence[int], torch.Tensor],
+    run: tuple[Sequence[int], torch.Tensor],
+    settings: SamplerSettings,
+    seed: int,
+    prompt: Sequence[int],
+    margin: float,
+) -> list[DrawVerdict]:
+    """The draw rule along two seeded continuations of one prompt, each (tokens, logits
+    [steps, vocab]) with row i the logits that drew token i: a verdict per step until the
+    first that is not "equal" (after it the histories differ), or the shorter's end."""
+    verdicts = []
+    (ref_tokens, ref_logits), (run_tokens, run_logits) = reference, run
+    history = list(prompt)
+    for step in range(min(len(ref_tokens), len(run_tokens))):
+        u = float(uniform(seed, len(history)))
+        p = processed(ref_logits[step], settings, history)
+        q = processed(run_logits[step], settings, history)
+        verdict = compare_draws(p, q, u, margin)
+        if (verdict.reference_token, verdict.run_token) != (ref_tokens[step], run_tokens[step]):
+            detail = (
+                f"step {step}: the drawn tokens {ref_tokens[step]}, {run_tokens[step]} are not "
+                f"the draws {verdict.reference_token}, {verdict.run_token} of their logits"
+            )
+            verdict = DrawVerdict("FAIL", ref_tokens[step], run_tokens[step], verdict.tv, detail)
+        verdicts.append(verdict)
+        if verdict.verdict != "equal":
+            break
+        history.append(ref_tokens[step])
+    return verdicts

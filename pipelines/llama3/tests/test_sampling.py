@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pipelines.llama3 import generate, sampling
 from pipelines.llama3.sampling import SamplerSettings
@@ -366,3 +367,95 @@ def test_generate_samples_under_a_seed_and_refuses_sampler_flags_without_tempera
         generate.main([*common, "6", "--top-k", "5"])
     assert refused.value.code == 2
     assert "--top-k sample: give --temperature too" in capsys.readouterr().err
+
+
+# --- the draw rule (sampling.compare_draws): near-equal distributions, the same uniform ------
+#
+# A run whose log-probabilities lie within ATOL of the reference's (and that keeps the same
+# tokens) draws differently only where the uniform lies within TV of a boundary: the rule
+# calls those AMBIGUOUS and never FAILs a correct draw (a theorem of the id-order draw, in the
+# module docstring; checked here on TRIALS seeded steps). Planted: a run that draws at the
+# next position's uniform, one that walks the kept tokens in ranking order, one whose logits
+# lie 30 times further than ATOL: each FAILs at half the steps or more (the counts are
+# printed: the first two at about 83% of the steps, every step where the draws differ; the
+# TV check sees far logits at a share that grows with the distance, 44% at 10 x ATOL, the
+# margin being the worst case of ATOL; the lanes' logit checks judge the logits themselves).
+
+ATOL = 0.01  # large, so that ambiguous draws happen often enough to be seen
+TRIALS = 3000
+RULE_SETTINGS = [
+    SamplerSettings(temperature=0.7),
+    SamplerSettings(temperature=1.5, repetition_penalty=1.3),
+    SamplerSettings(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.2),
+]
+
+
+def _ranked_order_pick(ids, probs, u):
+    """Planted: the draw walks the kept tokens in ranking order, not id order."""
+    order = np.lexsort((ids, -probs))
+    ids, cdf = ids[order], np.cumsum(probs[order])
+    return ids[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(ids) - 1)]
+
+
+def _rule_counts(scale: float = 1.0, run_pick=None, run_position: int = 0) -> dict[str, int]:
+    """The draw rule's verdicts over TRIALS seeded steps: a prompt of 5 random tokens, the
+    reference's logits N(0, 2) over 64 ids, the run's within scale x ATOL (log-softmax)."""
+    rng = np.random.default_rng(SEED)
+    counts = {"equal": 0, "AMBIGUOUS": 0, "FAIL": 0}
+    for trial in range(TRIALS):
+        settings = RULE_SETTINGS[trial % len(RULE_SETTINGS)]
+        prompt = rng.integers(0, 64, size=5).tolist()
+        logits = rng.normal(0.0, 2.0, size=64)
+        nudged = logits + rng.uniform(-scale * ATOL / 2, scale * ATOL / 2, size=64)
+        seed = trial
+        position = len(prompt)
+        p = sampling.processed(logits, settings, prompt)
+        q = sampling.processed(nudged, settings, prompt)
+        a = int(sampling.pick(*p, sampling.uniform(seed, position)))
+        pick = run_pick or sampling.pick
+        b = int(pick(*q, sampling.uniform(seed, position + run_position)))
+        verdicts = sampling.compare_continuations(
+            ([a], torch.tensor(logits)[None]),
+            ([b], torch.tensor(nudged)[None]),
+            settings,
+            seed,
+            prompt,
+            sampling.draw_margin(ATOL, settings),
+        )
+        counts[verdicts[0].verdict] += 1
+    return counts
+
+
+def test_the_draw_rule_never_fails_a_draw_within_the_margin(capsys) -> None:
+    counts = _rule_counts()
+    with capsys.disabled():
+        print(f"\ndraw rule, {TRIALS} steps, logits within atol {ATOL}: {counts}")
+    assert counts["FAIL"] == 0
+    assert counts["AMBIGUOUS"] > 0  # the rule's other branch is exercised
+    assert counts["AMBIGUOUS"] < 0.02 * TRIALS  # about TV per step: rare
+
+
+@pytest.mark.parametrize(
+    ("bug", "kwargs"),
+    [
+        ("the next position's uniform", {"run_position": 1}),
+        ("ranking order", {"run_pick": _ranked_order_pick}),
+        ("logits 30 x atol apart", {"scale": 30.0}),
+    ],
+)
+def test_a_draw_no_tolerance_explains_fails_the_draw_rule(bug, kwargs, capsys) -> None:
+    counts = _rule_counts(**kwargs)
+    with capsys.disabled():
+        print(f"\ndraw rule, planted {bug}: {counts}")
+    assert counts["FAIL"] >= 0.5 * TRIALS, counts
+
+
+def test_the_rule_needs_the_id_order_draw(monkeypatch, capsys) -> None:
+    """Planted: the sampler itself (reference and run alike) walks its kept tokens in ranking
+    order. Two near-tied tokens that swap ranks then swap whole intervals, so draws differ
+    with the uniform far from any boundary: the rule's boundary condition FAILs them."""
+    monkeypatch.setattr(sampling, "pick", _ranked_order_pick)
+    counts = _rule_counts()
+    with capsys.disabled():
+        print(f"\ndraw rule, the sampler in ranking order, logits within atol: {counts}")
+    assert counts["FAIL"] > 0
