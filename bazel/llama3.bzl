@@ -32,7 +32,7 @@ _GOLDEN_ARCHIVES_ENV = {
 # What the package's conftest.py imports; a test adds what its own files import (`deps`), and
 # nothing more, so an edit reruns only the tests it can change.
 _CONFTEST_IMPORTS = [
-    ":harness",
+    "//harness/llama3:harness",
     "//goldens",
     "//max_tests:conftest",
 ]

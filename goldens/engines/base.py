@@ -9,7 +9,7 @@ choice at each step is the argmax, or the top-1. `forced_run` turns that into wh
 
 Adapters: `goldens.engines.openai` (any OpenAI-compatible completions server, and llama.cpp's
 `llama-server` with its tokenizer endpoint); this engine and transformers in
-max_tests/integration/architectures/llama3/engine_adapters.py.
+harness/llama3/engine_adapters.py.
 """
 
 from __future__ import annotations

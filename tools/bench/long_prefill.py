@@ -46,7 +46,7 @@ def measure(side: str, model: str, encoding: str, threads: int, repeats: int) ->
     import torch
 
     from goldens.record import case_specs
-    from max_tests.integration.architectures.llama3.variants import variants
+    from harness.llama3.variants import variants
     from pipelines.llama3 import Llama3Engine
 
     torch.set_num_threads(threads)
@@ -58,7 +58,7 @@ def measure(side: str, model: str, encoding: str, threads: int, repeats: int) ->
     ids = engine.tokenizer.encode(spec.prompt)
     positions = spec.positions(len(ids))
     if side == "transformers":
-        from max_tests.integration.architectures.llama3.torch_reference import load_model
+        from harness.llama3.torch_reference import load_model
 
         reference = load_model(variant.path, variant.dtype)
         head = reference.lm_head.weight.float()
@@ -84,7 +84,7 @@ def measure(side: str, model: str, encoding: str, threads: int, repeats: int) ->
 
 
 def _variants(models: list[str]) -> list[tuple[str, str]]:
-    from max_tests.integration.architectures.llama3.variants import variants
+    from harness.llama3.variants import variants
 
     return [(v.model, v.encoding) for m in models for v in variants(m) if v.path is not None]
 

@@ -27,9 +27,9 @@ from goldens.engines.llama_server import LlamaServer, binary
 from goldens.engines.openai import LlamaCppEngine
 from goldens.machine import cpu_model
 from goldens.tolerances import tolerance
-from max_tests.integration.architectures.llama3 import golden_files, judge
-from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine, judge_engine
-from max_tests.integration.architectures.llama3.variants import testdata_directory, variants
+from harness.llama3 import golden_files, judge
+from harness.llama3.engine_adapters import ThisEngine, judge_engine
+from harness.llama3.variants import testdata_directory, variants
 
 CASES = {"all": "every case", "short": "the short cases", "long": "the long cases"}
 PAIRS = (

@@ -38,13 +38,8 @@ from goldens.engines.base import EngineError
 from goldens.engines.llama_server import LlamaServer
 from goldens.engines.openai import LlamaCppEngine, OpenAIEngine
 from goldens.tolerances import NotJudged, tolerance
-from max_tests.integration.architectures.llama3 import (
-    checkpoint_mutations,
-    failure_report,
-    golden_files,
-    judge,
-)
-from max_tests.integration.architectures.llama3.variants import (
+from harness.llama3 import checkpoint_mutations, failure_report, golden_files, judge
+from harness.llama3.variants import (
     Variant,
     testdata_directory,
     variants,
@@ -135,7 +130,7 @@ def _target(args, variant: Variant, gguf: Path) -> Target:
         server = LlamaServer(gguf)
         server.start()
         return Target(LlamaCppEngine(server.url, **options), server)
-    from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine, Transformers
+    from harness.llama3.engine_adapters import ThisEngine, Transformers
 
     variant = dataclasses.replace(variant, path=gguf)
     if args.engine == "transformers":
@@ -144,7 +139,7 @@ def _target(args, variant: Variant, gguf: Path) -> Target:
 
 
 def _verdicts(target: Target, variant: Variant, goldens, column: str, lane: str):
-    from max_tests.integration.architectures.llama3.engine_adapters import judge_engine
+    from harness.llama3.engine_adapters import judge_engine
 
     return [
         judge_engine(

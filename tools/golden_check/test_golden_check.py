@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from goldens.engines.tests.fake_server import FakeServer
-from max_tests.integration.architectures.llama3 import checkpoint_mutations, engine_runs
+from harness.llama3 import checkpoint_mutations, engine_runs
 from tools.golden_check import golden_check
 
 

@@ -250,7 +250,7 @@ def _regenerate(
 def ggml_encodings(model: str, encoding: str) -> list[str]:
     """The encodings of the selection whose ggml goldens exist (variants.GGML_ENCODINGS), each
     with a checkpoint on this machine."""
-    from max_tests.integration.architectures.llama3.variants import GGML_ENCODINGS, variants
+    from harness.llama3.variants import GGML_ENCODINGS, variants
 
     chosen = [e for e in GGML_ENCODINGS if encoding in ("all", e)]
     return [e for e in chosen if any(v.path is not None for v in variants(model, e))]
@@ -261,7 +261,7 @@ def _torch_inputs_changed(pinned: GoldenSet) -> list[str]:
     import transformers
 
     from goldens.record import case_specs, file_sha256
-    from max_tests.integration.architectures.llama3.variants import variants
+    from harness.llama3.variants import variants
 
     by_key = {(v.model, v.encoding): v for v in variants() if v.path is not None}
     version = f"transformers/{transformers.__version__}"

@@ -42,12 +42,13 @@ import torch
 from goldens import locate, schema
 from goldens.cli_files import user_path
 from goldens.tolerances import Tolerance
-from max_tests.integration.architectures.llama3 import engine_runs, golden_files, judge, mutations
-from max_tests.integration.architectures.llama3.variants import (
+from harness.llama3 import engine_runs, golden_files, judge
+from harness.llama3.variants import (
     Variant,
     checkout_testdata,
     variants,
 )
+from max_tests.integration.architectures.llama3 import mutations
 from pipelines.llama3 import kernel_library
 
 # A tolerance that fails nothing: the measurements read the metrics, not a verdict.

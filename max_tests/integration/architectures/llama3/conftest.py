@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from goldens import locate, schema
-from max_tests.integration.architectures.llama3 import golden_files
-from max_tests.integration.architectures.llama3.variants import Variant
-from max_tests.integration.architectures.llama3.variants import testdata_directory as _testdata
+from harness.llama3 import golden_files
+from harness.llama3.variants import Variant
+from harness.llama3.variants import testdata_directory as _testdata
 
 # Set by .bazelrc for every bazel test: a missing golden fails instead of skipping.
 GOLDENS_REQUIRED_ENV = "GOLDENS_REQUIRED"

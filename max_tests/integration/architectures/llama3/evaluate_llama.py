@@ -34,8 +34,8 @@ import torch
 
 from goldens import schema
 from goldens.cli_files import PathError, user_path
-from max_tests.integration.architectures.llama3 import engine_runs, golden_files
-from max_tests.integration.architectures.llama3.variants import (
+from harness.llama3 import engine_runs, golden_files
+from harness.llama3.variants import (
     ENCODINGS,
     GGML_ENCODINGS,
     LLAMA3_1_ENV,

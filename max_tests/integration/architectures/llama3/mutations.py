@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from max_tests.integration.architectures.llama3 import engine_runs
-from max_tests.integration.architectures.llama3.variants import Variant
+from harness.llama3 import engine_runs
+from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.serving import ServingEngine

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from goldens import schema
+from harness.llama3.variants import LLAMA3_1_ENV, encoding_of_file_type
 from max_tests.integration.architectures.llama3 import evaluate_llama
-from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV, encoding_of_file_type
 
 
 def _exit_code(argv: list[str]) -> int:

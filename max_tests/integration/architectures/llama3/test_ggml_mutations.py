@@ -14,13 +14,9 @@ import tempfile
 import pytest
 
 from goldens.tolerances import tolerance
-from max_tests.integration.architectures.llama3 import (
-    checkpoint_mutations,
-    engine_runs,
-    ggml_mutations,
-    judge,
-)
-from max_tests.integration.architectures.llama3.variants import GGML_ENCODINGS, variants
+from harness.llama3 import checkpoint_mutations, engine_runs, judge
+from harness.llama3.variants import GGML_ENCODINGS, variants
+from max_tests.integration.architectures.llama3 import ggml_mutations
 
 VARIANTS = [v for v in variants() if v.encoding in GGML_ENCODINGS and v.model != "llama3_1"]
 

@@ -10,8 +10,8 @@ import pytest
 from goldens import compare, record
 from goldens.sanity import degeneracy_problems
 from goldens.tolerances import entries, tolerance
-from max_tests.integration.architectures.llama3 import judge
-from max_tests.integration.architectures.llama3.variants import Variant, variants
+from harness.llama3 import judge
+from harness.llama3.variants import Variant, variants
 
 VARIANTS = [v for v in variants() if v.path is not None]
 REFERENCES = ["own", "torch"]

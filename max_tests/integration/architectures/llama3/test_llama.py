@@ -24,14 +24,9 @@ from pathlib import Path
 import pytest
 
 from goldens.tolerances import tolerance
-from max_tests.integration.architectures.llama3 import (
-    diagnosis,
-    engine_runs,
-    failure_report,
-    judge,
-)
-from max_tests.integration.architectures.llama3 import variants as variants_module
-from max_tests.integration.architectures.llama3.variants import LLAMA3_1_ENV, Variant, variants
+from harness.llama3 import diagnosis, engine_runs, failure_report, judge
+from harness.llama3 import variants as variants_module
+from harness.llama3.variants import LLAMA3_1_ENV, Variant, variants
 from pipelines.llama3.engine import MODES
 
 VARIANTS = variants()

@@ -29,9 +29,9 @@ from goldens.engines.base import EngineError, forced_run
 from goldens.engines.openai import LlamaCppEngine
 from goldens.record import case_specs
 from goldens.tolerances import NotJudged, tolerance
-from max_tests.integration.architectures.llama3 import checkpoint_mutations, judge
-from max_tests.integration.architectures.llama3.engine_adapters import ThisEngine, judge_engine
-from max_tests.integration.architectures.llama3.variants import variants
+from harness.llama3 import checkpoint_mutations, judge
+from harness.llama3.engine_adapters import ThisEngine, judge_engine
+from harness.llama3.variants import variants
 
 REQUIRE_ENV = "CI_REQUIRE_LLAMA_CPP"
 TINY = {v.encoding: v for v in variants("tinyllama")}

@@ -29,14 +29,8 @@ import torch
 
 from goldens import schema
 from goldens.tolerances import tolerance
-from max_tests.integration.architectures.llama3 import (
-    diagnosis,
-    engine_runs,
-    failure_report,
-    golden_files,
-    judge,
-)
-from max_tests.integration.architectures.llama3.variants import Variant, variants
+from harness.llama3 import diagnosis, engine_runs, failure_report, golden_files, judge
+from harness.llama3.variants import Variant, variants
 
 pytestmark = pytest.mark.gpu
 VARIANTS = variants()

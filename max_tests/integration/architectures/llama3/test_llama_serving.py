@@ -25,13 +25,8 @@ from pathlib import Path
 import pytest
 
 from goldens.tolerances import entries, tolerance
-from max_tests.integration.architectures.llama3 import (
-    engine_runs,
-    failure_report,
-    judge,
-    scenarios,
-)
-from max_tests.integration.architectures.llama3.variants import Variant, variants
+from harness.llama3 import engine_runs, failure_report, judge, scenarios
+from harness.llama3.variants import Variant, variants
 from pipelines.llama3.serving import ServingEngine
 
 VARIANTS = variants()

@@ -20,16 +20,9 @@ import pytest
 from goldens import compare, diff, schema
 from goldens.record import case_specs
 from goldens.tolerances import entries, tolerance
-from max_tests.integration.architectures.llama3 import (
-    diagnosis,
-    engine_runs,
-    failure_report,
-    judge,
-    localize,
-    mutations,
-    torch_reference,
-)
-from max_tests.integration.architectures.llama3.variants import Variant, variants
+from harness.llama3 import diagnosis, engine_runs, failure_report, judge, localize, torch_reference
+from harness.llama3.variants import Variant, variants
+from max_tests.integration.architectures.llama3 import mutations
 from tools.gen_tiny_model import gen_tiny_model
 
 ENCODINGS = sorted({tol.encoding for tol in entries()})

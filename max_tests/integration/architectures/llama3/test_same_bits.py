@@ -32,8 +32,8 @@ import pytest
 import torch
 
 from goldens.record import case_specs
-from max_tests.integration.architectures.llama3 import engine_runs
-from max_tests.integration.architectures.llama3.variants import GGML_ENCODINGS, variants
+from harness.llama3 import engine_runs
+from harness.llama3.variants import GGML_ENCODINGS, variants
 from pipelines.llama3 import ggml_mode, kernel_library
 from pipelines.llama3.model import rope_inverse_frequencies
 

@@ -11,8 +11,9 @@ import pytest
 
 from goldens import compare
 from goldens.tolerances import tolerance
-from max_tests.integration.architectures.llama3 import engine_runs, judge, mutations, scenarios
-from max_tests.integration.architectures.llama3.variants import Variant, variants
+from harness.llama3 import engine_runs, judge, scenarios
+from harness.llama3.variants import Variant, variants
+from max_tests.integration.architectures.llama3 import mutations
 from pipelines.llama3.serving import ServingEngine
 
 COLUMNS = scenarios.SCENARIOS  # solo first

@@ -30,9 +30,9 @@ import torch
 from goldens import schema
 from goldens.cli_files import PathError, user_path
 from goldens.record import case_specs, record_case
-from max_tests.integration.architectures.llama3 import engine_runs, golden_files
-from max_tests.integration.architectures.llama3.torch_reference import float32_head, load_reference
-from max_tests.integration.architectures.llama3.variants import (
+from harness.llama3 import engine_runs, golden_files
+from harness.llama3.torch_reference import float32_head, load_reference
+from harness.llama3.variants import (
     ENCODINGS,
     LLAMA3_1_ENV,
     MODELS,

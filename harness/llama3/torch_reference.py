@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import torch
 
-from max_tests.integration.architectures.llama3.variants import Variant
+from harness.llama3.variants import Variant
 from pipelines.llama3.gguf_file import GGUFFile
 
 # Llama 3.1's published rope scaling; checked against the file's rope_freqs before use.

@@ -14,7 +14,7 @@ import numpy as np
 
 from goldens import schema
 from goldens.record import CaseSpec, case_specs
-from max_tests.integration.architectures.llama3.variants import Variant
+from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 
 # Goldens are computed on one torch thread, as every golden test runs (bazel/pytest.bzl):

@@ -8,9 +8,9 @@ import dataclasses
 from goldens import compare, schema
 from goldens.record import CaseSpec, case_specs
 from goldens.tolerances import Tolerance, judged_lane
-from max_tests.integration.architectures.llama3.engine_runs import Run, forced_runs
-from max_tests.integration.architectures.llama3.golden_files import GoldenSource, regenerate_command
-from max_tests.integration.architectures.llama3.variants import Variant
+from harness.llama3.engine_runs import Run, forced_runs
+from harness.llama3.golden_files import GoldenSource, regenerate_command
+from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 
 

@@ -19,10 +19,10 @@ from goldens import schema
 from goldens.engines.base import Engine, forced_run
 from goldens.record import CaseSpec
 from goldens.tolerances import Tolerance, judged_lane
-from max_tests.integration.architectures.llama3 import judge
-from max_tests.integration.architectures.llama3.engine_runs import Run, load_engine
-from max_tests.integration.architectures.llama3.golden_files import GoldenSource
-from max_tests.integration.architectures.llama3.variants import Variant
+from harness.llama3 import judge
+from harness.llama3.engine_runs import Run, load_engine
+from harness.llama3.golden_files import GoldenSource
+from harness.llama3.variants import Variant
 
 
 class ThisEngine:
@@ -61,7 +61,7 @@ class Transformers:
     tokenizes = True
 
     def __init__(self, variant: Variant, device: str = "cpu") -> None:
-        from max_tests.integration.architectures.llama3.torch_reference import load_reference
+        from harness.llama3.torch_reference import load_reference
 
         self.model, self.tokenizer = load_reference(variant, device)
         self.device = device
@@ -75,7 +75,7 @@ class Transformers:
 
     @torch.inference_mode()
     def teacher_forced(self, prompt, tokens, positions, top_k):
-        from max_tests.integration.architectures.llama3.torch_reference import float32_head
+        from harness.llama3.torch_reference import float32_head
 
         model = self.model
         with float32_head(model) as head:

@@ -12,8 +12,8 @@ from goldens import locate, schema
 from goldens.cli_files import output_directory, user_path
 from goldens.machine import cpu_model
 from goldens.record import file_sha256, record_case
-from max_tests.integration.architectures.llama3.engine_runs import Run
-from max_tests.integration.architectures.llama3.variants import Variant
+from harness.llama3.engine_runs import Run
+from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 
 ENGINE_PRODUCER_VERSION = "llama3-engine/2"

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from goldens import compare, report, schema
-from max_tests.integration.architectures.llama3 import golden_files
-from max_tests.integration.architectures.llama3.judge import Verdict
-from max_tests.integration.architectures.llama3.variants import Variant
+from harness.llama3 import golden_files
+from harness.llama3.judge import Verdict
+from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 
 # Bazel's folder for a test's extra outputs; it zips them into bazel-testlogs after the test.

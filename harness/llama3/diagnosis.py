@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from goldens import compare, schema
-from max_tests.integration.architectures.llama3 import localize, torch_reference
-from max_tests.integration.architectures.llama3.judge import Verdict
-from max_tests.integration.architectures.llama3.variants import Variant
+from harness.llama3 import localize, torch_reference
+from harness.llama3.judge import Verdict
+from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 
 

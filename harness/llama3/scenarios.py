@@ -29,7 +29,7 @@ import torch
 
 from goldens import schema
 from goldens.record import CaseSpec
-from max_tests.integration.architectures.llama3.engine_runs import Run
+from harness.llama3.engine_runs import Run
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.serving import Request, ServingEngine, blocks_for
 

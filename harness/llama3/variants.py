@@ -78,9 +78,9 @@ def checkout_testdata(repository: Path | None = None) -> Path:
 
 
 def testdata_directory() -> Path:
-    """`PIPELINES_TESTDATA` (set by Bazel), else the testdata folder beside this file."""
+    """`PIPELINES_TESTDATA` (set by Bazel), else the testdata folder of this file's checkout."""
     env = os.environ.get("PIPELINES_TESTDATA")
-    return Path(env) if env else Path(__file__).resolve().with_name("testdata")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / TESTDATA_REL
 
 
 def _tiny(encoding: str) -> Variant:
