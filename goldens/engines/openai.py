@@ -42,6 +42,18 @@ from goldens.compare import TopLogprobs
 from goldens.engines.base import EngineError
 
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's return_tokens_as_token_ids spelling
+# llama.cpp's samplers other than temperature, top-k, top-p and min-p, each set to its no-op
+# (most are its defaults; stated so that another build's defaults cannot move a draw).
+NEUTRAL_SAMPLERS = {
+    "repeat_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "dry_multiplier": 0.0,
+    "typical_p": 1.0,
+    "xtc_probability": 0.0,
+    "top_n_sigma": -1.0,
+    "mirostat": 0,
+}
 
 
 class OpenAIEngine:
@@ -264,6 +276,35 @@ class LlamaCppEngine(OpenAIEngine):
             return str(self._at_root("/detokenize", {"tokens": [int(i) for i in ids]})["content"])
         except (EngineError, KeyError):
             return super().decode(ids)
+
+    def sampled_tokens(
+        self, prompt: Sequence[int], sampler: dict, seeds: Sequence[int]
+    ) -> tuple[list[int], list[str]]:
+        """The token llama-server draws after `prompt` (ids) under `sampler` (its own field
+        names: temperature, top_k, top_p, min_p), one request per seed (each seeds its own
+        generator); and the sampler chain it reports, in its order. No logit bias here: the
+        draw must be the server's own distribution's."""
+        body = {
+            "prompt": [int(i) for i in prompt],
+            "n_predict": 1,
+            "cache_prompt": True,
+            "return_tokens": True,
+            **NEUTRAL_SAMPLERS,
+            **sampler,
+        }
+        tokens: list[int] = []
+        chain: list[str] = []
+        for seed in seeds:
+            answer = self._at_root("/completion", {**body, "seed": int(seed)})
+            drawn = answer.get("tokens")
+            if not isinstance(drawn, list) or len(drawn) != 1:
+                raise EngineError(
+                    f"{self.root}/completion with seed {seed} answered {drawn!r} as its tokens, "
+                    "not one token id (an end-of-generation draw?)"
+                )
+            tokens.append(int(drawn[0]))
+            chain = list(answer.get("generation_settings", {}).get("samplers", chain))
+        return tokens, chain
 
     def _at_root(self, path: str, body: dict) -> dict:
         saved, self.url = self.url, self.root

@@ -27,6 +27,8 @@ import torch
 
 from pipelines.llama3 import generate, sampling
 from pipelines.llama3.sampling import SamplerSettings
+from testing import multinomial
+from testing.multinomial import chi2_sf
 
 ALPHA = 1e-6
 DRAWS = 20_000
@@ -192,37 +194,6 @@ def test_bad_settings_are_refused_naming_the_field(field, value, message) -> Non
 # --- draws against the reference: the G-test and the planted bugs ---------------------------
 
 
-def chi2_sf(x: float, df: int) -> float:
-    """P(chi-square with df degrees of freedom > x): the regularized upper gamma Q(df/2, x/2)
-    (series below a + 1, Lentz's continued fraction above)."""
-    a, x = df / 2.0, x / 2.0
-    if x <= 0:
-        return 1.0
-    log_front = -x + a * math.log(x) - math.lgamma(a)
-    if x < a + 1:
-        term = total = 1.0 / a
-        n = a
-        while abs(term) > abs(total) * 1e-15:
-            n += 1
-            term *= x / n
-            total += term
-        return max(0.0, 1.0 - total * math.exp(log_front))
-    b, c, d = x + 1 - a, 1e300, 1.0 / (x + 1 - a)
-    h = d
-    for i in range(1, 1000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = 1e-300 if abs(d) < 1e-300 else d
-        c = b + an / c
-        c = 1e-300 if abs(c) < 1e-300 else c
-        d = 1.0 / d
-        h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return math.exp(log_front) * h
-
-
 def test_the_chi_square_tail_is_right() -> None:
     # textbook quantiles: chi2(1) 3.841 -> 0.05; chi2(5) 11.07 -> 0.05; chi2(2) x -> exp(-x/2)
     assert abs(chi2_sf(3.841459, 1) - 0.05) < 1e-6
@@ -237,41 +208,14 @@ def _draws(case: Case) -> np.ndarray:
 
 def g_test(case: Case) -> float:
     """The G-test's p-value of the sampler's DRAWS draws against the reference."""
-    expected = _expected(case)
-    drawn = _draws(case)
-    if not set(np.unique(drawn).tolist()) <= set(expected):
-        return 0.0  # a token the reference never keeps
-    if len(expected) == 1:
-        return 1.0
-    g = 0.0
-    for t, p in expected.items():
-        observed = int((drawn == t).sum())
-        if observed:
-            g += 2 * observed * math.log(observed / (DRAWS * p))
-    return chi2_sf(g, len(expected) - 1)
+    return multinomial.g_test(_draws(case).tolist(), _expected(case))
 
 
 def power(case: Case) -> float:
     """The G-test's power at ALPHA against the (mutated) sampler's distribution of `case`."""
     ids, probs = sampling.processed(np.array(case.logits), case.settings, case.history)
-    expected = _expected(case)
     mutated = dict(zip(ids.tolist(), probs.tolist(), strict=True))
-    outside = sum(p for t, p in mutated.items() if t not in expected)
-    if outside > 0:  # a token the reference never keeps fails the test once drawn
-        return 1.0 - (1.0 - outside) ** DRAWS
-    kl = sum(p * math.log(p / expected[t]) for t, p in mutated.items() if p > 0)
-    df, lam = len(expected) - 1, 2 * DRAWS * kl
-    crit = _critical(df)
-    z = (df + lam - crit) / math.sqrt(2 * (df + 2 * lam))
-    return 0.5 * math.erfc(-z / math.sqrt(2))
-
-
-def _critical(df: int) -> float:
-    lo, hi = 0.0, 1000.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if chi2_sf(mid, df) > ALPHA else (lo, mid)
-    return hi
+    return multinomial.power(mutated, _expected(case), DRAWS, ALPHA)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
