@@ -17,11 +17,17 @@ log-probabilities; the comparison then checks what is known and bounds the rest
   ./bazelw run //tools:golden_check -- --engine=transformers --checkpoint=smollm2-q4_1
   # the checkpoints and the GGUF file each one's goldens were made from
   ./bazelw run //tools:golden_check -- --list
+  # llama.cpp's sampler: 2000 seeded draws per case against the golden's distribution
+  # processed in llama.cpp's order (temperature last), by a G-test at alpha 1e-6
+  ./bazelw run //tools:golden_check -- --engine=llama_cpp --checkpoint=tinyllama-float32 \
+      --sampling --lane=short --sampler=temperature=1.5,top_k=20,top_p=0.8,min_p=0.05
 
 Prints one verdict line per golden (own: this engine's goldens; torch: transformers') and
 writes an HTML report of every case. Exit status: 0 every golden passes (and, with
 --mutations, every mutation fails); 1 a verdict failed; 2 bad input, or an engine that could
 not answer (nothing listening at the URL, no log-probabilities), in one line naming it.
+With --sampling: 0 every case's draws pass, 1 a case FAILs or is INCONCLUSIVE (the engine's
+own logits too far from the golden's for its draws to judge its sampler).
 """
 
 from __future__ import annotations
@@ -38,7 +44,13 @@ from goldens.engines.base import EngineError
 from goldens.engines.llama_server import LlamaServer
 from goldens.engines.openai import LlamaCppEngine, OpenAIEngine
 from goldens.tolerances import NotJudged, tolerance
-from harness.llama3 import checkpoint_mutations, failure_report, golden_files, judge
+from harness.llama3 import (
+    checkpoint_mutations,
+    failure_report,
+    golden_files,
+    judge,
+    sampler_check,
+)
 from harness.llama3.variants import (
     Variant,
     testdata_directory,
@@ -52,6 +64,33 @@ DEFAULT_COLUMN = {
     "this": "cpu",
     "transformers": "cpu",
 }
+
+
+def sampling_orders() -> tuple[str, ...]:
+    from pipelines.llama3.sampling import ORDERS
+
+    return ORDERS
+
+
+SAMPLER_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float}
+
+
+def parse_sampler(text: str) -> dict:
+    """`temperature=1.5,top_k=20` -> {"temperature": 1.5, "top_k": 20}; ValueError naming
+    the bad item."""
+    sampler = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in SAMPLER_FIELDS or not value:
+            raise ValueError(
+                f"--sampler item {item!r}: give KEY=VALUE with KEY one of "
+                f"{', '.join(SAMPLER_FIELDS)}"
+            )
+        try:
+            sampler[key] = SAMPLER_FIELDS[key](value)
+        except ValueError:
+            raise ValueError(f"--sampler item {item!r}: {value!r} is not a number") from None
+    return sampler
 
 
 def checkpoints() -> dict[str, Variant]:
@@ -99,6 +138,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report-dir", default=".", help="where the HTML reports go")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
     p.add_argument("--batch", type=int, default=16, help="prefixes per HTTP request")
+    p.add_argument(
+        "--sampling",
+        action="store_true",
+        help="judge the engine's sampler by its seeded draws instead of its logits "
+        "(--engine=llama_cpp; harness/llama3/sampler_check.py)",
+    )
+    p.add_argument(
+        "--sampler",
+        default=",".join(f"{k}={v}" for k, v in sampler_check.DEFAULT_SAMPLER.items()),
+        help="with --sampling: temperature, top_k, top_p, min_p as KEY=VALUE,... "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--order",
+        choices=sampling_orders(),
+        default="llama_cpp",
+        help="with --sampling: the chain order the draws are held to (default: llama_cpp)",
+    )
+    p.add_argument(
+        "--draws", type=int, default=sampler_check.DRAWS, help="with --sampling: per case"
+    )
     p.add_argument(
         "--echo",
         action="store_true",
@@ -201,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--mutations needs an engine this command starts on each mutated copy: "
             "--engine=llama_cpp without --url, or --engine=this"
         )
+    if args.sampling:
+        return _sampling(args, variant)
     column = args.tolerance or DEFAULT_COLUMN[args.engine]
     references = ("own", "torch") if args.golden == "both" else (args.golden,)
     try:
@@ -250,6 +312,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"golden_check: {e}", file=sys.stderr)
         return 2
     print("verdict: " + ("FAIL" if failed else "PASS"))
+    return 1 if failed else 0
+
+
+def _sampling(args, variant: Variant) -> int:
+    """--sampling: each case of the lane, the engine's draws after its prompt judged against
+    the own golden's first step processed in --order (sampler_check)."""
+    if args.engine != "llama_cpp":
+        _parser().error(
+            "--sampling needs --engine=llama_cpp (llama.cpp's /completion draws by seed)"
+        )
+    if args.draws < 1:
+        _parser().error(f"--draws={args.draws}: give at least 1")
+    try:
+        sampler = parse_sampler(args.sampler)
+        from pipelines.llama3.sampling import SamplerSettings
+
+        SamplerSettings(**sampler)
+    except ValueError as e:
+        _parser().error(str(e))
+    found = golden_files.find_golden("own", variant, testdata_directory())
+    if found is None:
+        name = golden_files.golden_file_name("own", variant)
+        print(f"golden_check: no own golden {name} is pinned", file=sys.stderr)
+        return 2
+    golden, source = found
+    cases = judge.in_lane(golden, variant.model, args.lane).cases
+    for case in cases:
+        problem = sampler_check.usable(case.steps[0], sampler)
+        if problem is not None:
+            _parser().error(f"--sampler: {problem}")
+    target = _target(args, variant, variant.path)
+    try:
+        print(
+            f"golden check --sampling: {target.engine.name}, {args.checkpoint} "
+            f"({variant.path.name}), {sampler} in the {args.order} order, {args.draws} draws "
+            f"per case, G-test at alpha {sampler_check.ALPHA:g}, against {source}"
+        )
+        verdicts = [
+            sampler_check.check_sampler(target.engine, case, sampler, args.draws, args.order)
+            for case in cases
+        ]
+    except EngineError as e:
+        print(f"golden_check: {e}", file=sys.stderr)
+        return 2
+    finally:
+        target.close()
+    for verdict in verdicts:
+        print("  " + verdict.summary())
+    failed = [v.case_id for v in verdicts if v.verdict != "PASS"]
+    print("verdict: " + (f"FAIL ({', '.join(failed)})" if failed else "PASS"))
     return 1 if failed else 0
 
 

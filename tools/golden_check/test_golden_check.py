@@ -72,6 +72,14 @@ def test_nothing_listening_exits_2_with_one_line_naming_the_url(capsys):
         (["--engine=llama_cpp", "--checkpoint=tinyllama-q4_k"], "is not judged"),
         (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
           "--mutations"], "--mutations needs"),
+        (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
+          "--sampling"], "--sampling needs --engine=llama_cpp"),
+        (["--engine=llama_cpp", "--checkpoint=tinyllama-float32", "--sampling",
+          "--sampler=top_k=50"], "give a top_k from 1 to 20"),
+        (["--engine=llama_cpp", "--checkpoint=tinyllama-float32", "--sampling",
+          "--sampler=temp=2"], "KEY one of temperature, top_k, top_p, min_p"),
+        (["--engine=llama_cpp", "--checkpoint=tinyllama-float32", "--sampling",
+          "--sampler=top_k=5,temperature=0"], "temperature=0.0 must be > 0"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_naming_it(argv, message, capsys):

@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 import torch
 
+from goldens import multinomial
+from goldens.multinomial import chi2_sf
 from pipelines.llama3 import generate, sampling
 from pipelines.llama3.sampling import SamplerSettings
-from testing import multinomial
-from testing.multinomial import chi2_sf
 
 ALPHA = 1e-6
 DRAWS = 20_000

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import tempfile
 
@@ -30,12 +29,10 @@ from goldens.engines.base import EngineError, forced_run
 from goldens.engines.openai import LlamaCppEngine
 from goldens.record import case_specs
 from goldens.tolerances import NotJudged, tolerance
-from harness.llama3 import checkpoint_mutations, judge
+from harness.llama3 import checkpoint_mutations, judge, sampler_check
 from harness.llama3.engine_adapters import ThisEngine, judge_engine
 from harness.llama3.variants import variants
-from pipelines.llama3 import sampling
-from pipelines.llama3.sampling import SamplerSettings
-from testing import multinomial
+from tools.golden_check import golden_check
 
 REQUIRE_ENV = "CI_REQUIRE_LLAMA_CPP"
 TINY = {v.encoding: v for v in variants("tinyllama")}
@@ -183,80 +180,55 @@ def test_llama_cpp_on_smollm2_is_not_judged_by_the_ggml_golden_and_says_why(gold
     assert recorded / 1.5 <= verdict.max_logprob_diff <= recorded * 1.5, verdict.summary()
 
 
-# llama-server's sampler (issue: another engine's sampler judged): N_DRAWS first tokens of one
-# golden case, one request per seed, against the golden's processed distribution in llama.cpp's
-# order and in transformers' (sampling.py's chains). top_k <= the golden's stored top-20, so the
-# stored logits hold every token either chain keeps: the expected distributions are exact.
-SAMPLER = {"temperature": 1.5, "top_k": 20, "top_p": 0.8, "min_p": 0.05}
+# llama-server's sampler, judged by its draws (harness/llama3/sampler_check.py): 2000 first
+# tokens of one golden case, one request per seed, against the golden's processed
+# distribution in llama.cpp's order and in transformers'.
 SAMPLER_CASE = "question"  # top-1 0.21: a spread distribution, where the orders differ
-N_DRAWS = 2000
-ALPHA = 1e-6
 # llama.cpp's request field `samplers`: temperature before top-p, transformers' distribution
 # (temperature does not change the top-k ranking)
 TEMPERATURE_FIRST = ["top_k", "temperature", "top_p", "min_p"]
 
 
-def _processed(ids, logits, order: str) -> dict[int, float]:
-    values = np.full(max(ids) + 1, -np.inf)
-    values[list(ids)] = logits
-    kept, probs = sampling.processed(values, SamplerSettings(order=order, **SAMPLER))
-    return dict(zip(kept.tolist(), probs.tolist(), strict=True))
-
-
 def test_llama_cpps_sampler_draws_its_own_order_and_not_the_other(goldens, capsys) -> None:
-    """The G-test at ALPHA of llama-server's draws: against the golden's distribution in the
-    llama_cpp order it passes; in the transformers order it fails, with the power printed.
-    The false-alarm rate is measured, not assumed: llama.cpp's own logits (its top-20 at the
-    same position) processed the same way sit KL away from the golden's, so the test's null
-    is noncentral with lambda = 2 N KL; the rate is that tail at the test's critical value."""
+    """The G-test at alpha 1e-6 of llama-server's draws (temperature 1.5, top-k 20, top-p
+    0.8, min-p 0.05): against the golden's distribution in the llama_cpp order it passes, in
+    the transformers order it fails, with the power printed and the false-alarm rate measured
+    from llama.cpp's own logits. Planted: the same server with temperature moved before top-p
+    fails the llama_cpp order and passes the transformers order."""
     variant = TINY["float32"]
     golden, _ = goldens.load("own", variant)
     (case,) = [c for c in golden.cases if c.id == SAMPLER_CASE]
-    step = case.steps[0]  # the first token after the prompt
-    assert SAMPLER["top_k"] <= len(step.topk_ids)
-    expected = {o: _processed(step.topk_ids, step.topk_logits, o) for o in sampling.ORDERS}
+    planted = {**sampler_check.DEFAULT_SAMPLER, "samplers": TEMPERATURE_FIRST}
     with _served(variant.path) as engine:
-        drawn, chain = engine.sampled_tokens(case.input_ids, SAMPLER, range(N_DRAWS))
-        (row,) = engine.next_token_rows(case.input_ids, [len(case.input_ids) - 1], 20)
-        # Planted: the same server with temperature moved before top-p (transformers' place)
-        moved, moved_chain = engine.sampled_tokens(
-            case.input_ids, {**SAMPLER, "samplers": TEMPERATURE_FIRST}, range(N_DRAWS)
-        )
-    assert moved_chain == TEMPERATURE_FIRST, moved_chain
-    assert chain[-1] == "temperature", chain  # llama.cpp's chain: temperature last
-    assert chain.index("top_k") < chain.index("top_p") < chain.index("min_p"), chain
-    own, truth = expected["llama_cpp"], _processed(row.ids, row.logprobs, "llama_cpp")
-    assert set(truth) == set(own), (sorted(truth), sorted(own))
-    kl_noise = sum(p * math.log(p / own[t]) for t, p in truth.items())
-    df = len(own) - 1
-    false_alarm = multinomial.noncentral_sf(
-        multinomial.critical(df, ALPHA), df, 2 * N_DRAWS * kl_noise
-    )
-    p_own = multinomial.g_test(drawn, own)
-    p_other = multinomial.g_test(drawn, expected["transformers"])
-    power = multinomial.power(own, expected["transformers"], N_DRAWS, ALPHA)
+        verdict = sampler_check.check_sampler(engine, case)
+        moved = sampler_check.check_sampler(engine, case, planted)
     with capsys.disabled():
-        print(
-            f"\nllama-server's sampler, {SAMPLER} on {SAMPLER_CASE!r}, {N_DRAWS} draws, "
-            f"chain {chain}: G-test p = {p_own:.3g} in the llama_cpp order "
-            f"({len(own)} tokens kept), p = {p_other:.3g} in the transformers order "
-            f"({len(expected['transformers'])} kept; power {power:.6f} at alpha {ALPHA:g}); "
-            f"false-alarm rate {false_alarm:.3g} (llama.cpp's logits KL {kl_noise:.3g} "
-            "from the golden's)"
-        )
-    assert false_alarm <= 10 * ALPHA, false_alarm
-    assert power >= 0.999, power
-    assert p_own > ALPHA, f"llama-server's draws are not the llama_cpp order's: p = {p_own:.3g}"
-    assert p_other <= ALPHA, f"the two orders are not told apart: p = {p_other:.3g}"
-    p_moved = multinomial.g_test(moved, own)
-    p_moved_other = multinomial.g_test(moved, expected["transformers"])
-    with capsys.disabled():
-        print(
-            f"planted, llama-server with the chain {TEMPERATURE_FIRST}: p = {p_moved:.3g} in "
-            f"the llama_cpp order (FAIL), p = {p_moved_other:.3g} in the transformers order"
-        )
-    assert p_moved <= ALPHA, f"temperature moved before top-p passes: p = {p_moved:.3g}"
-    assert p_moved_other > ALPHA, p_moved_other  # it is transformers' distribution
+        print(f"\nllama-server's sampler, {sampler_check.DEFAULT_SAMPLER}: {verdict.summary()}")
+        print(f"planted, the chain {TEMPERATURE_FIRST}: {moved.summary()}")
+    assert verdict.chain[-1] == "temperature", verdict.chain  # llama.cpp's: temperature last
+    assert (
+        verdict.chain.index("top_k") < verdict.chain.index("top_p") < verdict.chain.index("min_p")
+    ), verdict.chain
+    assert moved.chain == TEMPERATURE_FIRST, moved.chain
+    assert verdict.false_alarm <= 10 * verdict.alpha, verdict.summary()
+    assert verdict.power >= 0.999, verdict.summary()
+    assert verdict.verdict == "PASS", verdict.summary()
+    assert verdict.p_other <= verdict.alpha, f"the orders are not told apart: {verdict.summary()}"
+    assert moved.verdict == "FAIL", moved.summary()
+    assert moved.p_other > moved.alpha, moved.summary()  # it is the transformers order's
+
+
+def test_golden_check_sampling_passes_llama_cpps_order_and_fails_the_other(capsys) -> None:
+    """`golden_check --sampling` end to end on the short cases (500 draws each): exit 0 in
+    llama.cpp's order, exit 1 in transformers' (the 'question' case FAILs; power 0.99997)."""
+    argv = ["--engine=llama_cpp", "--checkpoint=tinyllama-float32", "--sampling"]
+    argv += ["--lane=short", "--draws=500"]
+    assert golden_check.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.strip().endswith("verdict: PASS"), out
+    assert golden_check.main([*argv, "--order=transformers"]) == 1
+    out = capsys.readouterr().out
+    assert "question: FAIL in the transformers order" in out, out
 
 
 def _distance(engine, reference, case) -> float:

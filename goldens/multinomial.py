@@ -1,7 +1,8 @@
 """Draws against exact probabilities: the G-test, its chi-square tail and its power.
 
 Used by the sampler's own proof (pipelines/llama3/tests/test_sampling.py) and by the
-llama.cpp lane's judgement of llama-server's sampler (test_llama_cpp.py). A test states its
+judgement of another engine's sampler (harness/llama3/sampler_check.py: the llama.cpp lane
+and `golden_check --sampling`). A test states its
 alpha; the G-test's false-alarm rate is then alpha for draws from the expected distribution
 (asymptotically: the chi-square approximation of G, good with a few expected draws per token),
 and its power against another distribution follows from the noncentral chi-square with
