@@ -24,6 +24,11 @@ Example:
     bazel run //tools/bench -- --new-tokens 32 --threads 2
     bazel run //tools/bench -- --modes=quantized --check   # exit 1 below the acceptance bars
     bazel run //tools/bench -- --threads 1 --json bench.json   # for perf_regression's baseline
+    bazel run //tools/bench -- --sampler=temperature=0.8,top_k=40,top_p=0.95,min_p=0.05
+
+After the greedy table, a sampled decode section (tools/bench/sampled.py): each mode's decode
+tokens/s greedy and sampled (--sampler, seed 0), beside llama-server doing both with the same
+settings, and the ratios (--no-sampling skips it).
 """
 
 import argparse
@@ -48,7 +53,7 @@ from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import CheckpointError, Llama3Engine, LlamaConfig
 from pipelines.llama3.engine import MODES, freeze_imported_objects
 from pipelines.llama3.gguf_file import GGUFFile
-from tools.bench import llama_cpp_peer
+from tools.bench import llama_cpp_peer, sampled
 from tools.bench.record import (
     METRICS,
     PEER,
@@ -102,6 +107,15 @@ def _parser() -> argparse.ArgumentParser:
         "--no-llama-cpp",
         action="store_true",
         help="skip llama.cpp even when its binding imports or llama-bench is on the PATH",
+    )
+    parser.add_argument(
+        "--sampler",
+        default=",".join(f"{k}={v}" for k, v in sampled.DEFAULT_SAMPLER.items()),
+        help="the sampled decode's settings, KEY=VALUE,... of temperature, top_k, top_p, "
+        "min_p (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-sampling", action="store_true", help="skip the sampled decode section"
     )
     parser.add_argument("--check", action="store_true", help="exit 1 when below the acceptance bar")
     parser.add_argument(
@@ -404,6 +418,53 @@ def _write_json(
     _progress(f"wrote {path}")
 
 
+def _parse_sampler(text: str) -> dict:
+    """`temperature=0.8,top_k=40` -> settings SamplerSettings accepts; ValueError naming the
+    item otherwise."""
+    from pipelines.llama3.sampling import SamplerSettings
+
+    kinds = {"temperature": float, "top_k": int, "top_p": float, "min_p": float}
+    sampler = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in kinds:
+            raise ValueError(f"--sampler item {item!r}: KEY one of {', '.join(kinds)}")
+        try:
+            sampler[key] = kinds[key](value)
+        except ValueError:
+            raise ValueError(f"--sampler item {item!r}: {value!r} is not a number") from None
+    SamplerSettings(**sampler)  # refuses bad values, naming the field
+    return sampler
+
+
+def _sampled_decode(args, engines: list[Side], gguf_path, input_ids, sampler) -> list[str]:
+    """The sampled decode section (tools/bench/sampled.py); llama-server when it starts."""
+    from goldens.engines.base import EngineError
+
+    llama, skipped = None, ""
+    if args.no_llama_cpp:
+        skipped = "--no-llama-cpp"
+    else:
+        try:
+            llama = sampled.LlamaServerSide(gguf_path, args.threads)
+        except EngineError as error:
+            skipped = f"{error} ({llama_cpp_peer.INSTALL_HINT})"
+    _progress(f"sampled decode: {len(engines)} modes{' and llama-server' if llama else ''}")
+    try:
+        rows = sampled.measure(
+            {side.name: side.engine for side in engines},
+            llama,
+            input_ids,
+            args.new_tokens,
+            args.repeats,
+            sampler,
+        )
+    finally:
+        if llama is not None:
+            llama.close()
+    return sampled.lines(rows, sampler, args.repeats, skipped)
+
+
 def main(argv: list[str] | None = None) -> int:
     freeze_imported_objects()  # before the first load: see its docstring
     parser = _parser()
@@ -418,6 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         parser.error(f"--modes={args.modes}: choose from {', '.join(MODES)}")
+    try:
+        sampler = _parse_sampler(args.sampler)
+    except ValueError as error:
+        parser.error(str(error))
     json_path = user_path(args.json) if args.json else None
     if json_path:
         try:  # before the minutes of benchmarking, not after
@@ -479,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     _print_ratios(engines, peers, len(input_ids), args.new_tokens)
     _print_tokens(sides)
     _print_bandwidth(sides, args.new_tokens, read_gb_per_s, read_seconds, args.threads)
+    if not args.no_sampling:
+        print("\n".join(_sampled_decode(args, engines, gguf_path, input_ids, sampler)))
     verdicts = _acceptance({s.name: s for s in sides}, len(input_ids), args.new_tokens)
     print("\n".join(verdicts))
     if json_path:

@@ -5,6 +5,7 @@ llama-bench (no load time, no tokens), the read-bandwidth line. No model runs he
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -102,3 +103,31 @@ def test_read_bandwidth_is_measured():
     gb_per_s, seconds = bench.measure_read_bandwidth(mib=8, repeats=2)
     assert gb_per_s > 0 and math.isfinite(gb_per_s)
     assert seconds > 0
+
+
+def test_the_sampled_decode_section_names_each_side_and_its_ratios():
+    from tools.bench import sampled
+
+    rows = [
+        sampled.Row("quantized", greedy=40.0, sampled=30.0),
+        sampled.Row("llama-server", greedy=80.0, sampled=60.0),
+    ]
+    out = sampled.lines(rows, {"temperature": 0.8, "top_k": 40}, 3)
+    assert out[0] == "sampled decode (temperature=0.8, top_k=40, seed 0), tok/s, fastest of 3:"
+    assert out[2].split() == ["quantized", "40.00", "30.00", "0.750"]
+    assert out[-1] == "quantized/llama-server sampled decode: 0.500 (greedy 0.500)"
+    without = sampled.lines(rows[:1], {"temperature": 0.8}, 1, skipped="--no-llama-cpp")
+    assert without[-1] == "  llama-server: skipped: --no-llama-cpp"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("temp=1", "KEY one of temperature, top_k, top_p, min_p"),
+        ("top_k=x", "'x' is not a number"),
+        ("top_p=1.5", "top_p=1.5 must lie in (0, 1]"),
+    ],
+)
+def test_a_bad_sampler_is_refused_naming_it(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bench._parse_sampler(text)
