@@ -66,15 +66,22 @@ class ForcedRun:
     seconds: float
 
 
+def forced_inputs(case: Case, own_ids: list[int] | None) -> tuple[list[int], list[int]]:
+    """What a run teacher-forced on `case` is fed, the one conversion of a golden case into a
+    run (every engine, every serving scenario): the prompt (the engine's own tokenization,
+    else the golden's ids for an engine that cannot tokenize) and the golden's prompt positions
+    where that prompt has them (a tokenization that differs fails on input ids anyway; its
+    positions past the prompt go missing). The forced tokens are the golden's, `case.token_ids`."""
+    prompt = list(case.input_ids) if own_ids is None else list(own_ids)
+    return prompt, [p for p in case.positions if p < len(prompt) - 1]
+
+
 def forced_run(engine: Engine, case: Case) -> ForcedRun:
     """`engine` teacher-forced on `case`: every step's prefix (the prompt and the golden's
     first i tokens) and every recorded prompt position, in one `teacher_forced` call."""
     top_k = len(case.steps[0].topk_ids)
     own_ids = engine.tokenize(case.prompt)
-    prompt = list(case.input_ids) if own_ids is None else own_ids
-    # The golden's prompt positions, where this prompt has them (a tokenization that differs
-    # fails on input ids anyway).
-    positions = [p for p in case.positions if p < len(prompt) - 1]
+    prompt, positions = forced_inputs(case, own_ids)
     start = time.perf_counter()
     step_rows, prompt_rows = engine.teacher_forced(prompt, list(case.token_ids), positions, top_k)
     seconds = time.perf_counter() - start

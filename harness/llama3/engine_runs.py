@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from goldens import schema
+from goldens.engines.base import forced_inputs
 from goldens.record import CaseSpec, case_specs
 from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
@@ -68,10 +69,7 @@ def forced_run(engine: Llama3Engine, case: schema.Case) -> Run:
     """The engine fed the golden's tokens: its own tokenization of the prompt, then the
     golden's greedy tokens; row i of the logits follows the golden's first i tokens."""
     spec = CaseSpec(case.id, case.prompt, len(case.steps), len(case.steps[0].topk_ids))
-    input_ids = engine.tokenizer.encode(case.prompt)
-    # The golden's prompt positions, where the run's prompt has them (a tokenizer that
-    # changed fails on input ids anyway; its positions past the run's prompt go missing).
-    positions = [p for p in case.positions if p < len(input_ids) - 1]
+    input_ids, positions = forced_inputs(case, engine.tokenizer.encode(case.prompt))
     start = time.perf_counter()
     out = engine.generate(
         input_ids, len(case.steps), forced_tokens=case.token_ids, prompt_positions=positions

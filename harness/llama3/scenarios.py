@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from goldens import schema
+from goldens.engines.base import forced_inputs
 from goldens.record import CaseSpec
 from harness.llama3.engine_runs import Run
 from pipelines.llama3 import Llama3Engine
@@ -195,9 +196,9 @@ def served_runs(
 
 
 def _request(engine: Llama3Engine, case: schema.Case) -> Request:
-    input_ids = engine.tokenizer.encode(case.prompt)
-    positions = tuple(p for p in case.positions if p < len(input_ids) - 1)
-    return Request(case.id, input_ids, len(case.steps), list(case.token_ids), positions)
+    """The case as a served request: what forced_run feeds generate (forced_inputs)."""
+    input_ids, positions = forced_inputs(case, engine.tokenizer.encode(case.prompt))
+    return Request(case.id, input_ids, len(case.steps), list(case.token_ids), tuple(positions))
 
 
 def _siblings(request: Request, block_size: int, vocab: int) -> list[Request]:
