@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipelines.llama3 import ggml_mode, packed
+from pipelines.llama3 import ggml_mode, packed, speculative
 from pipelines.llama3.compiled import compile_blocks
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.decoder import Decoder
@@ -39,6 +39,7 @@ class GenerationOutput:
     # [len(prompt_positions), vocab] float32 cpu: the prefill's next-token logits at the
     # prompt positions asked for (row j after input_ids[: prompt_positions[j] + 1])
     prompt_logits: torch.Tensor | None = None
+    speculation: speculative.Stats | None = None  # with speculation: proposals and acceptances
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -267,6 +268,7 @@ class Llama3Engine:
         forced_tokens: list[int] | None = None,
         prompt_positions: Sequence[int] = (),
         sampling: SamplerSettings | None = None,
+        speculation: speculative.Speculation | None = None,
     ) -> GenerationOutput:
         """Prefill, then decode, each step reading the keys and values of the KV cache; the
         next token and the stop are the decoder's (decoder.Decoder: greedy, end-of-sequence ids;
@@ -278,7 +280,12 @@ class Llama3Engine:
         `tokens` still holds the model's own greedy choice at each step.
         `prompt_positions` (0-based, before the last prompt position) also returns the same
         prefill's logits at those positions (`prompt_logits`); the LM head runs on them only.
+        With `speculation` (speculative.Speculation) a draft proposes tokens that one forward
+        verifies, the decoder accepting the longest prefix it would have chosen: the same
+        tokens (greedy, or sampled under the same seed), fewer forwards (speculative.py).
         """
+        if speculation is not None and forced_tokens is not None:
+            raise ValueError("speculation proposes tokens; teacher forcing feeds them: not both")
         if forced_tokens is not None:
             bad = [t for t in forced_tokens if not 0 <= t < self.config.vocab_size]
             if bad:
@@ -310,13 +317,19 @@ class Llama3Engine:
         prefill_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        for step in range(max_new_tokens):
-            step_logits[step] = logits
-            token = decoder.step(logits)
-            if token is None:
-                break
-            next_token.fill_(token)  # one preallocated [1, 1] input for every step
-            logits = self.model(next_token, len(input_ids) + step)[0, -1]
+        stats = None
+        if speculation is not None:
+            stats = speculative.decode(
+                self.model, decoder, logits, len(input_ids), speculation, step_logits, self.device
+            )
+        else:
+            for step in range(max_new_tokens):
+                step_logits[step] = logits
+                token = decoder.step(logits)
+                if token is None:
+                    break
+                next_token.fill_(token)  # one preallocated [1, 1] input for every step
+                logits = self.model(next_token, len(input_ids) + step)[0, -1]
         _synchronize(self.device)
         decode_seconds = time.perf_counter() - start
         tokens = decoder.tokens
@@ -326,6 +339,7 @@ class Llama3Engine:
             prefill_seconds,
             decode_seconds,
             prefill[:-1].cpu() if positions else None,
+            stats,
         )
 
 

@@ -21,6 +21,7 @@ import torch
 from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
 from pipelines.llama3.sampling import ORDERS, SamplerSettings
+from pipelines.llama3.speculative import NgramDraft, Speculation
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -63,6 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--frequency-penalty", type=float, default=0.0)
     sampling.add_argument("--order", choices=ORDERS, default="transformers", help="chain order")
     sampling.add_argument("--seed", type=int, default=None, help="default: the system's")
+    parser.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: the n-gram (prompt lookup) draft proposes up to K tokens "
+        "(1 to 8) that one forward verifies; the same tokens, fewer forwards (0: off)",
+    )
     return parser
 
 
@@ -100,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sampling = _sampling(args, parser)
+    speculation = None
+    if args.speculate:
+        try:
+            speculation = Speculation(NgramDraft(), args.speculate)
+        except ValueError as error:
+            parser.error(f"--speculate={args.speculate}: {error}")
     gguf_path = args.gguf
     print(f"loading {gguf_path} on {args.device} ({args.dtype}, {args.mode})", file=sys.stderr)
     try:
@@ -116,13 +131,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     input_ids = engine.tokenizer.encode(args.prompt)
-    out = engine.generate(input_ids, args.max_new_tokens, sampling=sampling)
+    out = engine.generate(
+        input_ids, args.max_new_tokens, sampling=sampling, speculation=speculation
+    )
     print(args.prompt + engine.tokenizer.decode(out.tokens))
     prefill_rate = len(input_ids) / out.prefill_seconds
     print(
         f"{len(input_ids)} prompt tokens at {prefill_rate:.1f} tok/s, "
         f"{len(out.tokens)} new tokens, decode {out.decode_tokens_per_second:.1f} tok/s"
     )
+    if out.speculation is not None:
+        print(f"speculation (n-gram draft, k={args.speculate}): {out.speculation.summary()}")
     return 0
 
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from pipelines.llama3 import packed
 from pipelines.llama3.kernel_library import GGML_ORDER, library
-from pipelines.llama3.model import Transformer, rope_inverse_frequencies
+from pipelines.llama3.model import Transformer, causal_mask, rope_inverse_frequencies
 from pipelines.llama3.packing import RawMatrix
 
 # kernels/ggml_dot.c's weight codes, and the activations ggml quantizes for each
@@ -207,7 +207,10 @@ class GgmlAttention(packed.PackedAttention):
 
     def forward(self, x, start_pos, cos, sin, mask):
         bsz, seqlen, _ = x.shape
-        causal = mask is None  # a model without windows: the plain causal (or decode) case
+        # A model without windows: the plain causal case (None: a decode step or a prefill
+        # from position 0; a chunk after cached positions, e.g. a speculative verification
+        # block, gets the explicit causal mask, which the kernel computes as well).
+        causal = mask is None or _is_plain_causal(mask, seqlen, start_pos)
         if not (bsz == 1 and causal and self._decode_applies(cos, sin)):
             return super().forward(x, start_pos, cos, sin, mask)
         qkv = self.wqkv(x).contiguous()  # [1, seq, (n_heads + 2 n_kv_heads) * head_dim]
@@ -392,3 +395,9 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
         attention=GgmlAttention,
     )
     model.fused_decode = FusedDecode(model) if FusedDecode.applies(model) else None
+
+
+def _is_plain_causal(mask: torch.Tensor, seqlen: int, start_pos: int) -> bool:
+    """Whether `mask` is model.causal_mask's for these positions (a windowed model's is not)."""
+    plain = causal_mask(seqlen, start_pos, mask.device)
+    return mask.shape == plain.shape and bool(torch.equal(mask, plain))

@@ -1,0 +1,162 @@
+"""Speculative decoding in `Llama3Engine.generate`: a draft proposes up to K tokens, the model
+scores them in one forward, the decoder verifies them.
+
+One step: the token just chosen and the draft's K proposals are fed as one block at the next
+positions (`Transformer.forward` with several rows, as a prefill chunk is); row j's logits are
+the target's next-token logits after the block's first j + 1 tokens. The decoder (decoder.py,
+the same one every path uses) makes its choice from row 0, then from row 1 while its choices
+equal the proposals, and so on: the first choice that differs from its proposal replaces it and
+ends the step (the positions after it hold the rejected proposals' keys and values, which the
+next block overwrites before anything reads them: attention reads the cache only up to the
+block's last position); when all K are accepted, the last row's choice is the bonus token.
+
+Greedy: a proposal is accepted iff it is the argmax (the first of equal maxima), so the tokens
+are those of decoding without speculation, and the rows are its rows up to the verification
+forward's numerics (several positions at once, as a chunk computes them).
+
+Sampling: the drafts here are deterministic (a proposal x is a point mass q = 1 at x), for which
+rejection sampling accepts x with probability min(1, p(x) / q(x)) = p(x) and on rejection draws
+from the residual max(0, p - q), normalized: p without x. The decoder's draw with the position's
+uniform u realizes exactly that: it accepts iff its draw pick(p, u) is x (probability p(x)), and
+its draw is otherwise distributed as the residual (`acceptance` and `residual` below are the two
+terms; `emitted` combines them, equal to p: test_speculative). So the emitted tokens are the
+target's distribution, and the same tokens as sampling without speculation, draw for draw.
+
+Drafts: `NgramDraft` (prompt lookup, model-free): the tokens that followed the most recent
+earlier occurrence of the history's last n tokens (n from `max_n` down to 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDraft:
+    """Prompt lookup: propose what followed the last earlier match of the history's tail."""
+
+    max_n: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_n < 1:
+            raise ValueError(f"NgramDraft max_n={self.max_n} must be at least 1")
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        history = list(history)
+        for n in range(min(self.max_n, len(history) - 1), 0, -1):
+            tail = history[-n:]
+            # the most recent earlier occurrence of the tail (not the tail itself)
+            for start in range(len(history) - n - 1, -1, -1):
+                if history[start : start + n] == tail:
+                    follow = history[start + n : start + n + k]
+                    if follow:
+                        return follow
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """`draft` proposes up to `k` tokens per step (1 to 8)."""
+
+    draft: NgramDraft = NgramDraft()
+    k: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k <= 8:
+            raise ValueError(f"speculation k={self.k} must lie in 1..8")
+
+
+@dataclasses.dataclass
+class Stats:
+    """Per verification forward: how many tokens the draft proposed and how many were kept."""
+
+    proposed: list[int] = dataclasses.field(default_factory=list)
+    accepted: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def forwards(self) -> int:
+        return len(self.proposed)
+
+    def summary(self) -> str:
+        proposed, accepted = sum(self.proposed), sum(self.accepted)
+        rate = accepted / proposed if proposed else float("nan")
+        tokens = (accepted + self.forwards) / self.forwards if self.forwards else float("nan")
+        return (
+            f"{self.forwards} verification forwards, {accepted}/{proposed} proposals accepted "
+            f"({rate:.2f}), {tokens:.2f} tokens per forward"
+        )
+
+
+def decode(model, decoder, logits, position: int, speculation: Speculation, step_logits, device):
+    """The decode loop with speculation: from the prefill's last logits (`logits`), whose
+    choice goes to `position`. Fills `step_logits` row per choice; returns Stats."""
+    stats = Stats()
+    step_logits[0] = logits
+    token = decoder.step(logits)
+    while token is not None:
+        remaining = decoder.max_new_tokens - len(decoder.tokens)
+        proposal = speculation.draft.propose([*decoder.prompt, *decoder.tokens], speculation.k)
+        proposal = proposal[:remaining]
+        block = torch.tensor([[token, *proposal]], dtype=torch.long, device=device)
+        rows = model(block, position)[0]  # [1 + len(proposal), vocab]
+        accepted = 0
+        for j in range(rows.shape[0]):
+            row = verification_row(rows, j)
+            step_logits[len(decoder.tokens)] = row
+            token = decoder.step(row)
+            if token is None:
+                break
+            if j < len(proposal) and verified(token, proposal[j], row):
+                accepted += 1
+                continue
+            break  # a rejected proposal (its replacement is `token`), or the bonus token
+        stats.proposed.append(len(proposal))
+        stats.accepted.append(accepted)
+        position = next_position(position, accepted, block.shape[1])
+    return stats
+
+
+# The loop's three decisions, each a seam the speculation mutations patch (test_speculative).
+
+
+def verification_row(rows: torch.Tensor, j: int) -> torch.Tensor:
+    """The logits that choose the token after the block's first j + 1 tokens: row j."""
+    return rows[j]
+
+
+def verified(choice: int, proposed: int, row: torch.Tensor) -> bool:
+    """A proposal is accepted iff the decoder chose it from its row (greedy: the argmax, the
+    first of equal maxima; sampling: its draw with the position's uniform)."""
+    return choice == proposed
+
+
+def next_position(position: int, accepted: int, block: int) -> int:
+    """Where the next block starts: after the fed token and the accepted proposals (the
+    rejected ones' keys and values are overwritten, never read)."""
+    return position + accepted + 1
+
+
+# --- the rejection sampler's two terms, for a deterministic draft ------------------------
+
+
+def acceptance(ids: np.ndarray, probs: np.ndarray, x: int) -> float:
+    """min(1, p(x) / q(x)) with q the point mass at the proposal x: p(x)."""
+    hit = ids == x
+    return float(probs[hit].sum()) if hit.any() else 0.0
+
+
+def residual(ids: np.ndarray, probs: np.ndarray, x: int) -> np.ndarray:
+    """max(0, p - q), normalized: p without x (the distribution drawn from on rejection)."""
+    rest = np.where(ids == x, 0.0, probs)
+    total = rest.sum()
+    return rest / total if total > 0 else rest
+
+
+def emitted(ids: np.ndarray, probs: np.ndarray, x: int) -> np.ndarray:
+    """The emitted token's distribution: accept x with `acceptance`, else draw `residual`."""
+    a = acceptance(ids, probs, x)
+    return np.where(ids == x, a, 0.0) + (1.0 - a) * residual(ids, probs, x)

@@ -1,0 +1,245 @@
+"""Speculative decoding (pipelines/llama3/speculative.py) against decoding without it.
+
+- Greedy parity: in the eager, quantized and ggml modes, K in {1, 4, 8}, the same tokens as
+  `generate` without speculation and rows within LOGPROB_ATOL (the verification forward scores
+  several positions at once, as a chunk does), max |Δ log-prob| printed. The proposals come from
+  a scripted draft (the reference's own tokens, two of them replaced by their runner-up), so that
+  every run has accepted, rejected and bonus tokens; the n-gram draft where the text repeats.
+- Sampling parity: the same seeded tokens as sampling without speculation, judged by the draw
+  rule (sampling.compare_continuations) where the rows are not bitwise; and, for fixed processed
+  distributions, the rejection sampler's two terms (acceptance p(x), residual p without x)
+  combine to the target's distribution exactly (to 1e-15).
+- Planted (SPECULATION_MUTATIONS), each FAILS parity: a rejected proposal's keys and values left
+  in use (the next block after the whole block), the verification rows off by one; and, on rows
+  with an exact tie, acceptance of a tied proposal the decoder did not choose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.llama3 import Llama3Engine, sampling, speculative
+from pipelines.llama3.sampling import SamplerSettings
+from pipelines.llama3.speculative import NgramDraft, Speculation
+
+TESTDATA = Path(
+    os.environ.get("PIPELINES_TESTDATA", "max_tests/integration/architectures/llama3/testdata")
+)
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return", "Hi"]
+STEPS = 16
+LOGPROB_ATOL = 2e-4  # the serving paths' figure for rows computed several at a time
+SAMPLER = SamplerSettings(temperature=0.9, top_k=40, top_p=0.95, seed=11)
+CORRUPTED = {2, 13}  # with k = 8 the block between them passes whole
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedDraft:
+    """A test draft: proposes the reference run's next tokens, those at CORRUPTED replaced by
+    the reference row's runner-up, so that steps accept, reject and take a bonus token."""
+
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    runner_up: tuple[int, ...]
+
+    def propose(self, history, k: int) -> list[int]:
+        done = len(history) - len(self.prompt)
+        return [
+            self.runner_up[i] if i in CORRUPTED else self.tokens[i]
+            for i in range(done, min(done + k, len(self.tokens)))
+        ]
+
+
+@pytest.fixture(scope="module", params=["eager", "quantized", "ggml"])
+def engine(request):
+    name = "tiny_llama.gguf" if request.param == "eager" else "tiny_llama_q4_k.gguf"
+    return Llama3Engine.from_gguf(TESTDATA / name, mode=request.param)
+
+
+def _scripted(prompt, reference) -> ScriptedDraft:
+    second = torch.topk(reference.logits, 2, dim=-1).indices[:, 1].tolist()
+    return ScriptedDraft(tuple(prompt), tuple(reference.tokens), tuple(second))
+
+
+def _delta(a, b) -> float:
+    return float((torch.log_softmax(a, -1) - torch.log_softmax(b, -1)).abs().max())
+
+
+def _greedy_parity(engine, k: int) -> tuple[list[str], float, speculative.Stats]:
+    """Mismatched prompts, the worst row delta and the summed stats over PROMPTS."""
+    mismatched, worst, total = [], 0.0, speculative.Stats()
+    with torch.inference_mode():
+        for text in PROMPTS:
+            prompt = engine.tokenizer.encode(text)
+            reference = engine.generate(prompt, STEPS, stop_on_eos=False)
+            draft = _scripted(prompt, reference)
+            try:
+                out = engine.generate(
+                    prompt, STEPS, stop_on_eos=False, speculation=Speculation(draft, k)
+                )
+            except ValueError as error:  # a planted bug that overruns the cache is caught too
+                mismatched.append(f"{text}: {error}")
+                continue
+            if out.tokens != reference.tokens:
+                mismatched.append(text)
+                continue
+            worst = max(worst, _delta(out.logits, reference.logits))
+            total.proposed += out.speculation.proposed
+            total.accepted += out.speculation.accepted
+    return mismatched, worst, total
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_speculation_gives_the_same_tokens(engine, k, capsys) -> None:
+    mismatched, worst, stats = _greedy_parity(engine, k)
+    with capsys.disabled():
+        print(f"\nspeculation {engine.mode} k={k}: {stats.summary()}; max |Δ log-prob| {worst:.3g}")
+    assert not mismatched, mismatched
+    assert worst < LOGPROB_ATOL, worst
+    rejected = sum(p - a for p, a in zip(stats.proposed, stats.accepted, strict=True))
+    bonus = sum(p == a and p > 0 for p, a in zip(stats.proposed, stats.accepted, strict=True))
+    assert sum(stats.accepted) > 0 and rejected > 0 and bonus > 0, stats
+
+
+def test_the_ngram_draft_proposes_what_followed_the_last_match() -> None:
+    draft = NgramDraft(max_n=2)
+    assert draft.propose([5, 6, 7, 8, 5, 6], 3) == [7, 8, 5]
+    assert draft.propose([1, 2, 3, 9, 2, 3, 4, 2, 3], 2) == [4, 2]  # the most recent match
+    assert draft.propose([1, 2, 3], 4) == []  # no earlier occurrence of any tail
+    with pytest.raises(ValueError, match=r"k=9 must lie in 1\.\.8"):
+        Speculation(draft, 9)
+
+
+def test_the_ngram_draft_accepts_where_the_text_repeats_and_keeps_the_tokens(capsys) -> None:
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf", mode="eager")
+    prompt = engine.tokenizer.encode(PROMPTS[0])  # its greedy continuation repeats itself
+    with torch.inference_mode():
+        reference = engine.generate(prompt, 24, stop_on_eos=False)
+        out = engine.generate(prompt, 24, stop_on_eos=False, speculation=Speculation(k=4))
+    with capsys.disabled():
+        print(f"\nn-gram draft, eager, k=4: {out.speculation.summary()}")
+    assert out.tokens == reference.tokens
+    assert sum(out.speculation.accepted) > 0
+    assert out.speculation.forwards < len(out.tokens)  # fewer forwards than tokens
+
+
+def test_sampled_speculation_draws_the_same_tokens(engine) -> None:
+    """The decoder's draw at each position is the rejection sampler for a deterministic draft
+    (speculative.py), so the seeded tokens are sampling's without speculation: equal where the
+    rows are bitwise, else judged by the draw rule (no FAIL)."""
+    with torch.inference_mode():
+        for text in PROMPTS:
+            prompt = engine.tokenizer.encode(text)
+            reference = engine.generate(prompt, STEPS, stop_on_eos=False, sampling=SAMPLER)
+            draft = _scripted(prompt, reference)
+            out = engine.generate(
+                prompt,
+                STEPS,
+                stop_on_eos=False,
+                sampling=SAMPLER,
+                speculation=Speculation(draft, 4),
+            )
+            verdicts = sampling.compare_continuations(
+                (reference.tokens, reference.logits),
+                (out.tokens, out.logits),
+                SAMPLER,
+                SAMPLER.seed,
+                prompt,
+                sampling.draw_margin(LOGPROB_ATOL, SAMPLER),
+            )
+            assert all(v.verdict != "FAIL" for v in verdicts), [v.detail for v in verdicts]
+            if all(v.verdict == "equal" for v in verdicts):
+                assert out.tokens == reference.tokens, text
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_acceptance_and_residual_combine_to_the_target_distribution(case) -> None:
+    rng = np.random.default_rng(case)
+    logits = rng.normal(0.0, 2.0, size=50)
+    settings = [SAMPLER, SamplerSettings(temperature=1.5, min_p=0.05)][case % 2]
+    ids, probs = sampling.processed(logits, settings)
+    for x in [int(ids[0]), int(ids[-1]), 10_000]:  # the likeliest, the least kept, never kept
+        emitted = speculative.emitted(ids, probs, x)
+        assert np.abs(emitted - probs).max() < 1e-15, x
+        assert abs(speculative.acceptance(ids, probs, x) - probs[ids == x].sum()) < 1e-15
+
+
+def _kv_left_in_use(position, accepted, block):
+    return position + block  # planted: as if every proposal had been accepted
+
+
+def _rows_off_by_one(rows, j):
+    return rows[min(j + 1, rows.shape[0] - 1)]
+
+
+def _ties_accepted(choice, proposed, row):
+    return choice == proposed or bool(row[proposed] == row.max())
+
+
+SPECULATION_MUTATIONS = {
+    "a rejected proposal's KV left in use": ("next_position", _kv_left_in_use),
+    "verification rows off by one": ("verification_row", _rows_off_by_one),
+}
+
+
+class _TiedModel:
+    """Rows [1, 3, 3, 0.5] after every block (ids 1 and 2 tie at the maximum); records the
+    token fed at each position."""
+
+    def __init__(self) -> None:
+        self.fed: dict[int, int] = {}
+
+    def __call__(self, block, position):
+        for i, token in enumerate(block[0].tolist()):
+            self.fed[position + i] = token
+        return torch.tensor([[1.0, 3.0, 3.0, 0.5]]).repeat(block.shape[1], 1)[None]
+
+
+def _tie_run() -> tuple[list[int], list[int]]:
+    """(the tokens emitted, the tokens fed at their positions) of 4 steps from a 1-token
+    prompt, the draft always proposing id 2, the tie's second."""
+    from pipelines.llama3.decoder import Decoder
+
+    decoder, model = Decoder(4, prompt=[0]), _TiedModel()
+    step_logits = torch.empty(4, 4)
+    draft = ScriptedDraft((0,), (2, 2, 2, 2), (2, 2, 2, 2))
+    speculative.decode(
+        model, decoder, step_logits.new_tensor([1.0, 3.0, 3.0, 0.5]), 1,
+        Speculation(draft, 2), step_logits, "cpu",
+    )  # fmt: skip
+    emitted = decoder.tokens[:-1]  # the last choice is never fed
+    return emitted, [model.fed[1 + i] for i in range(len(emitted))]
+
+
+def test_a_tie_the_decoder_did_not_choose_is_rejected(monkeypatch) -> None:
+    """Greedy takes the first of equal maxima (id 1), so a proposal of the other (id 2) is
+    rejected and every position is fed the token emitted there. Planted: acceptance on ties
+    (the proposal's logit equal to the maximum) feeds id 2 where id 1 was emitted."""
+    emitted, fed = _tie_run()
+    assert emitted == [1, 1, 1] and fed == emitted, (emitted, fed)
+    monkeypatch.setattr(speculative, "verified", _ties_accepted)
+    emitted, fed = _tie_run()
+    assert fed != emitted, (emitted, fed)  # the planted bug: a context no decoding chose
+
+
+def test_every_planted_speculation_bug_fails_parity(engine, monkeypatch, capsys) -> None:
+    lines, missed = [], []
+    for name, (attribute, replacement) in SPECULATION_MUTATIONS.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(speculative, attribute, replacement)
+            mismatched, worst, _ = _greedy_parity(engine, 4)
+        caught = bool(mismatched) or worst >= LOGPROB_ATOL
+        lines.append(
+            f"  {name:<40} {'FAIL' if caught else 'PASS (missed)'}: tokens differ on "
+            f"{len(mismatched)}/{len(PROMPTS)} prompts, max |Δ log-prob| {worst:.3g} elsewhere"
+        )
+        if not caught:
+            missed.append(name)
+    with capsys.disabled():
+        print(f"\nspeculation mutations, {engine.mode}, k=4:\n" + "\n".join(lines))
+    assert not missed, missed
