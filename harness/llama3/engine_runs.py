@@ -17,6 +17,7 @@ from goldens.engines.base import forced_inputs
 from goldens.record import CaseSpec, case_specs
 from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
+from pipelines.llama3.speculative import Speculation
 
 # Goldens are computed on one torch thread, as every golden test runs (bazel/pytest.bzl):
 # float32 sums split over a machine's threads round differently (3.5e-5 in log-probability at
@@ -35,6 +36,21 @@ class Run:
     seconds: float
     positions: list[int] = dataclasses.field(default_factory=list)  # prompt positions
     prompt_logits: np.ndarray | None = None  # [len(positions), vocab] float32, same prefill
+
+
+class Speculating:
+    """`engine` with every generation speculative (`speculation`): what the golden lanes judge
+    to hold speculation to the goldens. Teacher-forced, the forced tokens are the proposals, so
+    each forward scores K + 1 rows of the checked sequence (pipelines/llama3/speculative.py)."""
+
+    def __init__(self, engine: Llama3Engine, speculation: Speculation) -> None:
+        self.engine, self.speculation = engine, speculation
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def generate(self, *args, **kwargs):
+        return self.engine.generate(*args, speculation=self.speculation, **kwargs)
 
 
 def load_engine(

@@ -282,10 +282,9 @@ class Llama3Engine:
         prefill's logits at those positions (`prompt_logits`); the LM head runs on them only.
         With `speculation` (speculative.Speculation) a draft proposes tokens that one forward
         verifies, the decoder accepting the longest prefix it would have chosen: the same
-        tokens (greedy, or sampled under the same seed), fewer forwards (speculative.py).
+        tokens (greedy, or sampled under the same seed), fewer forwards (speculative.py); with
+        `forced_tokens` too, the forced tokens are the proposals, K + 1 rows per forward.
         """
-        if speculation is not None and forced_tokens is not None:
-            raise ValueError("speculation proposes tokens; teacher forcing feeds them: not both")
         if forced_tokens is not None:
             bad = [t for t in forced_tokens if not 0 <= t < self.config.vocab_size]
             if bad:

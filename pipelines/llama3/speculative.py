@@ -23,7 +23,10 @@ terms; `emitted` combines them, equal to p: test_speculative). So the emitted to
 target's distribution, and the same tokens as sampling without speculation, draw for draw.
 
 Drafts: `NgramDraft` (prompt lookup, model-free): the tokens that followed the most recent
-earlier occurrence of the history's last n tokens (n from `max_n` down to 1).
+earlier occurrence of the history's last n tokens (n from `max_n` down to 1). Teacher-forced
+(`forced_tokens`), the forced sequence is the draft: the decoder feeds every forced token, so
+every proposal is accepted and each block is a verification forward over the sequence being
+checked, which is how the golden lanes hold speculation to the goldens (test_llama_speculative).
 """
 
 from __future__ import annotations
@@ -99,7 +102,12 @@ def decode(model, decoder, logits, position: int, speculation: Speculation, step
     token = decoder.step(logits)
     while token is not None:
         remaining = decoder.max_new_tokens - len(decoder.tokens)
-        proposal = speculation.draft.propose([*decoder.prompt, *decoder.tokens], speculation.k)
+        if decoder.forced_tokens is not None:  # teacher forcing: the forced sequence proposes
+            done = len(decoder.tokens)
+            proposal = list(decoder.forced_tokens[done : done + speculation.k])
+        else:
+            history = [*decoder.prompt, *decoder.tokens]
+            proposal = speculation.draft.propose(history, speculation.k)
         proposal = proposal[:remaining]
         block = torch.tensor([[token, *proposal]], dtype=torch.long, device=device)
         rows = model(block, position)[0]  # [1 + len(proposal), vocab]

@@ -28,10 +28,12 @@ from harness.llama3 import diagnosis, engine_runs, failure_report, judge
 from harness.llama3 import variants as variants_module
 from harness.llama3.variants import LLAMA3_1_ENV, Variant, variants
 from pipelines.llama3.engine import MODES
+from pipelines.llama3.speculative import Speculation
 
 VARIANTS = variants()
 MODES_ENV = "LLAMA_TEST_MODES"
 LANE_ENV = "LLAMA_TEST_LANE"
+SPECULATE_ENV = "LLAMA_TEST_SPECULATE"
 # Set (by .ci/run) to the value it gave LLAMA3_1_GGUF, to prove Bazel passes it through.
 EXPECTED_LLAMA3_1_ENV = "EXPECTED_LLAMA3_1_GGUF"
 
@@ -44,16 +46,30 @@ def _modes() -> list[str]:
     return [mode for mode in MODES if mode in chosen]
 
 
-def _case_id(variant: Variant, mode: str) -> str:
-    return variant.test_id if mode == "eager" else f"{variant.test_id}-{mode}"
+def _speculate() -> list[int]:
+    """$LLAMA_TEST_SPECULATE: the K of each speculative run (comma-separated; unset: none)."""
+    ks = [int(k) for k in os.environ.get(SPECULATE_ENV, "").split(",") if k]
+    return ks or [0]
+
+
+def _case_id(variant: Variant, mode: str, k: int = 0) -> str:
+    base = variant.test_id if mode == "eager" else f"{variant.test_id}-{mode}"
+    return f"{base}-spec{k}" if k else base
 
 
 def _cases() -> list:
-    return [pytest.param(v, mode, id=_case_id(v, mode)) for mode in _modes() for v in VARIANTS]
+    return [
+        pytest.param(v, mode, k, id=_case_id(v, mode, k))
+        for k in _speculate()
+        for mode in _modes()
+        for v in VARIANTS
+    ]
 
 
-@pytest.mark.parametrize(("variant", "mode"), _cases())
-def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("variant", "mode", "k"), _cases())
+def test_llama(
+    variant: Variant, mode: str, k: int, goldens, record_property, tmp_path: Path
+) -> None:
     if variant.path is None:
         pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
     # the ggml mode on q4_k and q4_1: its own goldens; everything else: own and torch
@@ -65,6 +81,8 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
     lane = os.environ.get(LANE_ENV, "all")
     start = time.perf_counter()
     engine = engine_runs.load_engine(variant, "cpu", mode=mode)
+    if k:  # every teacher-forced run through K + 1-row verification forwards
+        engine = engine_runs.Speculating(engine, Speculation(k=k))
     loaded = time.perf_counter()
     verdicts, memo = [], {}  # memo: a token sequence both goldens hold runs once
     for golden, name, reference in references:
@@ -81,7 +99,7 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
     record_property("golden_checks", sum(v.steps + v.prompt_positions for v in verdicts))
     for verdict in verdicts:
         share, metric, where = verdict.headroom()
-        test_id = _case_id(variant, mode)
+        test_id = _case_id(variant, mode, k)
         entry = verdict.tolerance.key
         record_property("headroom", f"{entry}|{share:.6g}|{test_id}|{where}|{metric}")
     print(
@@ -99,7 +117,7 @@ def test_llama(variant: Variant, mode: str, goldens, record_property, tmp_path: 
             golden,
             engine.tokenizer.decode,
             reports,
-            _case_id(variant, mode),
+            _case_id(variant, mode, k),
             diagnosis.diverging_layer(engine, variant, golden, verdict),
             run_of=(variant, engine, mode),
         )
