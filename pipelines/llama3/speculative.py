@@ -110,7 +110,7 @@ def decode(model, decoder, logits, position: int, speculation: Speculation, step
             proposal = speculation.draft.propose(history, speculation.k)
         proposal = proposal[:remaining]
         block = torch.tensor([[token, *proposal]], dtype=torch.long, device=device)
-        rows = model(block, position)[0]  # [1 + len(proposal), vocab]
+        rows = model(block, block_start(position))[0]  # [1 + len(proposal), vocab]
         accepted = 0
         for j in range(rows.shape[0]):
             row = verification_row(rows, j)
@@ -128,7 +128,13 @@ def decode(model, decoder, logits, position: int, speculation: Speculation, step
     return stats
 
 
-# The loop's three decisions, each a seam the speculation mutations patch (test_speculative).
+# The loop's four decisions, each a seam the speculation mutations patch (test_speculative,
+# test_llama's test_a_speculation_bug_fails_the_goldens).
+
+
+def block_start(position: int) -> int:
+    """The position of the block's first token (the token just chosen)."""
+    return position
 
 
 def verification_row(rows: torch.Tensor, j: int) -> torch.Tensor:

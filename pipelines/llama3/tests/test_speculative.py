@@ -10,7 +10,8 @@
   distributions, the rejection sampler's two terms (acceptance p(x), residual p without x)
   combine to the target's distribution exactly (to 1e-15).
 - Planted (SPECULATION_MUTATIONS), each FAILS parity: a rejected proposal's keys and values left
-  in use (the next block after the whole block), the verification rows off by one; and, on rows
+  in use (the next block after the whole block), the verification rows off by one, the block
+  fed one position late; and, on rows
   with an exact tie, acceptance of a tied proposal the decoder did not choose.
 """
 
@@ -184,6 +185,7 @@ def _ties_accepted(choice, proposed, row):
 SPECULATION_MUTATIONS = {
     "a rejected proposal's KV left in use": ("next_position", _kv_left_in_use),
     "verification rows off by one": ("verification_row", _rows_off_by_one),
+    "verification block one position late": ("block_start", lambda position: position + 1),
 }
 
 
