@@ -94,6 +94,29 @@ class SamplerSettings:
             raise ValueError("sampler settings: " + "; ".join(problems))
 
 
+# The fields another engine's sampler shares with this one (llama.cpp's request names too).
+SHARED_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float}
+
+
+def settings_from_text(text: str) -> dict:
+    """`temperature=1.5,top_k=20` -> {"temperature": 1.5, "top_k": 20}, checked by
+    SamplerSettings; ValueError naming the bad item (the tools' --sampler option)."""
+    sampler = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in SHARED_FIELDS or not value:
+            raise ValueError(
+                f"--sampler item {item!r}: give KEY=VALUE with KEY one of "
+                f"{', '.join(SHARED_FIELDS)}"
+            )
+        try:
+            sampler[key] = SHARED_FIELDS[key](value)
+        except ValueError:
+            raise ValueError(f"--sampler item {item!r}: {value!r} is not a number") from None
+    SamplerSettings(**sampler)  # refuses bad values, naming the field
+    return sampler
+
+
 # --- the processed distribution ---------------------------------------------------------
 
 

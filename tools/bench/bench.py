@@ -53,6 +53,7 @@ from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import CheckpointError, Llama3Engine, LlamaConfig
 from pipelines.llama3.engine import MODES, freeze_imported_objects
 from pipelines.llama3.gguf_file import GGUFFile
+from pipelines.llama3.sampling import settings_from_text
 from tools.bench import llama_cpp_peer, sampled
 from tools.bench.record import (
     METRICS,
@@ -418,25 +419,6 @@ def _write_json(
     _progress(f"wrote {path}")
 
 
-def _parse_sampler(text: str) -> dict:
-    """`temperature=0.8,top_k=40` -> settings SamplerSettings accepts; ValueError naming the
-    item otherwise."""
-    from pipelines.llama3.sampling import SamplerSettings
-
-    kinds = {"temperature": float, "top_k": int, "top_p": float, "min_p": float}
-    sampler = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key not in kinds:
-            raise ValueError(f"--sampler item {item!r}: KEY one of {', '.join(kinds)}")
-        try:
-            sampler[key] = kinds[key](value)
-        except ValueError:
-            raise ValueError(f"--sampler item {item!r}: {value!r} is not a number") from None
-    SamplerSettings(**sampler)  # refuses bad values, naming the field
-    return sampler
-
-
 def _sampled_decode(args, engines: list[Side], gguf_path, input_ids, sampler) -> list[str]:
     """The sampled decode section (tools/bench/sampled.py); llama-server when it starts."""
     from goldens.engines.base import EngineError
@@ -480,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not modes:
         parser.error(f"--modes={args.modes}: choose from {', '.join(MODES)}")
     try:
-        sampler = _parse_sampler(args.sampler)
+        sampler = settings_from_text(args.sampler)
     except ValueError as error:
         parser.error(str(error))
     json_path = user_path(args.json) if args.json else None

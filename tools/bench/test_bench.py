@@ -130,4 +130,4 @@ def test_the_sampled_decode_section_names_each_side_and_its_ratios():
 )
 def test_a_bad_sampler_is_refused_naming_it(text, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        bench._parse_sampler(text)
+        bench.settings_from_text(text)

@@ -72,27 +72,6 @@ def sampling_orders() -> tuple[str, ...]:
     return ORDERS
 
 
-SAMPLER_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float}
-
-
-def parse_sampler(text: str) -> dict:
-    """`temperature=1.5,top_k=20` -> {"temperature": 1.5, "top_k": 20}; ValueError naming
-    the bad item."""
-    sampler = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key not in SAMPLER_FIELDS or not value:
-            raise ValueError(
-                f"--sampler item {item!r}: give KEY=VALUE with KEY one of "
-                f"{', '.join(SAMPLER_FIELDS)}"
-            )
-        try:
-            sampler[key] = SAMPLER_FIELDS[key](value)
-        except ValueError:
-            raise ValueError(f"--sampler item {item!r}: {value!r} is not a number") from None
-    return sampler
-
-
 def checkpoints() -> dict[str, Variant]:
     """`{model}-{encoding}` -> variant, for every checkpoint with goldens."""
     return {f"{v.model}-{v.encoding}": v for v in variants() if v.encoding != "unknown"}
@@ -324,11 +303,10 @@ def _sampling(args, variant: Variant) -> int:
         )
     if args.draws < 1:
         _parser().error(f"--draws={args.draws}: give at least 1")
-    try:
-        sampler = parse_sampler(args.sampler)
-        from pipelines.llama3.sampling import SamplerSettings
+    from pipelines.llama3.sampling import settings_from_text
 
-        SamplerSettings(**sampler)
+    try:
+        sampler = settings_from_text(args.sampler)
     except ValueError as e:
         _parser().error(str(e))
     found = golden_files.find_golden("own", variant, testdata_directory())
