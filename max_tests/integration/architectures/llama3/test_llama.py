@@ -125,42 +125,6 @@ def test_llama(
     assert not failures, "\n\n".join(failures)
 
 
-def _rows_off_by_one(rows, j):
-    return rows[min(j + 1, rows.shape[0] - 1)]
-
-
-# What a teacher-forced lane can see: the verification forward itself. Rejection (a rejected
-# proposal's KV left in use, a tie accepted) never happens when every proposal is the forced
-# token; test_speculative's free-running parity holds those.
-SPECULATION_MUTATIONS = {
-    "verification rows off by one": ("verification_row", _rows_off_by_one),
-    "verification block one position late": ("block_start", lambda position: position + 1),
-}
-
-
-@pytest.mark.skipif(not os.environ.get(SPECULATE_ENV), reason=f"${SPECULATE_ENV} unset")
-@pytest.mark.parametrize("name", SPECULATION_MUTATIONS)
-def test_a_speculation_bug_fails_the_goldens(name, goldens, monkeypatch) -> None:
-    """The speculative lane can fail: each planted verification bug, on the tiny float32
-    file in the eager mode with the largest K, fails its own golden."""
-    from pipelines.llama3 import speculative
-
-    (variant,) = [v for v in VARIANTS if v.model == "tinyllama" and v.encoding == "float32"]
-    golden, source = goldens.load("own", variant)
-    k = max(_speculate())
-    engine = engine_runs.Speculating(engine_runs.load_engine(variant), Speculation(k=k))
-    attribute, replacement = SPECULATION_MUTATIONS[name]
-    monkeypatch.setattr(speculative, attribute, replacement)
-    tol = tolerance("own", variant.encoding, "cpu")
-    try:
-        verdict = judge.check(engine, golden, source, "own", tol, variant, lane="short")
-    except ValueError as error:  # a run past the cache is a failure too
-        print(f"{name}: the run raised {error}")
-        return
-    print(f"{name}: {verdict.summary()}")
-    assert verdict.failures, f"{name} passes the goldens: {verdict.summary()}"
-
-
 def test_checkpoint_override_env_reaches_this_test() -> None:
     """`LLAMA3_1_GGUF` in the user's shell reaches the test (.bazelrc: --test_env)."""
     expected = os.environ.get(EXPECTED_LLAMA3_1_ENV)
