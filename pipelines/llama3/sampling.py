@@ -98,6 +98,12 @@ class SamplerSettings:
 SHARED_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float}
 
 
+def settings_text(sampler: dict) -> str:
+    """{"temperature": 1.5, "top_k": 20} -> `temperature=1.5,top_k=20` (settings_from_text's
+    input: the tools' --sampler defaults)."""
+    return ",".join(f"{k}={v}" for k, v in sampler.items())
+
+
 def settings_from_text(text: str) -> dict:
     """`temperature=1.5,top_k=20` -> {"temperature": 1.5, "top_k": 20}, checked by
     SamplerSettings; ValueError naming the bad item (the tools' --sampler option)."""

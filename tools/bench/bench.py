@@ -53,7 +53,7 @@ from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import CheckpointError, Llama3Engine, LlamaConfig
 from pipelines.llama3.engine import MODES, freeze_imported_objects
 from pipelines.llama3.gguf_file import GGUFFile
-from pipelines.llama3.sampling import settings_from_text
+from pipelines.llama3.sampling import settings_from_text, settings_text
 from tools.bench import llama_cpp_peer, sampled
 from tools.bench.record import (
     METRICS,
@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--sampler",
-        default=",".join(f"{k}={v}" for k, v in sampled.DEFAULT_SAMPLER.items()),
+        default=settings_text(sampled.DEFAULT_SAMPLER),
         help="the sampled decode's settings, KEY=VALUE,... of temperature, top_k, top_p, "
         "min_p (default: %(default)s)",
     )

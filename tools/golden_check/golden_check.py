@@ -56,6 +56,7 @@ from harness.llama3.variants import (
     testdata_directory,
     variants,
 )
+from pipelines.llama3.sampling import ORDERS, settings_from_text, settings_text
 
 ENGINES = ("openai", "llama_cpp", "this", "transformers")
 DEFAULT_COLUMN = {
@@ -64,12 +65,6 @@ DEFAULT_COLUMN = {
     "this": "cpu",
     "transformers": "cpu",
 }
-
-
-def sampling_orders() -> tuple[str, ...]:
-    from pipelines.llama3.sampling import ORDERS
-
-    return ORDERS
 
 
 def checkpoints() -> dict[str, Variant]:
@@ -125,13 +120,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sampler",
-        default=",".join(f"{k}={v}" for k, v in sampler_check.DEFAULT_SAMPLER.items()),
+        default=settings_text(sampler_check.DEFAULT_SAMPLER),
         help="with --sampling: temperature, top_k, top_p, min_p as KEY=VALUE,... "
         "(default: %(default)s)",
     )
     p.add_argument(
         "--order",
-        choices=sampling_orders(),
+        choices=ORDERS,
         default="llama_cpp",
         help="with --sampling: the chain order the draws are held to (default: llama_cpp)",
     )
@@ -303,8 +298,6 @@ def _sampling(args, variant: Variant) -> int:
         )
     if args.draws < 1:
         _parser().error(f"--draws={args.draws}: give at least 1")
-    from pipelines.llama3.sampling import settings_from_text
-
     try:
         sampler = settings_from_text(args.sampler)
     except ValueError as e:

@@ -317,11 +317,8 @@ def test_a_seeded_request_draws_the_same_tokens_on_every_path(served, capsys) ->
     assert not failures, failures
 
 
-def test_one_seed_shared_by_the_batch_fails(monkeypatch) -> None:
-    """Planted: every request of a batch draws with the first request's seed (TensorRT-LLM's
-    and vLLM's bugs): the seeded requests after the first draw other tokens. The ggml mode,
-    whose batch is bitwise: only the seed can move a draw."""
-    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama_q4_k.gguf", mode="ggml")
+def _share_the_first_seed(monkeypatch) -> None:
+    """Planted: every request of a batch draws with the first request's seed."""
     original = ServingEngine._decoder
     first: list = []
 
@@ -331,8 +328,16 @@ def test_one_seed_shared_by_the_batch_fails(monkeypatch) -> None:
         decoder.seed = first[0]
         return decoder
 
-    solo = _solo_draws(engine)
     monkeypatch.setattr(ServingEngine, "_decoder", shared)
+
+
+def test_one_seed_shared_by_the_batch_fails(monkeypatch) -> None:
+    """Planted: every request of a batch draws with the first request's seed (TensorRT-LLM's
+    and vLLM's bugs): the seeded requests after the first draw other tokens. The ggml mode,
+    whose batch is bitwise: only the seed can move a draw."""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama_q4_k.gguf", mode="ggml")
+    solo = _solo_draws(engine)
+    _share_the_first_seed(monkeypatch)
     assert _sampling_mismatches(engine, "batch", solo) == ["s1", "s2"]
 
 
@@ -340,17 +345,8 @@ def test_a_shared_seed_fails_the_draw_rule_on_a_path_that_is_not_bitwise(monkeyp
     """Planted: one seed for the batch (as above) where the logits are not bitwise (eager,
     a ragged batch): the rule FAILs it, it does not excuse it as ambiguous."""
     engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf", mode="eager")
-    original = ServingEngine._decoder
-    first: list = []
-
-    def shared(self, request):
-        decoder = original(self, request)
-        first.append(first[0] if first else decoder.seed)
-        decoder.seed = first[0]
-        return decoder
-
     solo = _solo_draws(engine)
-    monkeypatch.setattr(ServingEngine, "_decoder", shared)
+    _share_the_first_seed(monkeypatch)
     verdicts = _draw_verdicts(engine, "batch", solo)
     failed = sorted(rid for rid, vs in verdicts.items() if vs[-1].verdict == "FAIL")
     assert failed == ["s1", "s2"], {rid: [v.verdict for v in vs] for rid, vs in verdicts.items()}
