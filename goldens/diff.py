@@ -4,7 +4,9 @@
 case: the first changed step, the per-step |Δ log-prob| and KL (`step_delta`), and which
 fields, tokens or cases differ. `file_class`/`worst_class` name the worst class of a change
 against the file's tolerance entry, worst first: cases changed, tokens changed, over
-tolerance, moved, noise, identical (docs/goldens.md, "Changing a golden"). Golden files are
+tolerance, moved, noise, identical (docs/goldens.md, "Changing a golden"); a case's sampling
+goldens count too (`sampling_class`: samplers added or reset, a kept set or a seeded
+continuation changed). Golden files are
 read leniently (`parse_golden`: any schema_version, any provenance fields), so two schema
 versions compare. tools/golden_diff renders the result; the numbers' rules are in its
 docstring.
@@ -185,6 +187,58 @@ def case_class(diff: CaseDiff, tol: Tolerance | None) -> tuple[str, str]:
         return "cases changed", "recorded steps or prompt positions differ"
     if before.token_ids != after.token_ids:
         return "tokens changed", f"from step {first_difference(before.token_ids, after.token_ids)}"
+    logits = _logit_class(diff, tol)
+    sampled = sampling_class(before, after)
+    if sampled is None:
+        return logits
+    klass, why = sampled
+    if klass == "moved" and logits[0] != "identical":  # the probabilities follow the logits
+        klass = logits[0]
+    worst = max(logits[0], klass, key=CLASSES.index)
+    return worst, "; ".join(w for w in (logits[1], why) if w)
+
+
+def sampling_class(before: Case, after: Case) -> tuple[str, str] | None:
+    """(class, why) of the change in two cases' sampling goldens, None where they are equal:
+    samplers added, removed or reset change cases; a kept set or a seeded continuation that
+    differs changes tokens; probabilities alone moved (as the logits, where those moved too:
+    case_class), described by their largest change."""
+    if before.sampling == after.sampling:
+        return None
+    ours = {s.sampler: s for s in before.sampling}
+    theirs = {s.sampler: s for s in after.sampling}
+    added, removed = sorted(theirs.keys() - ours.keys()), sorted(ours.keys() - theirs.keys())
+    reset = sorted(k for k in ours.keys() & theirs.keys() if ours[k].settings != theirs[k].settings)
+    if added or removed or reset:
+        parts = [
+            f"{what} {names}"
+            for what, names in (("added", added), ("removed", removed), ("settings changed", reset))
+            if names
+        ]
+        return "cases changed", "samplers " + ", ".join(parts)
+    worst = 0.0
+    for name, old in ours.items():
+        new = theirs[name]
+        if old.tokens != new.tokens:
+            step = first_difference(old.tokens, new.tokens)
+            return "tokens changed", f"sampler {name}'s seeded continuation from draw {step}"
+        for where, a, b in (
+            ("teacher-forced", old.forced, new.forced),
+            ("drawn", old.drawn, new.drawn),
+        ):
+            for step, (was, now) in enumerate(zip(a, b, strict=True)):
+                if was.ids != now.ids:
+                    return "tokens changed", f"sampler {name}'s kept tokens at {where} step {step}"
+                change = np.abs(np.subtract(was.probs, now.probs)).max(initial=0.0)
+                worst = max(worst, float(change))
+    return "moved", f"sampling: max |Δ probability| {number(worst)}"
+
+
+def _logit_class(diff: CaseDiff, tol: Tolerance | None) -> tuple[str, str]:
+    """case_class of the logits alone (the inputs and tokens are equal)."""
+    before, after = diff.before, diff.after
+    if (before.steps, before.position_steps) == (after.steps, after.position_steps):
+        return "identical", ""
     deltas = [*diff.deltas, *diff.position_deltas.values()]
     logprob = max((d.max_logprob_diff for d in deltas), default=0.0)
     kl = max((d.kl for d in deltas), default=0.0)

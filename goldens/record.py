@@ -17,7 +17,7 @@ import numpy as np
 import yaml
 
 from goldens import long_prompts
-from goldens.schema import Case, Step, step_from_logits
+from goldens.schema import Case, Sampled, Step, step_from_logits
 
 CASES_FILE = Path(__file__).with_name("cases.yaml")
 
@@ -79,6 +79,34 @@ def case_specs(model: str) -> list[CaseSpec]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+    """One row of cases.yaml's `samplers`: an id and sampling.SamplerSettings' fields."""
+
+    id: str
+    settings: dict
+
+    MAX_KEPT = 32  # a golden stores each step's kept set (cases.yaml says why)
+
+
+def sampler_specs(path: Path = CASES_FILE) -> list[SamplerSpec]:
+    """cases.yaml's sampler table; each must keep at most MAX_KEPT tokens (its top_k)."""
+    specs = [
+        SamplerSpec(row["id"], dict(row["settings"])) for row in _cases_table(path)["samplers"]
+    ]
+    for spec in specs:
+        if (
+            not 0 < spec.settings.get("top_k", 0) <= SamplerSpec.MAX_KEPT
+            or "seed" not in spec.settings
+        ):
+            raise ValueError(
+                f"{path}: sampler {spec.id!r} must set top_k in 1..{SamplerSpec.MAX_KEPT} (a "
+                "golden stores each step's kept tokens) and a seed (its continuation is "
+                "recorded)"
+            )
+    return specs
+
+
 def record_case(
     spec: CaseSpec,
     input_ids: Sequence[int],
@@ -89,6 +117,7 @@ def record_case(
     full_logits: bool = False,
     positions: Sequence[int] = (),
     prompt_logits: np.ndarray | None = None,
+    sampling: Sequence[Sampled] = (),
 ) -> Case:
     """`logits[i]` are the next-token logits that chose `tokens[i]`; `prompt_logits[j]` those
     at prompt position `positions[j]` of the same prefill (its token: their argmax)."""
@@ -111,6 +140,7 @@ def record_case(
         stopped_on_eos=bool(tokens) and int(tokens[-1]) in eos_ids,
         positions=[int(p) for p in positions],
         position_steps=[step(row, int(np.argmax(row))) for row in rows],
+        sampling=list(sampling),
     )
 
 

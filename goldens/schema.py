@@ -25,8 +25,11 @@ from goldens.cli_files import write_atomically
 # 3: cases carry `positions` and `position_steps`, the top-k log-probabilities at a spread of
 #    prompt positions from the same prefill (long prompts). Version 2 files still read, with
 #    no prompt positions (golden_diff compares old archives with new ones).
-SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (2, 3)
+# 4: cases carry `sampling`: for each sampler of cases.yaml's table, the processed distribution
+#    at every teacher-forced step and a seeded sampled continuation (`Sampled`). Older files
+#    read with none.
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (2, 3, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,39 @@ class Step:
 
 
 @dataclasses.dataclass(frozen=True)
+class Kept:
+    """One step's processed distribution: the ids a sampler keeps, ranked (logit descending,
+    id ascending), and the probability it gives each (float32-rounded; they sum to ~1)."""
+
+    ids: list[int]
+    probs: list[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """One sampler of cases.yaml's `samplers` table on one case.
+
+    `forced[i]` is the processed distribution at teacher-forced step i (the history: the
+    prompt and the case's first i greedy tokens); `tokens` is the seeded continuation the
+    sampler draws from the prompt (stopping at an end-of-sequence id like the steps), and
+    `drawn[i]` the distribution that drew `tokens[i]`.
+    """
+
+    sampler: str  # the table's id
+    settings: dict[str, Any]  # sampling.SamplerSettings' fields, the seed included
+    forced: list[Kept]
+    tokens: list[int]
+    drawn: list[Kept]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.drawn):
+            raise ValueError(
+                f"sampler {self.sampler!r}: {len(self.tokens)} tokens but {len(self.drawn)} "
+                "distributions that drew them"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     """One prompt: its generated steps, and the prompt positions recorded from its prefill.
 
@@ -91,8 +127,15 @@ class Case:
     stopped_on_eos: bool = False
     positions: list[int] = dataclasses.field(default_factory=list)
     position_steps: list[Step] = dataclasses.field(default_factory=list)
+    sampling: list[Sampled] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        for sampled in self.sampling:
+            if len(sampled.forced) != len(self.steps):
+                raise ValueError(
+                    f"case {self.id!r}, sampler {sampled.sampler!r}: {len(sampled.forced)} "
+                    f"teacher-forced distributions for {len(self.steps)} steps"
+                )
         if len(self.positions) != len(self.position_steps):
             raise ValueError(
                 f"case {self.id!r}: {len(self.positions)} prompt positions but "
@@ -275,7 +318,23 @@ def case_from_json(body: dict) -> Case:
         steps=[Step(**s) for s in body["steps"]],
         positions=body.get("positions", []),
         position_steps=[Step(**s) for s in body.get("position_steps", [])],
+        sampling=[_sampled_from_json(s) for s in body.get("sampling", [])],
     )
+
+
+def _sampled_from_json(body: dict) -> Sampled:
+    return Sampled(
+        sampler=body["sampler"],
+        settings=body["settings"],
+        forced=[Kept(**k) for k in body["forced"]],
+        tokens=body["tokens"],
+        drawn=[Kept(**k) for k in body["drawn"]],
+    )
+
+
+def kept_from(ids, probs) -> Kept:
+    """A `Kept` from a sampler's (ids, probabilities) arrays, probabilities float32-rounded."""
+    return Kept([int(i) for i in ids], [float(np.float32(p)) for p in probs])
 
 
 def read(path: str | os.PathLike) -> Golden:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -52,6 +54,21 @@ def test_round_trip_is_lossless_and_bytes_are_stable(tmp_path):
     assert schema.to_json(again) == path.read_text(encoding="utf-8")
 
 
+def test_sampling_goldens_round_trip_and_must_cover_every_step(tmp_path):
+    golden = _golden(vocab=50, cases=1, steps=3)
+    kept = schema.kept_from(np.array([7, 2]), np.array([0.7, 0.3]))
+    settings = {"temperature": 2.0, "top_k": 2, "seed": 1}
+    sampled = schema.Sampled("hot", settings, [kept] * 3, [7], [kept])
+    case = dataclasses.replace(golden.cases[0], sampling=[sampled])
+    golden = dataclasses.replace(golden, cases=[case])
+    schema.write(golden, tmp_path / "g.json")
+    assert schema.read(tmp_path / "g.json") == golden
+    with pytest.raises(ValueError, match="2 teacher-forced distributions for 3 steps"):
+        dataclasses.replace(case, sampling=[dataclasses.replace(sampled, forced=[kept] * 2)])
+    with pytest.raises(ValueError, match="1 tokens but 0 distributions"):
+        dataclasses.replace(sampled, drawn=[])
+
+
 def test_four_prompts_of_ten_steps_at_vocab_128256_stay_under_1_mb():
     text = schema.to_json(_golden(vocab=128256))
     assert len(text.encode()) < 1_000_000
@@ -68,8 +85,9 @@ def test_topk_is_sorted_by_logit_with_ties_broken_by_id():
 
 def test_newer_schema_version_is_refused_with_the_fix():
     text = schema.to_json(_golden(vocab=50, cases=1)).replace(
-        '"schema_version": 3', '"schema_version": 99'
+        f'"schema_version": {schema.SCHEMA_VERSION}', '"schema_version": 99'
     )
+    assert '"schema_version": 99' in text
     with pytest.raises(ValueError, match="regenerate the golden"):
         schema.from_json(text, "x.json")
 

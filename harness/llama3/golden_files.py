@@ -12,6 +12,7 @@ from goldens import locate, schema
 from goldens.cli_files import output_directory, user_path
 from goldens.machine import cpu_model
 from goldens.record import file_sha256, record_case
+from harness.llama3 import sampling_goldens
 from harness.llama3.engine_runs import Run
 from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
@@ -74,7 +75,8 @@ def engine_golden(
 ) -> schema.Golden:
     """The engine's golden (eager), the ggml mode's (producer `engine-ggml`, the goldens of
     reference "ggml"), or another mode's run in the same format (producer `engine-MODE`,
-    never published as a golden)."""
+    never published as a golden); each short case with its sampling goldens
+    (sampling_goldens.record: the engine samples each of cases.yaml's samplers)."""
     tokenizer = engine.tokenizer
     producer = "engine" if mode == "eager" else f"engine-{mode}"  # engine-ggml: its goldens
     prov = provenance(variant, producer, ENGINE_PRODUCER_VERSION, device)
@@ -89,6 +91,7 @@ def engine_golden(
             full_logits=full_logits,
             positions=r.positions,
             prompt_logits=r.prompt_logits,
+            sampling=sampling_goldens.record(engine, r),
         )
         for r in runs
     ]

@@ -32,6 +32,8 @@ from goldens.engines.base import forced_inputs
 from goldens.record import CaseSpec
 from harness.llama3.engine_runs import Run
 from pipelines.llama3 import Llama3Engine
+from pipelines.llama3.engine import GenerationOutput
+from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import Request, ServingEngine, blocks_for
 
 SCENARIOS = ("solo", "batch", "chunked", "paged", "prefix", "preempt")
@@ -193,6 +195,51 @@ def served_runs(
         cached += sum(p < served.cached_prefix for p in served.prompt_positions)
         preemptions += served.preemptions
     return Served(runs, cached, preemptions, server.pool.hits)
+
+
+def sampled_served(
+    engine: Llama3Engine,
+    golden: schema.Golden,
+    serving: Serving,
+    serving_class: type[ServingEngine] = ServingEngine,
+) -> dict[tuple[str, str], GenerationOutput]:
+    """Each case's seeded continuation under each of its samplers (its sampling goldens), all
+    served together as `serving` says (prefix: one at a time over one pool, so that the
+    samplers of a case read its prompt's blocks from the cache), keyed (case, sampler)."""
+    requests, keys = [], {}
+    for case in golden.cases:
+        for sampled in case.sampling:
+            settings = SamplerSettings(**sampled.settings)
+            request_id = f"{case.id}/{sampled.sampler}"
+            keys[request_id] = (case.id, sampled.sampler)
+            prompt = list(case.input_ids)
+            requests.append(Request(request_id, prompt, len(sampled.tokens), sampling=settings))
+    if not requests:
+        return {}
+    config = dict(
+        block_size=serving.block_size,
+        chunk_size=serving.chunk_size,
+        prefix_caching=serving.prefix,
+        max_context=max(len(r.prompt) + r.max_new_tokens for r in requests) + 8,
+        window=serving.window,
+    )
+    if serving.tight_pool:
+        lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
+        config["num_blocks"] = max(blocks_for(n, serving.block_size) for n in lengths) + 2
+    if serving.prefix:
+        blocks = _all_blocks(requests, serving)
+        server = serving_engine(engine, serving_class, max_batch=1, num_blocks=blocks, **config)
+        results = server.serve(requests)
+    elif serving.order == "split":
+        server = serving_engine(
+            engine, serving_class, **config, num_blocks=_all_blocks(requests, serving)
+        )
+        half = len(requests) // 2
+        results = {**server.serve(requests[:half]), **server.serve(requests[half:])}
+    else:
+        server = serving_engine(engine, serving_class, **config)
+        results = server.serve(requests[::-1] if serving.order == "reversed" else requests)
+    return {keys[request_id]: served.output for request_id, served in results.items()}
 
 
 def _request(engine: Llama3Engine, case: schema.Case) -> Request:

@@ -28,16 +28,32 @@ variation when the probabilities move, so two near-equal distributions draw diff
 where the uniform lies that close to a boundary (`compare_draws`; in ranking order, two near-tied
 tokens that swap ranks would swap whole intervals).
 
+**The kept-set rule** (`compare_kept`): near a top-k, top-p or min-p threshold, logits within
+a tolerance may keep different tokens, as near a tie they may choose different greedy tokens.
+`kept_bounds(run's logits, settings, history, atol)` computes, stage by stage of the chain and
+apart from it, the tokens the chain keeps however a reference within atol of these logits
+ranks them (certain) and those it may keep (possible): any two penalized logits' difference
+may be off by 2 atol max(r, 1/r) (divided by T after the temperature stage); top-k keeps a
+token for certain when fewer than k others could rank above it, possibly when fewer than k
+surely do; top-p and min-p compare the mass or probability that could (or surely does) rank
+above a token, each ratio off by that factor. At one step, P (the reference's processed
+distribution) against Q (the run's):
+
+1. the kept tokens of both P and Q lie between the run's bounds (each holds every certain
+   token and none that is not possible), else FAIL;
+2. TV(P, Q), over the tokens both keep, each renormalized, is at most the margin the logits'
+   tolerance allows (`draw_margin`: with every log-probability within atol, the processed
+   log-probabilities are within delta = 2 atol max(r, 1/r) / T, r the repetition penalty, T
+   the temperature, so TV <= expm1(delta) / 2), else FAIL;
+3. kept sets that differ but pass 1 and 2 are BOUNDARY (counted, not failed).
+
 **The draw rule** (`compare_draws`), for a run whose logits legitimately differ from the
 reference's within a tolerance, like the near-tie rule for greedy tokens: at one step, with the
-same uniform u, the reference's processed distribution P draws a and the run's Q draws b. If
-a != b the draw is AMBIGUOUS (counted, not failed) only when
+same uniform u, P draws a and Q draws b. The kept-set rule is checked first, whether the draws
+differ or not. If a != b the draw is AMBIGUOUS (counted, not failed) only when
 
-1. P and Q keep the same tokens, and their total variation TV(P, Q) is at most the margin the
-   logits' tolerance allows (checked at every step, whether the draws differ or not: the
-   processed distribution's own check) (`draw_margin`: with every log-probability within atol, the
-   processed log-probabilities are within delta = 2 atol max(r, 1/r) / T, r the repetition
-   penalty, T the temperature, so TV <= expm1(delta) / 2);
+1. the kept sets differ at a BOUNDARY (the draw then lies past the tolerance's reach: after it
+   the continuations follow different histories); or, with the same kept tokens,
 2. u lies within TV(P, Q) of P's cumulative boundary next to a on b's side, and within TV(P, Q)
    of Q's boundary next to b on a's side.
 
@@ -237,6 +253,97 @@ def pick(ids: np.ndarray, probs: np.ndarray, u):
     return ids[np.minimum(index, len(ids) - 1)]
 
 
+# --- the kept set under a tolerance --------------------------------------------------------
+
+
+def _stage_bounds(name, settings, tight, loose, slack):
+    """One truncation's (tight, loose) survivors, each (ids, values) ranked by the run's values,
+    tight a prefix of loose; `slack`: how far any two tokens' value difference may be off."""
+    s = settings
+    (ids_t, v_t), (ids_l, v_l) = tight, loose
+    if name == "top_k" and s.top_k:
+        # certain: fewer than k others could rank above it; possible: fewer than k surely do
+        could_above = np.searchsorted(-v_l, -(v_t - slack), side="right") - 1
+        surely_above = np.searchsorted(-v_t, -(v_l + slack), side="left")
+        return (ids_t[could_above < s.top_k], v_t[could_above < s.top_k]), (
+            ids_l[surely_above < s.top_k],
+            v_l[surely_above < s.top_k],
+        )
+    if name == "top_p" and s.top_p < 1.0:
+        return _top_p_bounds(s.top_p, tight, loose, slack)
+    if name == "min_p" and s.min_p > 0.0 and len(v_l):
+        # relative to the most likely kept token: the largest it could be (tight), the smallest
+        top_hi, top_lo = v_l[0], (v_t[0] if len(v_t) else v_l[-1])
+        floor = np.log(s.min_p)
+        keep_t, keep_l = v_t - top_hi - slack >= floor, v_l - top_lo + slack >= floor
+        return (ids_t[keep_t], v_t[keep_t]), (ids_l[keep_l], v_l[keep_l])
+    return tight, loose
+
+
+def _top_p_bounds(p, tight, loose, slack):
+    """top-p's survivors when each probability ratio may be off by a factor exp(slack): the
+    mass ranked above a token, as a share of the kept set's, at its largest (tight: kept even
+    then) and its smallest (loose: kept then)."""
+    (ids_t, v_t), (ids_l, v_l) = tight, loose
+    if not len(v_l):
+        return tight, loose
+    w = np.exp(v_l - v_l[0])  # the loose set's weights; the tight set is its first len(v_t)
+    total_t, total_l = w[: len(v_t)].sum(), w.sum()
+    cum = np.concatenate(([0.0], np.cumsum(w)))
+    # for each token: the mass that could rank above it, and the mass that surely does
+    could = cum[np.searchsorted(-v_l, -(v_l - slack), side="right")] - w
+    surely = cum[np.searchsorted(-v_l, -(v_l + slack), side="left")]
+    grow, shrink = np.exp(slack), np.exp(-slack)
+    # tight: above at its largest against the rest at its smallest (only tight tokens surely
+    # there); loose: above at its smallest (tight tokens) against the rest at its largest
+    rest_lo = np.maximum(total_t - np.minimum(could, total_t), 0.0)
+    share_hi = grow * could / np.maximum(grow * could + shrink * rest_lo, 1e-300)
+    above_lo = np.minimum(surely, total_t)
+    share_lo = (
+        shrink * above_lo / np.maximum(shrink * above_lo + grow * (total_l - above_lo), 1e-300)
+    )
+    first_t = could[: len(v_t)] == 0.0  # nothing could rank above it: always kept
+    keep_t = (share_hi[: len(v_t)] < p) | first_t
+    keep_l = (share_lo < p) | (surely == 0.0)
+    return (ids_t[keep_t], v_t[keep_t]), (ids_l[keep_l], v_l[keep_l])
+
+
+def kept_bounds(
+    logits: torch.Tensor | np.ndarray,
+    settings: SamplerSettings,
+    history: Sequence[int] = (),
+    logprob_atol: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(certain, possible): the ids the chain keeps from these logits however a reference whose
+    log-probabilities are within `logprob_atol` of them ranks its tokens, and the ids it may
+    keep (the kept-set rule, module docstring). With atol 0 both are `processed`'s kept ids."""
+    if logprob_atol <= 0.0:
+        ids, _ = processed(logits, settings, history)
+        return ids, ids
+    values = penalized(np.asarray(logits, dtype=np.float64).reshape(-1), settings, history)
+    s = settings
+    r = s.repetition_penalty
+    slack = 2.0 * logprob_atol * max(r, 1.0 / r)  # any two penalized logits' difference
+    ids = np.arange(len(values), dtype=np.int64)
+    if 0 < s.top_k < len(values):
+        kth = np.partition(values, len(values) - s.top_k)[len(values) - s.top_k]
+        candidates = np.flatnonzero(values >= kth - slack * (1 + 1e-9) - 1e-12)
+        ids, values = _ranked(ids[candidates], values[candidates])
+    else:
+        ids, values = _ranked(ids, values)
+    tight = loose = (ids, values)
+    for name in CHAINS[s.order]:
+        if name == "temperature":
+            tight, loose = (
+                (tight[0], tight[1] / s.temperature),
+                (loose[0], loose[1] / s.temperature),
+            )
+            slack /= s.temperature
+        else:
+            tight, loose = _stage_bounds(name, s, tight, loose, slack)
+    return tight[0], loose[0]
+
+
 # --- the draw rule ---------------------------------------------------------------------------
 
 
@@ -264,32 +371,82 @@ def _boundary_gap(ids: np.ndarray, cdf: np.ndarray, token: int, toward: int, u: 
     return abs(u - float(edge))
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptVerdict:
+    """One step's processed distributions compared (the kept-set rule, module docstring)."""
+
+    verdict: str  # "equal": same kept tokens; "BOUNDARY": they differ where allowed; "FAIL"
+    tv: float  # over the tokens both keep, each renormalized
+    detail: str = ""
+
+
+def compare_kept(
+    reference: tuple[np.ndarray, np.ndarray],
+    run: tuple[np.ndarray, np.ndarray],
+    bounds: tuple[np.ndarray, np.ndarray] | None,
+    margin: float,
+) -> KeptVerdict:
+    """P = `reference` against Q = `run` (each `processed`'s (ids, probabilities)) at one
+    step: P's and Q's kept tokens between the bounds of the run's logits (`kept_bounds`; None:
+    P's must be Q's), and TV over the tokens both keep within `margin`."""
+    ids_p, cdf_p = _by_id(*reference)
+    ids_q, cdf_q = _by_id(*run)
+    probs_p, probs_q = np.diff(cdf_p, prepend=0.0), np.diff(cdf_q, prepend=0.0)
+    same_kept = np.array_equal(ids_p, ids_q)
+    certain, possible = (ids_q, ids_q) if bounds is None else bounds
+    # both kept sets between the bounds: the reference's (a tolerance may rank otherwise),
+    # and the run's own (the bounds are the chain's definition, computed apart from it)
+    for whose, ids in (("reference", ids_p), ("run", ids_q)):
+        missing = np.setdiff1d(certain, ids)[:5].tolist()
+        extra = np.setdiff1d(ids, possible)[:5].tolist()
+        if missing or extra:
+            parts = [f"lacks {missing}, which the chain keeps however the tolerance ranks them"]
+            parts = (parts if missing else []) + (
+                [f"keeps {extra}, which the chain cannot keep"] if extra else []
+            )
+            detail = (
+                f"the {whose}'s kept tokens lie outside what the run's logits allow within the "
+                f"tolerance: it {' and '.join(parts)}"
+            )
+            return KeptVerdict("FAIL", float("inf"), detail)
+    if not same_kept:  # TV over the tokens both keep: the tolerance's bound holds on them
+        common = np.intersect1d(ids_p, ids_q)
+        probs_p = probs_p[np.isin(ids_p, common)]
+        probs_q = probs_q[np.isin(ids_q, common)]
+        probs_p, probs_q = probs_p / probs_p.sum(), probs_q / probs_q.sum()
+    tv = 0.5 * float(np.abs(probs_p - probs_q).sum())
+    if tv > margin:
+        detail = f"TV {tv:.3g} of the processed distributions is over the margin {margin:.3g}"
+        return KeptVerdict("FAIL", tv, detail)
+    if not same_kept:
+        flipped = np.setxor1d(ids_p, ids_q)[:5].tolist()
+        return KeptVerdict("BOUNDARY", tv, f"kept-set boundary tokens {flipped}")
+    return KeptVerdict("equal", tv)
+
+
 def compare_draws(
     reference: tuple[np.ndarray, np.ndarray],
     run: tuple[np.ndarray, np.ndarray],
     u: float,
     margin: float,
+    bounds: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> DrawVerdict:
     """The draw rule (module docstring) at one step: P = `reference`, Q = `run`, each
     (kept ids, probabilities) as `processed` returns them, the step's uniform `u`, the
-    largest TV the logits' tolerance allows (`draw_margin`)."""
+    largest TV the logits' tolerance allows (`draw_margin`), the run's `kept_bounds` (None:
+    the kept sets must be equal)."""
     a, b = int(pick(*reference, u)), int(pick(*run, u))
+    kept = compare_kept(reference, run, bounds, margin)
+    if kept.verdict == "FAIL":
+        return DrawVerdict("FAIL", a, b, kept.tv, kept.detail)
+    if a == b:
+        return DrawVerdict("equal", a, b, kept.tv)
+    if kept.verdict == "BOUNDARY":
+        detail = f"the kept sets differ within the tolerance ({kept.detail})"
+        return DrawVerdict("AMBIGUOUS", a, b, kept.tv, detail)
+    tv = kept.tv
     ids_p, cdf_p = _by_id(*reference)
     ids_q, cdf_q = _by_id(*run)
-    same_kept = np.array_equal(ids_p, ids_q)
-    tv = 0.5 * float(np.abs(np.diff(cdf_p, prepend=0.0) - np.diff(cdf_q, prepend=0.0)).sum())
-    if not same_kept:
-        only_p = np.setdiff1d(ids_p, ids_q)[:5].tolist()
-        only_q = np.setdiff1d(ids_q, ids_p)[:5].tolist()
-        tv = float("inf")
-    if not same_kept:
-        detail = f"the kept tokens differ (only the reference's {only_p}, only the run's {only_q})"
-        return DrawVerdict("FAIL", a, b, tv, detail)
-    if tv > margin:
-        detail = f"TV {tv:.3g} of the processed distributions is over the margin {margin:.3g}"
-        return DrawVerdict("FAIL", a, b, tv, detail)
-    if a == b:
-        return DrawVerdict("equal", a, b, tv)
     gap_p = _boundary_gap(ids_p, cdf_p, a, b, u)
     gap_q = _boundary_gap(ids_q, cdf_q, b, a, u)
     if gap_p > tv or gap_q > tv:
@@ -360,10 +517,12 @@ def compare_continuations(
     seed: int,
     prompt: Sequence[int],
     margin: float,
+    logprob_atol: float | None = None,
 ) -> list[DrawVerdict]:
     """The draw rule along two seeded continuations of one prompt, each (tokens, logits
     [steps, vocab]) with row i the logits that drew token i: a verdict per step until the
-    first that is not "equal" (after it the histories differ), or the shorter's end."""
+    first that is not "equal" (after it the histories differ), or the shorter's end. With
+    `logprob_atol` (the logits' tolerance), kept sets may differ where `kept_bounds` allows."""
     verdicts = []
     (ref_tokens, ref_logits), (run_tokens, run_logits) = reference, run
     history = list(prompt)
@@ -371,7 +530,10 @@ def compare_continuations(
         u = float(uniform(seed, len(history)))
         p = processed(ref_logits[step], settings, history)
         q = processed(run_logits[step], settings, history)
-        verdict = compare_draws(p, q, u, margin)
+        bounds = None
+        if logprob_atol is not None:
+            bounds = kept_bounds(run_logits[step], settings, history, logprob_atol)
+        verdict = compare_draws(p, q, u, margin, bounds)
         if (verdict.reference_token, verdict.run_token) != (ref_tokens[step], run_tokens[step]):
             detail = (
                 f"step {step}: the drawn tokens {ref_tokens[step]}, {run_tokens[step]} are not "

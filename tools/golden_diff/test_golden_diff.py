@@ -494,3 +494,44 @@ def test_a_move_within_the_noise_floor_is_noise_and_exits_0(capsys, base, tmp_pa
     assert out.splitlines()[-1].startswith(f"worst: noise ({FLOAT32}: case prose: |Δ log-prob|")
     code, out, _ = _run(capsys, OWN, f"--from={base}", f"--to={cases['over']}")
     assert code == 1 and out.splitlines()[3] == f"{FLOAT32}: changed [over tolerance]"
+
+
+def _sampled(tokens: list[int], probs: list[float], settings: dict | None = None) -> schema.Sampled:
+    kept = schema.Kept([1, 4], probs)
+    settings = settings or {"temperature": 2.0, "top_k": 2, "seed": 12}
+    return schema.Sampled("hot", settings, [kept] * STEPS, tokens, [kept] * len(tokens))
+
+
+def test_a_changed_sampling_golden_is_classed_by_what_changed() -> None:
+    """Sampling goldens in a case's class: an added sampler changes cases, a different seeded
+    continuation or kept set changes tokens, probabilities alone (logits equal) moved."""
+    plain = _case("prose", BASE["prose"])
+    with_hot = dataclasses.replace(plain, sampling=[_sampled([1, 4], [0.6, 0.4])])
+
+    def klass(before, after) -> tuple[str, str]:
+        return diff.case_class(diff.diff_case(before, after), None)
+
+    assert klass(with_hot, with_hot) == ("identical", "")
+    assert klass(plain, with_hot) == ("cases changed", "samplers added ['hot']")
+    reseeded = dataclasses.replace(
+        plain, sampling=[_sampled([1, 4], [0.6, 0.4], {"temperature": 2.0, "top_k": 2, "seed": 1})]
+    )
+    assert klass(with_hot, reseeded) == ("cases changed", "samplers settings changed ['hot']")
+    redrawn = dataclasses.replace(plain, sampling=[_sampled([4, 4], [0.6, 0.4])])
+    assert klass(with_hot, redrawn) == (
+        "tokens changed",
+        "sampler hot's seeded continuation from draw 0",
+    )
+    kept = dataclasses.replace(
+        plain,
+        sampling=[
+            dataclasses.replace(with_hot.sampling[0], forced=[schema.Kept([1], [1.0])] * STEPS)
+        ],
+    )
+    assert klass(with_hot, kept) == (
+        "tokens changed",
+        "sampler hot's kept tokens at teacher-forced step 0",
+    )
+    moved = dataclasses.replace(plain, sampling=[_sampled([1, 4], [0.5, 0.5])])
+    klass_moved, why = klass(with_hot, moved)
+    assert (klass_moved, why.split("; ")[-1]) == ("moved", "sampling: max |Δ probability| 0.1")

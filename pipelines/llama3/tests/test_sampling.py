@@ -11,6 +11,11 @@
   Each planted sampler bug (MUTATIONS) fails at least one case; the test prints, per bug, the
   case that catches it and the G-test's power there at ALPHA (noncentral chi-square with
   lambda = 2 DRAWS KL(mutated || reference), normal approximation), and asserts power >= 0.999.
+  The bugs live in sampler_mutations.py, shared with the sampling goldens' lane.
+- The draw rule and the kept-set rule (sampling.compare_draws, compare_kept): seeded steps
+  with logits within a tolerance never FAIL (AMBIGUOUS and BOUNDARY counted), and each planted
+  rule-breaker (another uniform, ranking-order draws, logits past the tolerance, bounds too
+  narrow, a top-p keeping one token more) FAILs.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from goldens import multinomial
 from goldens.multinomial import chi2_sf
 from pipelines.llama3 import generate, sampling
 from pipelines.llama3.sampling import SamplerSettings
+from pipelines.llama3.tests.sampler_mutations import MUTATIONS
 
 ALPHA = 1e-6
 DRAWS = 20_000
@@ -223,49 +229,6 @@ def test_the_sampler_passes_the_g_test(case: Case) -> None:
     assert g_test(case) > ALPHA
 
 
-_TOP_P = sampling.top_p
-
-
-def _top_p_one_too_many(ids, values, p):
-    if p >= 1.0:
-        return ids, values
-    kept = len(_TOP_P(ids, values, p)[0])
-    return ids[: kept + 1], values[: kept + 1]
-
-
-def _top_p_one_too_few(ids, values, p):
-    kept_ids, _ = _TOP_P(ids, values, p)
-    n = max(1, len(kept_ids) - 1) if p < 1.0 else len(kept_ids)
-    return ids[:n], values[:n]
-
-
-def _top_k_ties(ids, values, k):
-    return (ids[values >= values[k - 1]], values[values >= values[k - 1]]) if k else (ids, values)
-
-
-def _min_p_of_the_total(ids, values, m):
-    if m <= 0:
-        return ids, values
-    e = np.exp(values - values.max())
-    keep = e / e.sum() >= m  # relative to the total, not to the most likely token
-    return ids[keep], values[keep]
-
-
-_PENALIZED = sampling.penalized
-_TEMPERATURE_LATE = {**sampling.CHAINS, "transformers": ("top_k", "top_p", "temperature", "min_p")}
-MUTATIONS = {
-    "temperature after top-p": ("CHAINS", _TEMPERATURE_LATE),
-    "top-p one token too many": ("top_p", _top_p_one_too_many),
-    "top-p one token too few": ("top_p", _top_p_one_too_few),
-    "top-k ties over-accepted": ("top_k", _top_k_ties),
-    "penalties on the wrong tokens": (
-        "penalized",
-        lambda values, s, history: _PENALIZED(values, s, [t + 1 for t in history]),
-    ),
-    "min-p relative to the total": ("min_p", _min_p_of_the_total),
-}
-
-
 def test_every_planted_sampler_bug_fails_the_g_test(monkeypatch, capsys) -> None:
     lines, missed = [], []
     for name, (attribute, replacement) in MUTATIONS.items():
@@ -403,3 +366,88 @@ def test_the_rule_needs_the_id_order_draw(monkeypatch, capsys) -> None:
     with capsys.disabled():
         print(f"\ndraw rule, the sampler in ranking order, logits within atol: {counts}")
     assert counts["FAIL"] > 0
+
+
+# --- the kept-set rule (sampling.kept_bounds, compare_kept): truncations under a tolerance -----
+#
+# A reference whose log-probabilities lie within ATOL of the run's may keep other tokens at a
+# truncation's edge (a near-tie at the k-th logit, mass near top_p, a probability near min_p's
+# floor). kept_bounds gives the tokens the chain keeps however the tolerance ranks them and
+# those it may keep; compare_kept calls a kept set between them BOUNDARY, never FAIL. Checked
+# on KEPT_TRIALS seeded steps of truncating settings (both orders, penalties); planted: bounds
+# a quarter as wide (correct references then FAIL), and a run whose top-p keeps one token more
+# than the chain (FAILs whenever that token is not at the edge).
+
+KEPT_TRIALS = 1200
+KEPT_SETTINGS = [
+    SamplerSettings(temperature=2.0, top_k=20),
+    SamplerSettings(temperature=1.5, top_k=32, top_p=0.6),
+    SamplerSettings(top_p=0.5),
+    SamplerSettings(temperature=0.7, min_p=0.1),
+    SamplerSettings(
+        order="llama_cpp",
+        temperature=0.8,
+        top_k=20,
+        top_p=0.95,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+    ),
+]
+
+
+def _kept_counts(bounds_atol: float = ATOL, run_top_p=None) -> dict[str, int]:
+    rng = np.random.default_rng(SEED + 1)
+    counts = {"equal": 0, "BOUNDARY": 0, "FAIL": 0}
+    for trial in range(KEPT_TRIALS):
+        settings = KEPT_SETTINGS[trial % len(KEPT_SETTINGS)]
+        prompt = rng.integers(0, 200, size=5).tolist()
+        logits = rng.normal(0.0, rng.choice([0.5, 1.0, 3.0]), size=200)
+        reference = logits + rng.uniform(-ATOL / 2, ATOL / 2, size=200)
+        p = sampling.processed(reference, settings, prompt)
+        if run_top_p is not None:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(sampling, "top_p", run_top_p)
+                q = sampling.processed(logits, settings, prompt)
+        else:
+            q = sampling.processed(logits, settings, prompt)
+        bounds = sampling.kept_bounds(logits, settings, prompt, bounds_atol)
+        margin = sampling.draw_margin(ATOL, settings)
+        counts[sampling.compare_kept(p, q, bounds, margin).verdict] += 1
+    return counts
+
+
+def test_the_kept_set_rule_never_fails_a_reference_within_the_tolerance(capsys) -> None:
+    counts = _kept_counts()
+    with capsys.disabled():
+        print(f"\nkept-set rule, {KEPT_TRIALS} steps, logits within atol {ATOL}: {counts}")
+    assert counts["FAIL"] == 0
+    assert counts["BOUNDARY"] > 0  # kept sets do differ at the edges, and are allowed to
+
+
+@pytest.mark.parametrize(
+    ("bug", "kwargs"),
+    [
+        ("bounds a quarter as wide", {"bounds_atol": ATOL / 4}),
+        (
+            "the run's top-p keeps one token more",
+            {"run_top_p": MUTATIONS["top-p one token too many"][1]},
+        ),
+    ],
+)
+def test_a_kept_set_no_tolerance_explains_fails(bug, kwargs, capsys) -> None:
+    counts = _kept_counts(**kwargs)
+    with capsys.disabled():
+        print(f"\nkept-set rule, planted {bug}: {counts}")
+    assert counts["FAIL"] > 0, counts
+
+
+def test_the_bounds_are_the_kept_set_at_zero_tolerance() -> None:
+    rng = np.random.default_rng(SEED + 2)
+    for settings in KEPT_SETTINGS:
+        logits = rng.normal(0.0, 1.0, size=200)
+        ids, _ = sampling.processed(logits, settings, [1, 2])
+        certain, possible = sampling.kept_bounds(logits, settings, [1, 2], 0.0)
+        assert set(certain) == set(possible) == set(ids)
+        certain, possible = sampling.kept_bounds(logits, settings, [1, 2], 1e-9)
+        assert set(certain) <= set(ids) <= set(possible)

@@ -13,10 +13,14 @@ tens of seconds on a cold cache); $LLAMA_TEST_MODES (comma-separated) picks the 
 them by default. $LLAMA_TEST_LANE picks the cases (judge.LANES): `short` in test_llama
 (the edit loop), `long` (cases.yaml's long prompts, thousands of positions) in
 test_llama_long, `all` by default; the same -k ids select one variant in either target.
+Each short case's sampling goldens are checked at every teacher-forced step from the same runs
+(the kept-set rule, harness/llama3/sampling_goldens.check_forced), in every mode, speculative
+ones included; test_llama_sampling checks the seeded continuations on the serving paths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -26,6 +30,7 @@ import pytest
 from goldens.tolerances import tolerance
 from harness.llama3 import diagnosis, engine_runs, failure_report, judge
 from harness.llama3 import variants as variants_module
+from harness.llama3.sampling_goldens import SamplingReport, check_forced
 from harness.llama3.variants import LLAMA3_1_ENV, Variant, variants
 from pipelines.llama3.engine import MODES
 from pipelines.llama3.speculative import Speculation
@@ -90,13 +95,22 @@ def test_llama(
         verdicts.append(
             judge.check(engine, golden, name, reference, tol, variant, memo=memo, lane=lane)
         )
+    # The sampling goldens' teacher-forced distributions, from the same runs (the memo)
+    sampled = SamplingReport()
+    for golden, _, reference in references:
+        tol = tolerance(reference, variant.encoding, "cpu")
+        cases = [c for c in judge.in_lane(golden, variant.model, lane).cases if c.sampling]
+        runs = engine_runs.forced_runs(engine, dataclasses.replace(golden, cases=cases), memo)
+        for case, run in zip(cases, runs, strict=True):
+            sampled.add(check_forced(case, run, tol, f"{reference} golden"))
     model_seconds = time.perf_counter() - loaded
     record_property("load_seconds", round(loaded - start, 4))
     record_property("model_seconds", round(model_seconds, 4))
     # .ci/run adds these up from the JUnit XML into its closing line, and names the three
     # entries closest to their thresholds (bazel/test_summary.py).
     record_property("ambiguous_steps", sum(v.ambiguous_steps for v in verdicts))
-    record_property("golden_checks", sum(v.steps + v.prompt_positions for v in verdicts))
+    checks = sum(v.steps + v.prompt_positions for v in verdicts) + sampled.checks
+    record_property("golden_checks", checks)
     for verdict in verdicts:
         share, metric, where = verdict.headroom()
         test_id = _case_id(variant, mode, k)
@@ -108,6 +122,8 @@ def test_llama(
     )
     for verdict in verdicts:
         print("  " + verdict.summary())
+    if sampled.checks:
+        print("  " + sampled.summary())
     reports = failure_report.report_directory(tmp_path)
     failures = [
         failure
@@ -122,7 +138,7 @@ def test_llama(
             run_of=(variant, engine, mode),
         )
     ]
-    assert not failures, "\n\n".join(failures)
+    assert not failures + sampled.failures, "\n\n".join(failures + sampled.failures)
 
 
 def test_checkpoint_override_env_reaches_this_test() -> None:

@@ -1,0 +1,196 @@
+"""The sampling goldens on every mode and serving path (harness/llama3/sampling_goldens.py).
+
+Each short case's golden records, for every sampler of cases.yaml's table, the processed
+distribution at each teacher-forced step and the continuation the sampler draws under its
+seed. Here, per checkpoint and mode (the eager and quantized modes against the engine's
+goldens, the ggml mode against its own on Q4_K and Q4_1; transformers' goldens record no
+sampling; their teacher-forced distributions are checked by test_llama, in every mode, from
+its own runs):
+
+- solo and served: the seeded continuation drawn by `generate` and by the serving engine in a
+  ragged batch, in chunks of 3, over blocks of 4, from the prefix cache and under preemption
+  (one serving per scenario; all samplers of all cases served together), against the golden's
+  by the draw rule (a differing draw is AMBIGUOUS, counted, only where the uniform lies within
+  the tolerance's TV of a cumulative boundary; anything else FAILs);
+- in the quantized and ggml modes the continuations are also identical across every scenario
+  (the same tokens as solo; ggml's logits are bitwise on every path).
+
+Id `{size}-{encoding}-{arch}[-{mode}]` as in test_llama; one alone:
+  ./bazelw test //max_tests/integration/architectures/llama3:test_llama_sampling \\
+      --test_arg=-k --test_arg='test_llama_sampling[tiny-float32-llama3_1]'
+Each test records the JUnit property `sampling` per path
+(`PATH|CHECKS|BOUNDARY_STEPS|AMBIGUOUS_DRAWS|MAX_TV`): the matrix of ambiguous draws.
+
+test_planted_sampler_bugs_fail_the_sampling_goldens: each planted sampler bug
+(pipelines/llama3/tests/sampler_mutations.py) fails the tiny float32 goldens in the eager mode,
+but one that is proven to change no step of them (EQUIVALENT_ON_GOLDENS: over-accepted top-k
+ties, where float32 logits hold no exact tie; test_sampling catches it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from goldens.tolerances import tolerance
+from harness.llama3 import engine_runs, judge, scenarios
+from harness.llama3.sampling_goldens import (
+    SamplingReport,
+    check_forced,
+    check_outputs,
+    settings_of,
+    solo_outputs,
+)
+from harness.llama3.variants import GGML_ENCODINGS, Variant, variants
+from pipelines.llama3 import sampling
+from pipelines.llama3.tests.sampler_mutations import DRAW_MUTATIONS, MUTATIONS
+
+VARIANTS = variants()
+MODES = ("eager", "quantized", "ggml")
+# One serving per scenario: the batch in the order given, chunks of 3, blocks of 4 (the
+# servings test_llama_serving runs beside them take the same code paths).
+SERVINGS = {
+    "batch": "batch",
+    "chunked": "chunk3",
+    "paged": "block4",
+    "prefix": "prefix",
+    "preempt": "preempt",
+}
+# The modes whose seeded continuations must be the same on every path.
+IDENTICAL_MODES = ("quantized", "ggml")
+
+
+def _serving(scenario: str) -> scenarios.Serving:
+    (serving,) = [s for s in scenarios.servings(scenario, "short") if s.name == SERVINGS[scenario]]
+    return serving
+
+
+def _case_id(variant: Variant, mode: str) -> str:
+    return variant.test_id if mode == "eager" else f"{variant.test_id}-{mode}"
+
+
+def _cases() -> list:
+    return [
+        pytest.param(v, mode, id=_case_id(v, mode))
+        for mode in MODES
+        for v in VARIANTS
+        if mode != "ggml" or v.encoding in GGML_ENCODINGS
+    ]
+
+
+def _golden(goldens, variant: Variant, mode: str):
+    reference = "ggml" if mode == "ggml" else "own"
+    full, _ = goldens.load(reference, variant)
+    return judge.in_lane(full, variant.model, "short"), tolerance(
+        reference, variant.encoding, "cpu"
+    )
+
+
+def _tokens(outputs: dict) -> dict:
+    return {key: list(out.tokens) for key, out in outputs.items()}
+
+
+@pytest.mark.parametrize(("variant", "mode"), _cases())
+def test_llama_sampling(variant: Variant, mode: str, goldens, record_property) -> None:
+    if variant.path is None:
+        pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
+    engine = engine_runs.load_engine(variant, "cpu", mode=mode)
+    golden, tol = _golden(goldens, variant, mode)
+    assert any(case.sampling for case in golden.cases), (
+        f"{variant.test_id}: its golden records no sampling (schema 4 or later)"
+    )
+    solo = solo_outputs(engine, golden)
+    reports = {"solo": check_outputs(golden, solo, tol, "solo")}
+    differing = []
+    for scenario in SERVINGS:
+        serving = _serving(scenario)
+        served = scenarios.sampled_served(engine, golden, serving)
+        reports[serving.name] = check_outputs(golden, served, tol, serving.name)
+        if mode in IDENTICAL_MODES:
+            solo_tokens, served_tokens = _tokens(solo), _tokens(served)
+            differing += [
+                f"{serving.name}: case {case!r}, sampler {sampler!r}: {served_tokens[key]}, "
+                f"solo {solo_tokens[key]}"
+                for key in solo_tokens
+                for case, sampler in [key]
+                if served_tokens[key] != solo_tokens[key]
+            ]
+    failures = []
+    for path, report in reports.items():
+        record_property(
+            "sampling",
+            f"{path}|{report.checks}|{report.boundary_steps}|{report.ambiguous_draws}|"
+            f"{report.max_tv:.3g}",
+        )
+        print(f"  {path}: {report.summary()}")
+        failures += report.failures
+    record_property("golden_checks", sum(r.checks for r in reports.values()))
+    if differing:
+        failures.append(
+            f"the seeded continuations of the {mode} mode differ across serving paths:\n  "
+            + "\n  ".join(differing)
+        )
+    assert not failures, "\n".join(failures)
+
+
+# Planted bugs that no golden here can see, proven so below: the goldens' float32 logits hold
+# no exact tie at the k-th place of any step, where over-accepting ties would keep one token
+# more (test_sampling's tie cases catch it).
+EQUIVALENT_ON_GOLDENS = ("top-k ties over-accepted",)
+
+
+def _processed_steps(golden, runs) -> list:
+    """Every teacher-forced step's processed distribution, under every case's samplers."""
+    return [
+        sampling.processed(
+            run.logits[i], settings_of(sampled), [*run.input_ids, *case.token_ids[:i]]
+        )
+        for case, run in zip(golden.cases, runs, strict=True)
+        for sampled in case.sampling
+        for i in range(len(sampled.forced))
+    ]
+
+
+def _same(a: list, b: list) -> bool:
+    return all(
+        np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_planted_sampler_bugs_fail_the_sampling_goldens(goldens, monkeypatch, capsys) -> None:
+    """Each planted sampler bug fails the tiny float32 goldens (eager, solo), but those of
+    EQUIVALENT_ON_GOLDENS, which must then change no processed distribution of any step; the
+    unmutated sampler passes. The chain's bugs fail the teacher-forced distributions, the
+    draw's the continuation."""
+    (variant,) = [v for v in VARIANTS if v.size == "tiny" and v.encoding == "float32"]
+    engine = engine_runs.load_engine(variant, "cpu")
+    golden, tol = _golden(goldens, variant, "eager")
+    runs = engine_runs.forced_runs(engine, golden)
+
+    def failures() -> list[str]:
+        report = SamplingReport()
+        for case, run in zip(golden.cases, runs, strict=True):
+            report.add(check_forced(case, run, tol, "teacher-forced"))
+        report.add(check_outputs(golden, solo_outputs(engine, golden), tol, "solo"))
+        return report.failures
+
+    assert failures() == []
+    unmutated = _processed_steps(golden, runs)
+    lines, missed, equivalent = [], [], []
+    for name, (attribute, replacement) in {**MUTATIONS, **DRAW_MUTATIONS}.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(sampling, attribute, replacement)
+            found = failures()
+            same = not found and _same(_processed_steps(golden, runs), unmutated)
+        if found:
+            lines.append(f"  {name:<32} FAIL ({len(found)} failures): {found[0]}")
+        elif same:
+            equivalent.append(name)
+            lines.append(f"  {name:<32} equivalent on these goldens (no step changes)")
+        else:
+            missed.append(name)
+            lines.append(f"  {name:<32} PASS (missed)")
+    with capsys.disabled():
+        print("\nplanted sampler bugs against the sampling goldens:\n" + "\n".join(lines))
+    assert not missed, f"planted sampler bugs the sampling goldens miss: {missed}"
+    assert equivalent == list(EQUIVALENT_ON_GOLDENS), equivalent
