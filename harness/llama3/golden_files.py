@@ -11,7 +11,7 @@ import torch
 from goldens import locate, schema
 from goldens.cli_files import output_directory, user_path
 from goldens.machine import cpu_model
-from goldens.record import file_sha256, record_case
+from goldens.record import case_specs, file_sha256, record_case
 from harness.llama3 import sampling_goldens
 from harness.llama3.engine_runs import Run
 from harness.llama3.variants import Variant
@@ -78,6 +78,9 @@ def engine_golden(
     never published as a golden); each short case with its sampling goldens
     (sampling_goldens.record: the engine samples each of cases.yaml's samplers)."""
     tokenizer = engine.tokenizer
+    # cases.yaml's long cases record no sampling; a rerun of a golden's cases (a failing
+    # test's run, write_run_golden) has specs made from the golden, which do not say `long`
+    long_ids = {spec.id for spec in case_specs(variant.model) if spec.long}
     producer = "engine" if mode == "eager" else f"engine-{mode}"  # engine-ggml: its goldens
     prov = provenance(variant, producer, ENGINE_PRODUCER_VERSION, device)
     cases = [
@@ -91,7 +94,9 @@ def engine_golden(
             full_logits=full_logits,
             positions=r.positions,
             prompt_logits=r.prompt_logits,
-            sampling=sampling_goldens.record(engine, r),
+            sampling=[]
+            if r.spec.long or r.spec.id in long_ids
+            else sampling_goldens.record(engine, r),
         )
         for r in runs
     ]
