@@ -16,6 +16,7 @@ of the transformer itself). Every layer's arithmetic is the same code in both.
 
 import dataclasses
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -436,8 +437,46 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for index, layer in enumerate(self.layers):
             h = layer.forward_paged(h, cos, sin, batch.k[index], batch.v[index], batch)
-        # The head per piece, as each sequence alone computes it (its rows, not the batch's).
-        return [self._logits(h[0, list(rows)]) if rows else None for rows in outputs]
+        return self._piece_logits(h[0], outputs)
+
+    def _piece_logits(
+        self, h: torch.Tensor, outputs: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor | None]:
+        """The head over each piece's rows of h [rows, dim], the pieces' rows pooled into as
+        few calls as the head's `pool_rows` allows: a decode batch reads the head's weights
+        once, not once per sequence (128k x 256 float32 is 131 MB a read). A head that computes
+        each row alone (packed.RowProduct) gives every row the bits of the piece's own call so
+        long as the pooled call stays on the path the piece took (`pool_rows`: fewer rows than
+        its dense switch); a dense head's batched product rounds otherwise than its one-row
+        product, within tolerance (the eager batch is not bitwise: test_serving's table)."""
+        limit = getattr(self.output, "pool_rows", None) or sys.maxsize
+        logits: list[torch.Tensor | None] = [None] * len(outputs)
+        group: list[int] = []  # pieces of the current pooled call
+
+        def flush() -> None:
+            if group:
+                rows = [r for piece in group for r in outputs[piece]]
+                pooled = self._logits(h[rows])
+                start = 0
+                for piece in group:
+                    logits[piece] = pooled[start : start + len(outputs[piece])]
+                    start += len(outputs[piece])
+                group.clear()
+
+        pooled_rows = 0
+        for piece, rows in enumerate(outputs):
+            if not rows:
+                continue
+            if len(rows) >= limit:  # on the head's other path alone, as the piece alone is
+                logits[piece] = self._logits(h[list(rows)])
+                continue
+            if pooled_rows + len(rows) >= limit:
+                flush()
+                pooled_rows = 0
+            group.append(piece)
+            pooled_rows += len(rows)
+        flush()
+        return logits
 
     def attention_mask(
         self, seqlen: int, start_pos: int, device: torch.device

@@ -56,6 +56,9 @@ class RowProduct(nn.Module):
     into several tensors (a fused gate/up projection); `unsplit` leaves it whole."""
 
     what = "packed weights"  # for the error a wrong input gets
+    # Rows of separate calls may be pooled into one call of fewer rows than this and keep their
+    # bits (None: any number; each row is computed alone)
+    pool_rows: int | None = None
 
     def __init__(self, weight, splits: tuple[int, ...] | None = None) -> None:
         super().__init__()
@@ -85,6 +88,10 @@ class RowProduct(nn.Module):
 
 class PackedLinear(RowProduct):
     """y = x . W^T with W packed; x float32 [..., cols] on the CPU (RowProduct)."""
+
+    # Calls of fewer rows than this take the kernels, row by row: rows of several calls pooled
+    # into one such call keep their bits (Transformer._piece_logits pools the head's rows).
+    pool_rows = DENSE_ROWS
 
     def __init__(self, weight: PackedWeight, splits: tuple[int, ...] | None = None) -> None:
         super().__init__(weight, splits)

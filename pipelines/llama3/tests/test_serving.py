@@ -350,3 +350,25 @@ def test_a_shared_seed_fails_the_draw_rule_on_a_path_that_is_not_bitwise(monkeyp
     verdicts = _draw_verdicts(engine, "batch", solo)
     failed = sorted(rid for rid, vs in verdicts.items() if vs[-1].verdict == "FAIL")
     assert failed == ["s1", "s2"], {rid: [v.verdict for v in vs] for rid, vs in verdicts.items()}
+
+
+@pytest.mark.parametrize("pool_rows", [64, None], ids=["as_packed", "planted_unlimited"])
+def test_pooled_head_rows_keep_each_pieces_bits(pool_rows, monkeypatch) -> None:
+    """The served head pools the pieces' rows (Transformer._piece_logits): on a packed head
+    each row keeps the bits of its piece's own call, across pieces past the kernels' dense
+    switch (64 rows) and a piece at it. Planted: a head that says any number of rows may be
+    pooled (pool_rows None) sends a pooled call past the switch to the dense product, and
+    some row moves."""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama_q4_k.gguf", mode="quantized")
+    model = engine.model
+    monkeypatch.setattr(type(model.output), "pool_rows", pool_rows)
+    h = torch.randn(140, model.config.dim, generator=torch.Generator().manual_seed(0))
+    outputs = [[i] for i in range(70)] + [list(range(70, 134)), [134], list(range(135, 140))]
+    with torch.inference_mode():
+        pooled = model._piece_logits(h, outputs)
+        moved = [
+            i
+            for i, rows in enumerate(outputs)
+            if not torch.equal(pooled[i], model._logits(h[rows]))
+        ]
+    assert (moved == []) == (pool_rows is not None), moved
