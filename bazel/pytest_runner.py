@@ -46,7 +46,56 @@ import sys
 from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
-import pytest
+
+def _shared_site_packages(entry: str) -> str | None:
+    """The folder that the runfiles folder `entry` (a pip package's site-packages, whose files
+    are symlinks) mirrors: the package's external repository, shared by every target; None
+    where the files are no symlinks into a tree of the same shape (a remote worker's copy)."""
+    try:
+        names = sorted(os.listdir(entry))
+    except OSError:
+        return None
+    for name in names:
+        path = os.path.join(entry, name)
+        probes = [path] if os.path.isfile(path) else []
+        if not probes and os.path.isdir(path):
+            probes = [os.path.join(path, n) for n in sorted(os.listdir(path))[:8]]
+        for probe in probes:
+            if not (os.path.islink(probe) and os.path.isfile(probe)):
+                continue
+            relative = os.path.relpath(probe, entry)
+            real = os.path.realpath(probe)
+            if not real.endswith(os.sep + relative):
+                return None
+            folder = real[: -len(relative) - 1]
+            return folder if os.path.samefile(os.path.join(folder, relative), probe) else None
+    return None
+
+
+def share_package_bytecode() -> None:
+    """Import the pip packages from their external repositories instead of this target's
+    runfiles tree, here and in the tests' child processes ($PYTHONPATH): Python then keeps
+    their bytecode (rules_python ships none) in one place for every target. From the runfiles
+    tree, each of the suite's ~60 targets (and each tool a test starts) compiled torch's and
+    transformers' modules again on a fresh machine: 2.4 s a process of importing torch,
+    transformers and the engine (4.0 s cold, 1.6 s warm, 2-core Intel Xeon). The files are
+    the same (the runfiles' symlinks point at them); the repositories' BUILD files leave
+    `*.pyc` out of every target, so what Python writes there changes no action's inputs."""
+    mapping = {}
+    for entry in sys.path:
+        if "rules_python~~pip~" in entry and entry.endswith("site-packages"):
+            shared = _shared_site_packages(entry)
+            if shared is not None:
+                mapping[entry] = shared
+    sys.path[:] = [mapping.get(entry, entry) for entry in sys.path]
+    if os.environ.get("PYTHONPATH"):
+        entries = os.environ["PYTHONPATH"].split(os.pathsep)
+        os.environ["PYTHONPATH"] = os.pathsep.join(mapping.get(e, e) for e in entries)
+
+
+share_package_bytecode()
+
+import pytest  # noqa: E402 (after share_package_bytecode: the first import of a pip package)
 
 # Markers every test suite uses for mechanics rather than selection; not worth suggesting.
 _BUILTIN_MARKERS = {"parametrize", "usefixtures", "filterwarnings", "skip", "skipif", "xfail"}
