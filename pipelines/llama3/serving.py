@@ -153,6 +153,10 @@ class _Sequence:
     preemptions: int = 0
     skip: set[int] = dataclasses.field(default_factory=set)  # positions not recomputed
     done: bool = False
+    # `_slot` of positions 0.. under the block table `slots_of` (the same list object: a new
+    # table, after a preemption, starts it again; appended blocks move no earlier position)
+    slots: list[int] = dataclasses.field(default_factory=list)
+    slots_of: list[int] | None = None
 
 
 class ServingEngine:
@@ -206,7 +210,12 @@ class ServingEngine:
     def _context_slots(self, batch: list[tuple[_Sequence, int, int]], index: int) -> list[int]:
         """The slots whose keys sequence `index` of the batch attends to: its own positions."""
         seq, start, count = batch[index]
-        return [self._slot(seq, p) for p in range(start + count)]
+        if seq.slots_of is not seq.table:
+            seq.slots, seq.slots_of = [], seq.table
+        # each position's slot asked of `_slot` once per table, not once per step: a chunk of
+        # one token deep in an 8k prompt asked for 8k slots a step
+        seq.slots += [self._slot(seq, p) for p in range(len(seq.slots), start + count)]
+        return seq.slots[: start + count]
 
     def _block_hash(self, parent: bytes, tokens: Sequence[int]) -> bytes:
         """A full block's prefix hash: chained on its parent's, so equal tokens after a
