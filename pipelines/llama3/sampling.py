@@ -397,8 +397,8 @@ def compare_kept(
     # both kept sets between the bounds: the reference's (a tolerance may rank otherwise),
     # and the run's own (the bounds are the chain's definition, computed apart from it)
     for whose, ids in (("reference", ids_p), ("run", ids_q)):
-        missing = np.setdiff1d(certain, ids)[:5].tolist()
-        extra = np.setdiff1d(ids, possible)[:5].tolist()
+        missing = _absent(certain, ids)[:5].tolist()
+        extra = _absent(ids, possible)[:5].tolist()
         if missing or extra:
             parts = [f"lacks {missing}, which the chain keeps however the tolerance ranks them"]
             parts = (parts if missing else []) + (
@@ -422,6 +422,17 @@ def compare_kept(
         flipped = np.setxor1d(ids_p, ids_q)[:5].tolist()
         return KeptVerdict("BOUNDARY", tv, f"kept-set boundary tokens {flipped}")
     return KeptVerdict("equal", tv)
+
+
+def _absent(ids: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """The token ids of `ids` not in `present` (each without repeats), ascending: what
+    np.setdiff1d gives, through a mask over the vocabulary instead of sorting both (a kept set
+    without truncation is the whole vocabulary: 6 ms a step for 128k ids)."""
+    if len(ids) == 0 or np.array_equal(ids, present):
+        return ids[:0]
+    mask = np.zeros(int(max(ids.max(), present.max(initial=0))) + 1, dtype=bool)
+    mask[present] = True
+    return np.sort(ids[~mask[ids]])
 
 
 def compare_draws(
