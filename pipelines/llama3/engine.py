@@ -17,6 +17,7 @@ from pipelines.llama3.decoder import Decoder
 from pipelines.llama3.gguf_file import GGUFFile
 from pipelines.llama3.gguf_loader import (
     CheckpointError,
+    DequantizedCache,
     load_weights,
     metadata_value,
     open_gguf,
@@ -55,6 +56,7 @@ class _ParsedCheckpoint:
     config: LlamaConfig  # frozen
     tokenizer: Tokenizer | None  # engines get a copy()
     verified: set[str]  # tensors already checked for NaN and infinity
+    dequantized: DequantizedCache  # for the next load of the same file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +103,7 @@ def _parse(version: _FileVersion) -> _ParsedCheckpoint:
     tokenizer = None
     if metadata_value(reader, "tokenizer.ggml.tokens") is not None:
         tokenizer = Tokenizer.from_gguf_reader(reader, path)
-    return _ParsedCheckpoint(reader, config, tokenizer, set())
+    return _ParsedCheckpoint(reader, config, tokenizer, set(), DequantizedCache())
 
 
 def clear_checkpoint_cache() -> None:
@@ -194,6 +196,7 @@ class Llama3Engine:
             dtype=dtype,
             verified=parsed.verified,
             keep_packed=keep_packed,
+            dequantized=parsed.dequantized,
         )
         packed_weights = {k: w for k, w in weights.items() if isinstance(w, RawMatrix)}
         # The ggml mode's model class where it has matrices to run (a float file stays eager's).

@@ -3,6 +3,7 @@
 import dataclasses
 import pathlib
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -203,3 +204,23 @@ def test_compiled_mode_runs_compiled_graphs_and_follows_eager(tmp_path: pathlib.
     expected = engine.generate(PROMPT, 12, stop_on_eos=False)
     assert out.tokens == expected.tokens
     assert (out.logits - expected.logits).abs().max() <= 1e-4
+
+
+def test_a_second_load_copies_the_kept_dequantized_tensors(tmp_path: pathlib.Path) -> None:
+    """A file's dequantized tensors are kept for its next load (DequantizedCache): the second
+    engine's weights are the first's bit for bit, and each engine owns its copy (a weight
+    edited in one, as the mutation proofs edit them, is not in the other, nor in a third)."""
+    path = tmp_path / "tiny_q8.gguf"
+    write_tiny_llama(path, weight_type=gguf.GGMLQuantizationType.Q8_0)
+    first = Llama3Engine.from_gguf(path)
+    kept = engine_module._parsed_checkpoint(path).dequantized.tensors
+    assert kept, "nothing dequantized was kept"
+    second = Llama3Engine.from_gguf(path)
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    name = "layers.0.attention.wq.weight"
+    with torch.no_grad():
+        b[name].add_(1.0)  # the second engine's weight: the first copy of the kept one
+    third = Llama3Engine.from_gguf(path)
+    assert torch.equal(a[name], third.model.state_dict()[name])
+    assert not torch.equal(a[name], b[name])
