@@ -10,6 +10,7 @@ import torch
 
 from pipelines.llama3 import Llama3Engine, load_config
 from pipelines.llama3 import engine as engine_module
+from pipelines.llama3.gguf_loader import DequantizedCache
 from pipelines.llama3.model import rope_inverse_frequencies
 from pipelines.llama3.tests.recompute import greedy_decode_without_cache
 from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
@@ -224,3 +225,23 @@ def test_a_second_load_copies_the_kept_dequantized_tensors(tmp_path: pathlib.Pat
     third = Llama3Engine.from_gguf(path)
     assert torch.equal(a[name], third.model.state_dict()[name])
     assert not torch.equal(a[name], b[name])
+
+
+def test_the_dequantized_cache_holds_its_limit_and_no_float32_views(tmp_path: pathlib.Path) -> None:
+    """DequantizedCache keeps at most `limit` bytes (an 8B checkpoint's weights are never
+    doubled) and nothing of a float32 file on the CPU (its tensors are views of the map)."""
+    q8 = tmp_path / "tiny_q8.gguf"
+    write_tiny_llama(q8, weight_type=gguf.GGMLQuantizationType.Q8_0)
+    Llama3Engine.from_gguf(q8)
+    full = engine_module._parsed_checkpoint(q8).dequantized
+    assert full.bytes == sum(t.numel() * t.element_size() for t in full.tensors.values()) > 0
+    limit = full.bytes // 2
+    small = DequantizedCache(limit=limit)
+    for key, tensor in full.tensors.items():
+        small.keep(key, tensor)
+    assert 0 < small.bytes <= limit
+    assert 0 < len(small.tensors) < len(full.tensors)
+    f32 = tmp_path / "tiny_f32.gguf"
+    write_tiny_llama(f32)
+    Llama3Engine.from_gguf(f32)
+    assert engine_module._parsed_checkpoint(f32).dequantized.tensors == {}
