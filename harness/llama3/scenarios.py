@@ -88,8 +88,15 @@ LONG_SERVINGS = {
 # 133, 30 layers a row), the rest in one piece each side.
 WINDOW_END = 2816
 WINDOW_SHARE = 16  # a prompt ending before WINDOW_END gets a window of a 16th of it at most
+# Only chunks of 1 take the `cpu_chunked` column (where bfloat16's one-row products were
+# measured to move a row by 0.087); chunks of 3 and 16 measured 1e-5 and keep `cpu`.
 LONG_SERVINGS["chunked"] += tuple(
-    Serving(f"chunk{size}@window", chunk_size=size, window=512, column="cpu_chunked")
+    Serving(
+        f"chunk{size}@window",
+        chunk_size=size,
+        window=512,
+        column="cpu_chunked" if size == 1 else "cpu",
+    )
     for size in (1, 3, 16)
 )
 
@@ -137,6 +144,24 @@ class Served:
     cache_hits: int  # blocks the requests read from the prefix cache
 
 
+class BlocksHeld(AssertionError):
+    """A serving kept blocks of the pool after every request it served had finished."""
+
+
+def _serve(server: ServingEngine, requests: list[Request]) -> dict:
+    """`server.serve(requests)`, then every block of the pool given back: free, or cached and
+    evictable (a finished request holds none; a leak would starve the next requests)."""
+    results = server.serve(requests)
+    pool = server.pool
+    held = [b for b in range(pool.num_blocks) if pool.refs[b]]
+    if held or pool.available() != pool.num_blocks:
+        raise BlocksHeld(
+            f"{type(server).__name__}: {len(held)} of {pool.num_blocks} blocks still held after "
+            f"serving {[r.id for r in requests]} to completion (blocks {held[:8]})"
+        )
+    return results
+
+
 def served_runs(
     engine: Llama3Engine,
     golden: schema.Golden,
@@ -163,18 +188,18 @@ def served_runs(
         server = serving_engine(engine, serving_class, max_batch=1, num_blocks=blocks, **config)
         for request in requests:
             family = [*_siblings(request, serving.block_size, engine.config.vocab_size), request]
-            served = server.serve(family)
+            served = _serve(server, family)
             results[request.id] = _with_siblings_rows(served, request)
     elif serving.order == "split":
         blocks = _all_blocks(requests, serving)
         server = serving_engine(engine, serving_class, **config, num_blocks=blocks)
         half = len(requests) // 2
-        results.update(server.serve(requests[:half]))
-        results.update(server.serve(requests[half:]))
+        results.update(_serve(server, requests[:half]))
+        results.update(_serve(server, requests[half:]))
     else:
         server = serving_engine(engine, serving_class, **config)
         order = requests[::-1] if serving.order == "reversed" else requests
-        results = server.serve(order)
+        results = _serve(server, order)
     runs, cached, preemptions = [], 0, 0
     for case, request in zip(golden.cases, requests, strict=True):
         served = results[request.id]
@@ -229,16 +254,16 @@ def sampled_served(
     if serving.prefix:
         blocks = _all_blocks(requests, serving)
         server = serving_engine(engine, serving_class, max_batch=1, num_blocks=blocks, **config)
-        results = server.serve(requests)
+        results = _serve(server, requests)
     elif serving.order == "split":
         server = serving_engine(
             engine, serving_class, **config, num_blocks=_all_blocks(requests, serving)
         )
         half = len(requests) // 2
-        results = {**server.serve(requests[:half]), **server.serve(requests[half:])}
+        results = {**_serve(server, requests[:half]), **_serve(server, requests[half:])}
     else:
         server = serving_engine(engine, serving_class, **config)
-        results = server.serve(requests[::-1] if serving.order == "reversed" else requests)
+        results = _serve(server, requests[::-1] if serving.order == "reversed" else requests)
     return {keys[request_id]: served.output for request_id, served in results.items()}
 
 
@@ -268,7 +293,8 @@ def _siblings(request: Request, block_size: int, vocab: int) -> list[Request]:
 def _with_siblings_rows(served: dict, request: Request):
     """The case's result with the prompt rows it read from the prefix cache taken from the
     sibling that computed them (`/sharing`: the case's tokens up to its shared blocks), in the
-    order of the case's prompt_positions; a position neither computed stays out."""
+    order of the case's prompt_positions; a position neither computed stays out, and the
+    comparison fails it as missing."""
     own, sibling = served[request.id], served.get(f"{request.id}/sharing")
     if sibling is None or not sibling.prompt_positions:
         return own
@@ -291,23 +317,6 @@ def _all_blocks(requests: list[Request], serving: Serving) -> int:
     # + 3: a sibling's own tokens after the blocks it shares
     lengths = [len(r.prompt) + r.max_new_tokens + 3 for r in requests]
     return sum(blocks_for(n, serving.block_size) for n in lengths) + 1
-
-
-def restricted(golden: schema.Golden, runs: list[Run]) -> schema.Golden:
-    """`golden` with each case's prompt positions cut to those its run computed (a position
-    inside a cached prefix is not computed again)."""
-    computed = {run.spec.id: set(run.positions) for run in runs}
-    cases = []
-    for case in golden.cases:
-        keep = [i for i, p in enumerate(case.positions) if p in computed.get(case.id, ())]
-        cases.append(
-            dataclasses.replace(
-                case,
-                positions=[case.positions[i] for i in keep],
-                position_steps=[case.position_steps[i] for i in keep],
-            )
-        )
-    return dataclasses.replace(golden, cases=cases)
 
 
 def max_logprob_delta(runs: list[Run], solo: list[Run]) -> float:

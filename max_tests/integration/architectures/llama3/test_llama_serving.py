@@ -173,10 +173,9 @@ def test_llama_serving(
             for serving in servings:
                 tol = serving_tolerance(reference, variant.encoding, serving)
                 served = _served(engine, served_memo, golden, serving)
-                compared = scenarios.restricted(golden, served.runs)
                 verdict = judge.compare_runs(
                     served.runs,
-                    compared,
+                    golden,
                     source,
                     reference,
                     tol,
@@ -206,7 +205,7 @@ def test_llama_serving(
                 )
                 failures += failure_report.failures_with_report(
                     verdict,
-                    compared,
+                    golden,
                     engine.tokenizer.decode,
                     reports,
                     f"{_case_id(variant, mode, scenario)}-{serving.name}",
@@ -267,3 +266,76 @@ def test_a_batch_that_moves_a_bitwise_lane_by_one_ulp_fails(goldens, monkeypatch
     (failure,) = not_bitwise("quantized", "q4_k", "batch", "short", delta)
     assert "documented as bitwise" in failure
     assert not_bitwise("quantized", "q4_k", "chunked", "short", delta) == []
+
+
+class _DropsLaterChunksRows(ServingEngine):
+    """A planted bug: a chunked prefill returns the prompt rows of its first chunk only."""
+
+    def _forward(self, pieces) -> None:
+        before = {id(seq): set(seq.prompt_logits) for seq, _, _ in pieces}
+        super()._forward(pieces)
+        for seq, start, _ in pieces:
+            if start > 0:
+                for position in set(seq.prompt_logits) - before[id(seq)]:
+                    del seq.prompt_logits[position]
+
+
+def test_a_serving_that_drops_prompt_rows_fails(goldens) -> None:
+    """Every prompt position a golden records is compared in every serving: one the served run
+    did not return fails as missing (the decode steps alone would pass)."""
+    variant, golden = _tiny_short(goldens, "float32")
+    engine = engine_runs.load_engine(variant, "cpu")
+    (_, chunk3, _) = scenarios.SERVINGS["chunked"]
+    source = goldens.load("own", variant)[1]
+    tol = tolerance("own", "float32", "cpu")
+
+    def verdict(serving_class: type[ServingEngine]) -> judge.Verdict:
+        served = scenarios.served_runs(engine, golden, chunk3, serving_class)
+        return judge.compare_runs(
+            served.runs, golden, source, "own", tol, variant, engine.tokenizer.decode, lane="short"
+        )
+
+    assert verdict(ServingEngine).failures == []
+    dropped = verdict(_DropsLaterChunksRows)
+    assert dropped.failures, "a serving that drops prompt rows passed"
+    missing = [
+        check
+        for report in dropped.reports
+        for check in report.prompt_checks
+        if check.metric == "missing"
+    ]
+    assert missing and all(check.status == "FAIL" for check in missing)
+    assert all(check.metric != "missing" for report in dropped.reports for check in report.steps)
+
+
+def test_only_chunks_of_one_take_the_chunked_entry() -> None:
+    """The bfloat16 `cpu_chunked` entry (0.12) judges the long lane's chunks of 1 only, where
+    its 0.087 was measured; chunks of 3 and 16 (1e-5 measured) keep `cpu` (0.05)."""
+    long_chunked = scenarios.servings("chunked", "long")
+    for reference in ("own", "torch"):
+        keys = {s.name: serving_tolerance(reference, "bfloat16", s).key for s in long_chunked}
+        chunked = [name for name, key in keys.items() if key.endswith("/cpu_chunked")]
+        assert chunked == ["chunk1@window"], keys
+        float32 = [serving_tolerance(reference, "float32", s).key for s in long_chunked]
+        assert all(key.endswith("/cpu") for key in float32), float32
+
+
+class _KeepsLastBlock(ServingEngine):
+    """A planted bug: a finished or preempted sequence gives back all its blocks but the last."""
+
+    def _release(self, seq) -> None:
+        seq.table = seq.table[:-1] if len(seq.table) > 1 else seq.table
+        super()._release(seq)
+
+
+def test_a_serving_that_keeps_blocks_fails(goldens) -> None:
+    """Every serving of the lanes gives back every block once its requests finish (free or
+    cached): a release that keeps a sequence's last block is named, in every scenario, while
+    the served rows alone would pass."""
+    variant, golden = _tiny_short(goldens, "float32")
+    engine = engine_runs.load_engine(variant, "cpu")
+    for scenario in ("batch", "paged", "prefix"):
+        serving = scenarios.SERVINGS[scenario][0]
+        scenarios.served_runs(engine, golden, serving)
+        with pytest.raises(scenarios.BlocksHeld, match="blocks still held after serving"):
+            scenarios.served_runs(engine, golden, serving, _KeepsLastBlock)

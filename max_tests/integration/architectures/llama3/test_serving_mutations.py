@@ -43,11 +43,10 @@ def _verdicts(
     verdicts = []
     for serving in scenarios.servings(scenario, "short"):
         served = scenarios.served_runs(engine, golden, serving, serving_class)
-        compared = scenarios.restricted(golden, served.runs)
         verdicts.append(
             judge.compare_runs(
                 served.runs,
-                compared,
+                golden,
                 source,
                 "own",
                 tol,
