@@ -185,6 +185,33 @@ class _FrozenImports:
         gc.freeze()
 
 
+PROFILE_ENV = "PYTEST_PROFILE"
+
+
+def _profiled(run):
+    """`run()`, under cProfile where $PYTEST_PROFILE is set (`--test_env=PYTEST_PROFILE=1`):
+    the functions with the most time of their own and the most time under them are printed
+    after the tests, and the whole profile is written as `profile.pstats` among the test's
+    outputs (Bazel's `test.outputs/outputs.zip`; `python3 -m pstats` reads it)."""
+    if not os.environ.get(PROFILE_ENV):
+        return run()
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    code = profile.runcall(run)
+    out = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR")
+    if out:
+        profile.dump_stats(os.path.join(out, "profile.pstats"))
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).strip_dirs().sort_stats(order).print_stats(30)
+        body = text.getvalue()
+        print(f"pytest_runner: profile by {order}\n" + body[body.find("   ncalls") :])
+    return code
+
+
 def main() -> int:
     base = ["-p", "no:cacheprovider", "-c", _find_config(), "--rootdir", os.getcwd()]
     args = list(base)
@@ -198,7 +225,7 @@ def main() -> int:
     own = _Collected()
     shard = _shard()
     plugins = [own, _FrozenImports()] + ([shard] if shard else [])
-    code = pytest.main(args + user_args, plugins=plugins)
+    code = _profiled(lambda: pytest.main(args + user_args, plugins=plugins))
     if code != pytest.ExitCode.NO_TESTS_COLLECTED:
         return code
     if shard is not None and shard.selected_before:
