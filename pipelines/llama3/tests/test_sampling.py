@@ -463,3 +463,18 @@ def test_absent_is_setdiff1d_of_unique_ids() -> None:
         b = rng.choice(1000, size=int(rng.integers(0, n + 1)), replace=False)
         for x, y in ((a, b), (b, a), (a, a)):
             assert np.array_equal(sampling._absent(x, y), np.setdiff1d(x, y))
+
+
+def test_kth_largest_is_the_partitions_answer() -> None:
+    """sampling.kth_largest (a one-pass bound, then a partition of what is above it) equals
+    np.partition's k-th largest on seeded rows: continuous, with ties at every value (the
+    bound is often one), with NaN inside and after the bounding slices, and with infinities."""
+    rng = np.random.default_rng(7)
+    rows = [rng.normal(size=128256) * 3, np.round(rng.normal(size=4099) * 2), np.zeros(1000)]
+    rows += [np.r_[rng.normal(size=500), [np.nan] * 3], np.r_[[np.nan] * 3, rng.normal(size=500)]]
+    rows += [np.r_[rng.normal(size=50), [np.inf] * 10, [-np.inf] * 5]]
+    for row in rows:
+        for k in (1, 2, 7, 20, 40, len(row) - 1):
+            expected = np.partition(row, len(row) - k)[len(row) - k]
+            got = sampling.kth_largest(row, k)
+            assert got == expected or (np.isnan(got) and np.isnan(expected)), (len(row), k)
