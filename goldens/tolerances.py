@@ -43,6 +43,13 @@ class Tolerance:
     # which cases the entry judges: "all", or "short" where its `why` measures the long
     # cases off by design (the restriction lives in the reviewed entry, not in a test)
     cases: str = "all"
+    # the thresholds for the long cases where they differ (an entry's `long`: the fields it
+    # names over the entry's own, key `.../long`); None: the entry judges them as the rest
+    long: Tolerance | None = None
+
+    def for_case(self, long: bool) -> Tolerance:
+        """The thresholds a case is judged by: the long cases' where the entry has them."""
+        return self.long if long and self.long is not None else self
 
     @property
     def reference(self) -> str:
@@ -85,13 +92,21 @@ def tolerance(reference: str, encoding: str, device: str, fallback: bool = False
             f"{key} is not judged: {' '.join(entry.get('why', '').split())} (measured: max "
             f"|Δ log-prob| {measured.get('logprob')}, KL {measured.get('kl')})"
         )
+    long = entry.pop("long", None)
     floors = {f: Floor(**entry.pop(f)) for f in FLOORS if f in entry}
     if entry.get("cases", "all") not in CASES:
         raise ValueError(
             f"{key}: cases {entry['cases']!r} is not one of {', '.join(CASES)} "
             f"({TOLERANCES_FILE.name})"
         )
-    return Tolerance(key=key, **entry, **floors)
+    judged = Tolerance(key=key, **entry, **floors)
+    if long is None:
+        return judged
+    long = dict(long)
+    long_floors = {f: Floor(**long.pop(f)) for f in FLOORS if f in long}
+    return dataclasses.replace(
+        judged, long=dataclasses.replace(judged, key=f"{key}/long", **long, **long_floors)
+    )
 
 
 def judged_lane(lane: str, tolerance: Tolerance) -> str:

@@ -293,11 +293,12 @@ def test_sanity_refuses_an_exact_top1_tie():
 def test_every_tolerance_sits_between_its_noise_floor_and_its_mutation_floor():
     from goldens.tolerances import MODE_REFERENCES, entries
 
-    for tol in entries() + [t for ref in MODE_REFERENCES for t in entries(ref)]:
+    judged = entries() + [t for ref in MODE_REFERENCES for t in entries(ref)]
+    for tol in judged + [t.long for t in judged if t.long is not None]:
         assert tol.noise_floor and tol.mutation_floor, f"{tol.key}: floors not recorded"
         assert tol.noise_floor.logprob < tol.logprob_atol < tol.mutation_floor.logprob, tol
         assert tol.noise_floor.kl < tol.kl_max, tol
-        if tol.key.endswith("/cpu"):  # another CPU's kernels must pass too
+        if tol.key.endswith(("/cpu", "/cpu/long")):  # another CPU's kernels must pass too
             assert tol.isa_noise_floor, f"{tol.key}: cross-ISA noise floor not recorded"
             assert tol.isa_noise_floor.logprob < tol.logprob_atol, tol
             assert tol.isa_noise_floor.kl < tol.kl_max, tol
@@ -350,3 +351,23 @@ def test_a_prompt_position_the_run_lacks_fails_as_missing():
     assert [(c.position, c.metric) for c in report.prompt_checks if c.status == "FAIL"] == [
         (9, "missing")
     ]
+
+
+def test_an_entrys_long_thresholds_judge_the_long_cases_only():
+    """bfloat16's `cpu` entry holds its short cases to 0.05 and its long ones to `long`'s
+    0.12 (one flipped rounding through a long prompt); the rest of the entry is inherited,
+    and an entry without `long` judges every case alike."""
+    entry = tolerance("own", "bfloat16", "cpu")
+    assert entry.for_case(long=False) is entry and entry.logprob_atol == 0.05
+    long = entry.for_case(long=True)
+    assert (long.key, long.logprob_atol, long.kl_max, long.near_tie_margin) == (
+        "own/bfloat16/cpu/long",
+        0.12,
+        2e-3,
+        0.24,
+    )
+    assert long.topk_overlap_min == entry.topk_overlap_min
+    assert long.noise_floor == entry.noise_floor and long.mutation_floor == entry.mutation_floor
+    assert long.isa_noise_floor.logprob == 0.0867 and long.long is None
+    float32 = tolerance("own", "float32", "cpu")
+    assert float32.long is None and float32.for_case(long=True) is float32

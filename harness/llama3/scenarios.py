@@ -54,9 +54,6 @@ class Serving:
     # > 0: chunks of `chunk_size` only over this many prompt positions ending at WINDOW_END (or
     # the prompt's end), the rest of the prompt in one piece before and after
     window: int = 0
-    # the tolerance column its verdicts use where the encoding has one (tolerances.yaml), else
-    # the encoding's `cpu` entry
-    column: str = "cpu"
 
 
 SERVINGS = {
@@ -88,16 +85,8 @@ LONG_SERVINGS = {
 # 133, 30 layers a row), the rest in one piece each side.
 WINDOW_END = 2816
 WINDOW_SHARE = 16  # a prompt ending before WINDOW_END gets a window of a 16th of it at most
-# Only chunks of 1 take the `cpu_chunked` column (where bfloat16's one-row products were
-# measured to move a row by 0.087); chunks of 3 and 16 measured 1e-5 and keep `cpu`.
 LONG_SERVINGS["chunked"] += tuple(
-    Serving(
-        f"chunk{size}@window",
-        chunk_size=size,
-        window=512,
-        column="cpu_chunked" if size == 1 else "cpu",
-    )
-    for size in (1, 3, 16)
+    Serving(f"chunk{size}@window", chunk_size=size, window=512) for size in (1, 3, 16)
 )
 
 

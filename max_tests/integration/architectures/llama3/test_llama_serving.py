@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from goldens.tolerances import entries, tolerance
+from goldens.tolerances import tolerance
 from harness.llama3 import engine_runs, failure_report, judge, scenarios
 from harness.llama3.variants import Variant, variants
 from pipelines.llama3.serving import ServingEngine
@@ -102,15 +102,6 @@ BITWISE = {
 }
 
 
-def serving_tolerance(reference: str, encoding: str, serving: scenarios.Serving):
-    """The entry a serving is judged by: its column (`cpu_chunked` for the long lane's small
-    chunks) where the encoding has one in tolerances.yaml (bfloat16: a measured rounding flip),
-    else the encoding's `cpu` entry, as solo."""
-    columns = {t.key for t in entries(reference, encoding)}
-    column = serving.column if f"{reference}/{encoding}/{serving.column}" in columns else "cpu"
-    return tolerance(reference, encoding, column)
-
-
 def not_bitwise(mode: str, encoding: str, scenario: str, lane: str, delta: float) -> list[str]:
     if (mode, encoding, scenario, lane) in BITWISE and delta != 0:
         return [
@@ -170,8 +161,8 @@ def test_llama_serving(
             if not golden.cases or not servings:
                 continue
             solo = engine_runs.forced_runs(engine, golden, solo_memo)
+            tol = tolerance(reference, variant.encoding, "cpu")
             for serving in servings:
-                tol = serving_tolerance(reference, variant.encoding, serving)
                 served = _served(engine, served_memo, golden, serving)
                 verdict = judge.compare_runs(
                     served.runs,
@@ -306,36 +297,3 @@ def test_a_serving_that_drops_prompt_rows_fails(goldens) -> None:
     ]
     assert missing and all(check.status == "FAIL" for check in missing)
     assert all(check.metric != "missing" for report in dropped.reports for check in report.steps)
-
-
-def test_only_chunks_of_one_take_the_chunked_entry() -> None:
-    """The bfloat16 `cpu_chunked` entry (0.12) judges the long lane's chunks of 1 only, where
-    its 0.087 was measured; chunks of 3 and 16 (1e-5 measured) keep `cpu` (0.05)."""
-    long_chunked = scenarios.servings("chunked", "long")
-    for reference in ("own", "torch"):
-        keys = {s.name: serving_tolerance(reference, "bfloat16", s).key for s in long_chunked}
-        chunked = [name for name, key in keys.items() if key.endswith("/cpu_chunked")]
-        assert chunked == ["chunk1@window"], keys
-        float32 = [serving_tolerance(reference, "float32", s).key for s in long_chunked]
-        assert all(key.endswith("/cpu") for key in float32), float32
-
-
-class _KeepsLastBlock(ServingEngine):
-    """A planted bug: a finished or preempted sequence gives back all its blocks but the last."""
-
-    def _release(self, seq) -> None:
-        seq.table = seq.table[:-1] if len(seq.table) > 1 else seq.table
-        super()._release(seq)
-
-
-def test_a_serving_that_keeps_blocks_fails(goldens) -> None:
-    """Every serving of the lanes gives back every block once its requests finish (free or
-    cached): a release that keeps a sequence's last block is named, in every scenario, while
-    the served rows alone would pass."""
-    variant, golden = _tiny_short(goldens, "float32")
-    engine = engine_runs.load_engine(variant, "cpu")
-    for scenario in ("batch", "paged", "prefix"):
-        serving = scenarios.SERVINGS[scenario][0]
-        scenarios.served_runs(engine, golden, serving)
-        with pytest.raises(scenarios.BlocksHeld, match="blocks still held after serving"):
-            scenarios.served_runs(engine, golden, serving, _KeepsLastBlock)
