@@ -22,6 +22,9 @@ def _write(path: Path) -> None:
     writer.add_string("general.name", "tiny ü")
     writer.add_array("tokenizer.ggml.tokens", ["a", "", "ĠParis", "<|eot_id|>"] * 50)
     writer.add_array("tokenizer.ggml.scores", [0.5, -1.0] * 100)
+    writer.add_array("tokenizer.ggml.token_type", [1, 3, 6, 1] * 50)
+    writer.add_array("tokenizer.ggml.merges", ["Ġ t", "a b", "Ġ ü"] * 40)
+    writer.add_array("general.tags", [])
     writer.add_bool("tokenizer.ggml.add_bos_token", True)
     rng = np.random.default_rng(0)
     writer.add_tensor("token_embd.weight", rng.standard_normal((8, 16)).astype(np.float32))
@@ -35,7 +38,13 @@ def _write(path: Path) -> None:
 def _snapshot(path: Path) -> dict:
     reader = gguf.GGUFReader(path)
     fields = {
-        key: ([np.asarray(p).tobytes() for p in f.parts], f.types, f.contents())
+        key: (
+            [(np.asarray(p).tobytes(), np.asarray(p).dtype.str, p.shape) for p in f.parts],
+            f.types,
+            f.data,
+            f.offset,
+            f.contents(),
+        )
         for key, f in reader.fields.items()
     }
     tensors = [
@@ -66,8 +75,8 @@ def test_installed_reader_opens_every_field_and_tensor_as_gguf_py(tmp_path):
     assert gguf.gguf_reader.np.memmap is gguf_reader._memmap
     assert type(gguf.GGUFReader(path).data) is np.ndarray
     assert _snapshot(path) == expected
-    assert expected["fields"]["general.name"][2] == "tiny ü"
-    assert len(expected["fields"]["tokenizer.ggml.tokens"][2]) == 200
+    assert expected["fields"]["general.name"][-1] == "tiny ü"
+    assert len(expected["fields"]["tokenizer.ggml.tokens"][-1]) == 200
 
 
 def test_edits_in_r_plus_mode_reach_the_file(tmp_path):

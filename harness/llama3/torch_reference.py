@@ -178,6 +178,9 @@ def load_reference(variant: Variant, device: str):
     """transformers' model and tokenizer for one variant's GGUF."""
     from transformers import AutoTokenizer
 
+    from testing import gguf_reader
+
+    gguf_reader.install()  # the tokenizer parses the vocabulary: 4.5x faster
     model = load_model(variant.path, variant.dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(str(variant.path.parent), gguf_file=variant.path.name)
     return model, tokenizer

@@ -12,6 +12,7 @@ import torch
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.tests.recompute import greedy_decode_without_cache
+from testing import gguf_reader
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.slow
@@ -34,6 +35,7 @@ def engine() -> Llama3Engine:
 def transformers_model(tmp_path_factory: pytest.TempPathFactory):
     from transformers import AutoModelForCausalLM
 
+    gguf_reader.install()  # transformers parses the vocabulary: 4.5x faster
     folder = tmp_path_factory.mktemp("smollm2")
     link = folder / smollm2_gguf().name
     link.symlink_to(pathlib.Path(smollm2_gguf()).resolve())
