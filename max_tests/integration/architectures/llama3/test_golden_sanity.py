@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from goldens import compare, record
+from goldens.record import CaseSpec
 from goldens.sanity import degeneracy_problems
 from goldens.tolerances import entries, tolerance
 from harness.llama3 import judge
+from harness.llama3.engine_runs import Run
 from harness.llama3.variants import Variant, variants
 
 VARIANTS = [v for v in variants() if v.path is not None]
@@ -73,14 +75,46 @@ def test_a_run_emitting_one_token_at_every_step_fails_under_every_entry(
     is a near-tie was AMBIGUOUS, hence green. The constant token here is the golden's own
     runner-up at its narrowest step, the hardest case for the tie rule."""
     golden, name = goldens.load(reference, variant)
-    vocab = 1 + max(i for c in golden.cases for s in c.steps for i in s.topk_ids)
-    for tol in entries(reference, variant.encoding):
+    long_ids = {spec.id for spec in record.case_specs(variant.model) if spec.long}
+    for entry in entries(reference, variant.encoding):
         for case in golden.cases:
-            narrowest = min(case.steps, key=lambda s: s.top_gap)
-            constant = narrowest.topk_ids[1]
-            logits = np.zeros((len(case.steps), vocab), dtype=np.float32)
-            logits[:, constant] = 58.0
-            tokens = [constant] * len(case.steps)
+            tol = entry.for_case(case.id in long_ids)  # the thresholds the judge applies
+            tokens, logits = _constant_run(golden, case)
             report = compare.compare_case(case, case.input_ids, tokens, logits, tol)
             assert report.status == compare.FAIL, f"{name} {case.id} passes under {tol.key}"
             assert not report.ambiguous_steps, f"{name} {case.id} under {tol.key}"
+
+
+def _constant_run(golden, case) -> tuple[list[int], np.ndarray]:
+    """One token at every step, the golden's own runner-up at its narrowest step."""
+    vocab = 1 + max(i for c in golden.cases for s in c.steps for i in s.topk_ids)
+    narrowest = min(case.steps, key=lambda s: s.top_gap)
+    constant = narrowest.topk_ids[1]
+    logits = np.zeros((len(case.steps), vocab), dtype=np.float32)
+    logits[:, constant] = 58.0
+    return [constant] * len(case.steps), logits
+
+
+def test_an_entrys_long_thresholds_judge_its_long_cases_and_no_other(goldens) -> None:
+    """judge.compare_runs judges each case by its lane's thresholds: tiny bfloat16's long
+    cases by `cpu/long` (0.12, one flipped rounding through a long prompt), the short ones by
+    `cpu` (0.05); float32, whose entry has no `long`, judges both by `cpu`."""
+    for encoding, long_key in (("bfloat16", "own/bfloat16/cpu/long"), ("float32", None)):
+        (variant,) = [v for v in VARIANTS if v.size == "tiny" and v.encoding == encoding]
+        golden, name = goldens.load("own", variant)
+        runs = [
+            Run(
+                CaseSpec(c.id, c.prompt, len(c.steps), 20),
+                c.input_ids,
+                *_constant_run(golden, c),
+                0.0,
+            )
+            for c in golden.cases
+        ]
+        entry = tolerance("own", encoding, "cpu")
+        verdict = judge.compare_runs(runs, golden, name, "own", entry, variant, str)
+        long_ids = {spec.id for spec in record.case_specs(variant.model) if spec.long}
+        assert long_ids and len(verdict.reports) == len(golden.cases)
+        assert {r.case_id: r.tolerance.key for r in verdict.reports} == {
+            c.id: long_key if long_key and c.id in long_ids else entry.key for c in golden.cases
+        }
