@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from pipelines.llama3 import ggml_mode, packed, speculative
-from pipelines.llama3.compiled import compile_blocks
+from pipelines.llama3.compiled import CompiledTransformer, compile_blocks
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.decoder import Decoder
 from pipelines.llama3.gguf_file import GGUFFile
@@ -201,7 +201,13 @@ class Llama3Engine:
         packed_weights = {k: w for k, w in weights.items() if isinstance(w, RawMatrix)}
         # The ggml mode's model class where it has matrices to run (a float file stays eager's).
         ggml = mode == "ggml" and bool(packed_weights)
-        model_class = ggml_mode.GgmlTransformer if ggml else Transformer
+        model_class = (
+            ggml_mode.GgmlTransformer
+            if ggml
+            else CompiledTransformer
+            if mode == "compiled"
+            else Transformer
+        )
         with torch.device("meta"):
             model = model_class(config)
         # assign=True adopts the loaded tensors; nothing is randomly initialised and thrown away.

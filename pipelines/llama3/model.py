@@ -252,13 +252,26 @@ class Attention(nn.Module):
         """`forward` for a ragged batch x [1, rows, dim] over one layer's paged caches
         [slots, n_kv_heads, head_dim]: the same projection, then each piece's attention."""
         xq, xk, xv = self.project(x, cos, sin)
+        return self.wo(self.attend_paged(xq, xk, xv, cache_k, cache_v, batch))
+
+    def attend_paged(
+        self,
+        xq: torch.Tensor,
+        xk: torch.Tensor,
+        xv: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        batch: PagedBatch,
+    ) -> torch.Tensor:
+        """The rows' keys and values into their slots, then each piece's attention over its
+        context: rows [1, rows, heads * head_dim], before the output projection."""
         write_paged(cache_k, cache_v, xk, xv, batch, batch.fresh)
         outputs, offset = [], 0
         for count, context in zip(batch.counts, batch.contexts, strict=True):
             q = xq[:, :, offset : offset + count]
             outputs.append(paged_attention(q, cache_k, cache_v, context, self.scale))
             offset += count
-        return self.wo(self.merge_pieces(outputs, x.shape[1]))
+        return self.merge_pieces(outputs, xq.shape[2])
 
     @staticmethod
     def merge_pieces(outputs: list[torch.Tensor], rows: int) -> torch.Tensor:
@@ -337,6 +350,9 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    # A mode whose layers compute otherwise subclasses both (compiled.CompiledTransformer).
+    block_class: type[TransformerBlock] = TransformerBlock
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
@@ -344,7 +360,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(
             config.vocab_size, config.dim, _weight=torch.empty(config.vocab_size, config.dim)
         )
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(self.block_class(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, eps=config.rms_norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.max_seq_len = 0

@@ -174,14 +174,6 @@ class ServingEngine:
     ) -> None:
         if block_size < 1 or (chunk_size is not None and chunk_size < 1):
             raise ValueError(f"block_size {block_size} and chunk_size {chunk_size} must be >= 1")
-        if engine.mode == "compiled":
-            # torch.compile compiled each block's `forward` (the contiguous path); the paged
-            # forward would run the same blocks eagerly and be reported as the compiled mode.
-            raise ValueError(
-                "the serving engine has no compiled paged forward: serve the checkpoint in "
-                "mode 'eager' (the compiled mode's numbers within its tolerance) or 'quantized' "
-                "or 'ggml'; the compiled mode runs one sequence at a time (Llama3Engine.generate)"
-            )
         self.engine, self.model = engine, engine.model
         self.num_blocks = num_blocks  # None: enough for every request of a `serve` at once
         self.pool: BlockPool | None = None

@@ -185,13 +185,41 @@ def test_a_request_with_fewer_forced_tokens_than_steps_is_refused_naming_it() ->
         ServingEngine(engine).serve([Request("short", [1, 2], 3, forced_tokens=[5, 6])])
 
 
-def test_the_compiled_mode_is_refused_by_name_not_served_eagerly() -> None:
-    """Its compiled graphs are the contiguous path's; the paged forward would run the blocks
-    eagerly under the compiled mode's name (compile_blocks is not run: the refusal is first)."""
-    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
-    engine.mode = "compiled"
-    with pytest.raises(ValueError, match="no compiled paged forward: serve the checkpoint in mode"):
-        ServingEngine(engine)
+def _compiled_regions(engine: Llama3Engine, requests: list[Request]) -> tuple[int, dict]:
+    """How many compiled graphs a serve ran (torch.profiler's "Torch-Compiled Region" events:
+    counted as they run, not as they compile), and what it served."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        served = ServingEngine(engine, block_size=4, chunk_size=3).serve(requests)
+    regions = sum(e.name.startswith("Torch-Compiled Region") for e in profile.events())
+    return regions, served
+
+
+def test_the_compiled_mode_serves_through_its_compiled_graphs(monkeypatch) -> None:
+    """Served in the compiled mode, a ragged batch runs each block as its two compiled parts
+    around the eager attention (compiled.CompiledBlock), at every step: the same tokens as the
+    compiled `generate`, rows within 1e-4 of it (one graph fuses a block whole, the other two
+    around the attention). Planted: the paged forward run eagerly under the compiled mode's
+    name (what the serving engine did before it had a compiled paged forward, when it did
+    not refuse the mode) runs no compiled graph, which this test tells."""
+    from pipelines.llama3 import compiled
+    from pipelines.llama3.model import TransformerBlock
+
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf", mode="compiled")
+    prompts = [list(range(5, 18)), list(range(40, 47))]
+    requests = [Request(f"r{i}", p, 4) for i, p in enumerate(prompts)]
+    regions, served = _compiled_regions(engine, requests)
+    layers = len(engine.model.layers)
+    steps = 5 + 3  # chunks of 3 over 13 prompt tokens, then 3 decode steps
+    assert regions >= 2 * layers * steps, f"{regions} compiled regions in {steps} steps"
+    for request, prompt in zip(requests, prompts, strict=True):
+        solo = engine.generate(prompt, 4, stop_on_eos=False)
+        out = served[request.id].output
+        assert out.tokens == solo.tokens
+        assert (out.logits - solo.logits).abs().max() <= 1e-4
+
+    monkeypatch.setattr(compiled.CompiledBlock, "forward_paged", TransformerBlock.forward_paged)
+    planted, _ = _compiled_regions(engine, requests)
+    assert planted == 0, f"the eager paged forward ran {planted} compiled regions"
 
 
 # Seeded sampling on the serving paths: a request's draws are keyed by its seed and the

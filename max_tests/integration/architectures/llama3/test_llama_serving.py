@@ -4,8 +4,8 @@ preemption (scenarios.py), teacher-forced and compared under the same tolerances
 test_llama's solo runs.
 
 Id `{size}-{encoding}-{arch}-{scenario}` for eager, `{size}-{encoding}-{arch}-{mode}-{scenario}`
-for the quantized and ggml modes (the ggml mode judged by its own goldens, reference `ggml`, on
-the Q4_K and Q4_1 files); one alone:
+for the compiled, quantized and ggml modes (the ggml mode judged by its own goldens, reference
+`ggml`, on the Q4_K and Q4_1 files); one alone:
   ./bazelw test //max_tests/integration/architectures/llama3:test_llama_serving \\
       --test_arg=-k --test_arg='test_llama_serving[tiny-float32-llama3_1-batch]'
 $LLAMA_TEST_LANE picks the cases as in test_llama (`long`: the long cases, through the
@@ -30,13 +30,19 @@ from harness.llama3.variants import Variant, variants
 from pipelines.llama3.serving import ServingEngine
 
 VARIANTS = variants()
-MODES = ("eager", "quantized", "ggml")
+MODES = ("eager", "compiled", "quantized", "ggml")
 # The ggml mode is judged by its own goldens (reference `ggml`), on the files it has them for.
 GGML_ENCODINGS = ("q4_k", "q4_1")
 # Its long lane serves the tiny Q4_K file (long_8k: 46 s for the three scenarios); SmolLM2's
 # long case in the ggml mode is 233 s (ggml's attention kernel, as slow in `generate`),
 # measured bitwise in all eight of its servings, and runs in the short lane only.
 GGML_LONG_MODELS = ("tinyllama",)
+# The compiled mode's long lane serves the tiny float32 and bfloat16 files, its two compute
+# dtypes (each compiles graphs of its own; ~10 s a process). The Q4_K and NVFP4 files compile
+# float32 graphs of their dequantized weights, and SmolLM2's long case is eager's arithmetic in
+# other fusions through 30 layers (its teacher-forced rows: test_llama_compiled), ~100 s here:
+# those serve in the short lane.
+COMPILED_LONG_VARIANTS = ("tinyllama-float32", "tinyllama-bfloat16")
 
 
 def references(mode: str) -> tuple[str, ...]:
@@ -127,14 +133,22 @@ def lane_counters(serving: scenarios.Serving, served: scenarios.Served) -> list[
     return missing
 
 
+def _in_long_lane(variant: Variant, mode: str) -> bool:
+    if mode == "ggml":
+        return variant.model in GGML_LONG_MODELS
+    if mode == "compiled":
+        return f"{variant.model}-{variant.encoding}" in COMPILED_LONG_VARIANTS
+    return True
+
+
 def _cases() -> list:
     lane = os.environ.get(LANE_ENV, "all")
     return [
         pytest.param(v, mode, scenario, id=_case_id(v, mode, scenario))
         for v in VARIANTS
         for mode in MODES
-        if mode != "ggml"
-        or (v.encoding in GGML_ENCODINGS and (lane != "long" or v.model in GGML_LONG_MODELS))
+        if (mode != "ggml" or v.encoding in GGML_ENCODINGS)
+        and (lane != "long" or _in_long_lane(v, mode))
         for scenario in _scenarios(lane)
     ]
 
