@@ -12,14 +12,16 @@ One place for the choice that `Llama3Engine.generate` and the serving engine
 - **teacher forcing**: with `forced_tokens`, step i feeds forced_tokens[i] to the next step
   instead of the choice, and no end-of-sequence id stops it: the logits of every step follow
   the sequence being checked, while `tokens` keeps the model's own choice;
-- **stop conditions**: `max_new_tokens` steps, or a choice among `eos_ids` (the checkpoint's:
-  `Llama3Engine.eos_ids`).
+- **stop conditions**: `max_new_tokens` steps (`finish_reason` "length"), a choice among
+  `eos_ids` (the checkpoint's: `Llama3Engine.eos_ids`), or a choice after which the generated
+  text (`detokenize` of the tokens so far) contains one of `stop_strings` (both "stop"); the
+  token that ends the sequence is kept in `tokens`, as OpenAI's servers count it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -37,14 +39,22 @@ class Decoder:
     sampling: sampling_lib.SamplerSettings | None = None  # None: greedy
     prompt: Sequence[int] = ()  # the request's prompt: penalties' history, draw positions
     seed: int | None = None  # the draws' key: the settings' seed, else the system's
+    stop_strings: Sequence[str] = ()  # text that ends the sequence once generated
+    detokenize: Callable[[list[int]], str] | None = None  # tokens -> text, for stop_strings
+    finish_reason: str | None = None  # once stopped: "length" or "stop"
 
     def __post_init__(self) -> None:
+        if self.stop_strings and self.detokenize is None:
+            raise ValueError("stop strings need the checkpoint's tokenizer to read the text")
+        if any(not stop for stop in self.stop_strings):
+            raise ValueError("an empty stop string would stop every sequence at once")
         if self.sampling is not None and self.seed is None:
             seed = self.sampling.seed
             self.seed = sampling_lib.system_seed() if seed is None else seed
         if self.forced_tokens is not None:
             # teacher forcing runs the forced sequence to its end: no early stop
             self.max_new_tokens, self.eos_ids = len(self.forced_tokens), frozenset()
+            self.stop_strings = ()
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
 
@@ -62,8 +72,23 @@ class Decoder:
         token = self.choose(logits)
         self.tokens.append(token)
         step = len(self.tokens) - 1
-        if step == self.max_new_tokens - 1:
-            return None
         if self.forced_tokens is not None:
+            if step == self.max_new_tokens - 1:
+                self.finish_reason = "length"
+                return None
             return self.forced_tokens[step]
-        return None if token in self.eos_ids else token
+        if token in self.eos_ids or self._stop_string_seen():
+            self.finish_reason = "stop"
+            return None
+        if step == self.max_new_tokens - 1:
+            self.finish_reason = "length"
+            return None
+        return token
+
+    def _stop_string_seen(self) -> bool:
+        if not self.stop_strings:
+            return False
+        # the whole text each step: a stop string may span tokens, and one seen earlier would
+        # have stopped the sequence then
+        text = self.detokenize(self.tokens)
+        return any(stop in text for stop in self.stop_strings)

@@ -278,6 +278,7 @@ class Llama3Engine:
         prompt_positions: Sequence[int] = (),
         sampling: SamplerSettings | None = None,
         speculation: speculative.Speculation | None = None,
+        stop: Sequence[str] = (),
     ) -> GenerationOutput:
         """Prefill, then decode, each step reading the keys and values of the KV cache; the
         next token and the stop are the decoder's (decoder.Decoder: greedy, end-of-sequence ids;
@@ -293,6 +294,7 @@ class Llama3Engine:
         verifies, the decoder accepting the longest prefix it would have chosen: the same
         tokens (greedy, or sampled under the same seed), fewer forwards (speculative.py); with
         `forced_tokens` too, the forced tokens are the proposals, K + 1 rows per forward.
+        `stop` (strings): the generation ends after the token whose text completes one.
         """
         if forced_tokens is not None:
             bad = [t for t in forced_tokens if not 0 <= t < self.config.vocab_size]
@@ -304,6 +306,8 @@ class Llama3Engine:
             forced_tokens,
             sampling=sampling,
             prompt=input_ids,
+            stop_strings=tuple(stop),
+            detokenize=None if self.tokenizer is None else self.tokenizer.decode,
         )
         max_new_tokens = decoder.max_new_tokens
         prompt = self._tensor(input_ids)

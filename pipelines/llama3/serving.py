@@ -60,6 +60,9 @@ class Served:
     prompt_positions: list[int]  # the positions whose logits were computed (not cached)
     cached_prefix: int  # prompt positions read from the prefix cache
     preemptions: int
+    # "stop" (an end-of-sequence id or a stop string), "length" (max_new_tokens), or
+    # "cancelled" (ServingEngine.cancel: the steps computed before it)
+    finish_reason: str = "length"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Request:
     forced_tokens: list[int] | None = None  # teacher forcing: fed instead of the greedy choice
     prompt_positions: tuple[int, ...] = ()  # prompt positions whose logits to return
     sampling: SamplerSettings | None = None  # None: greedy (decoder.Decoder)
+    stop: tuple[str, ...] = ()  # stop strings: the generated text containing one ends it
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -157,6 +161,7 @@ class _Sequence:
     # table, after a preemption, starts it again; appended blocks move no earlier position)
     slots: list[int] = dataclasses.field(default_factory=list)
     slots_of: list[int] | None = None
+    submitted: float = 0.0  # time.perf_counter() at submit
 
 
 class ServingEngine:
@@ -184,6 +189,9 @@ class ServingEngine:
         self.preemptions = 0
         self.steps = 0
         self.batch: list[tuple[_Sequence, int, int]] = []
+        self.waiting: collections.deque[_Sequence] = collections.deque()  # in arrival order
+        self.running: list[_Sequence] = []
+        self._order = 0  # admission order of the next request (the last is preempted first)
 
     # --- the seams the scenario mutations replace --------------------------------------------
 
@@ -224,47 +232,107 @@ class ServingEngine:
     def serve(self, requests: Sequence[Request]) -> dict[str, Served]:
         """Every request to completion; requests beyond `max_batch` wait for a place. The
         pool (and its prefix cache) lives on across calls."""
+        if self.pending:
+            raise ValueError(
+                f"serve() runs its own requests to completion; {self.pending} submitted ones "
+                "are pending: step() them to completion, or cancel() them, first"
+            )
+        start = time.perf_counter()
+        self.submit(requests)
+        finished: dict[str, _Sequence] = {}
+        try:
+            while self.waiting or self.running:
+                finished.update((seq.request.id, seq) for seq in self._step_sequences())
+        except BaseException:
+            for seq in [*self.running, *self.waiting]:  # nothing left behind for a next call
+                self._release(seq)
+            self.running.clear()
+            self.waiting.clear()
+            raise
+        seconds = time.perf_counter() - start
+        return {r.id: self._output(finished[r.id], seconds) for r in requests}
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue requests behind those waiting; `step` serves them. The first call sizes the
+        pool (`num_blocks`, else enough for these requests at once)."""
         self._check(requests)
+        ids = [r.id for r in requests]
+        pending = {seq.request.id for seq in [*self.waiting, *self.running]}
+        clash = sorted({i for i in ids if ids.count(i) > 1} | (set(ids) & pending))
+        if clash:
+            raise ValueError(f"request ids {clash} are not unique among the pending requests")
         if self.pool is None:
             lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
             needed = sum(blocks_for(n, self.block_size) for n in lengths)
             self.pool = BlockPool(self.engine, self.num_blocks or needed + 1, self.block_size)
-        waiting = collections.deque(
-            _Sequence(r, i, list(r.prompt), decoder=self._decoder(r))
-            for i, r in enumerate(requests)
-        )
-        running: list[_Sequence] = []
-        finished: dict[str, _Sequence] = {}
-        start = time.perf_counter()
-        while waiting or running:
-            while waiting and (self.max_batch is None or len(running) < self.max_batch):
-                if not self._admit(waiting[0]):
-                    break
-                running.append(waiting.popleft())
-            if not running:
-                raise PoolExhausted(
-                    f"request {waiting[0].request.id!r} needs more than the pool's "
-                    f"{self.pool.num_blocks} blocks of {self.block_size}"
-                )
-            pieces = self._schedule(running, waiting)
-            if pieces:
-                self._forward(pieces)
-            for seq in [s for s in running if s.done]:
-                running.remove(seq)
-                self._release(seq)
-                finished[seq.request.id] = seq
-        seconds = time.perf_counter() - start
-        return {r.id: self._output(finished[r.id], seconds) for r in requests}
+        now = time.perf_counter()
+        for r in requests:
+            self.waiting.append(_Sequence(r, self._order, list(r.prompt), decoder=self._decoder(r)))
+            self.waiting[-1].submitted = now
+            self._order += 1
+
+    @torch.inference_mode()
+    def step(self) -> dict[str, Served]:
+        """One scheduler step (admissions, one forward over every running sequence's piece);
+        the requests it finished, by id. Nothing pending: nothing done."""
+        return {
+            seq.request.id: self._output(seq, time.perf_counter() - seq.submitted)
+            for seq in self._step_sequences()
+        }
+
+    def cancel(self, request_id: str) -> Served:
+        """Stop a waiting or running request now: its blocks go back to the pool at once (the
+        full blocks it published stay in the prefix cache, as any finished request's do; a
+        block it was filling was never published). Its steps so far, `finish_reason`
+        "cancelled"."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request.id == request_id:
+                    queue.remove(seq)
+                    self._release(seq)
+                    seq.decoder.finish_reason = "cancelled"
+                    return self._output(seq, time.perf_counter() - seq.submitted)
+        raise KeyError(f"no pending request {request_id!r} (finished, cancelled or never sent)")
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet finished or cancelled."""
+        return len(self.waiting) + len(self.running)
+
+    def _step_sequences(self) -> list[_Sequence]:
+        waiting, running = self.waiting, self.running
+        if not (waiting or running):
+            return []
+        while waiting and (self.max_batch is None or len(running) < self.max_batch):
+            if not self._admit(waiting[0]):
+                break
+            running.append(waiting.popleft())
+        if not running:
+            raise PoolExhausted(
+                f"request {waiting[0].request.id!r} needs more than the pool's "
+                f"{self.pool.num_blocks} blocks of {self.block_size}"
+            )
+        pieces = self._schedule(running, waiting)
+        if pieces:
+            self._forward(pieces)
+        done = [s for s in running if s.done]
+        for seq in done:
+            running.remove(seq)
+            self._release(seq)
+        return done
 
     def _decoder(self, request: Request) -> Decoder:
         """The request's decoder: the checkpoint's end-of-sequence ids, as generate's."""
         forced = request.forced_tokens
+        tokenizer = self.engine.tokenizer
         return Decoder(
             request.max_new_tokens,
             self.engine.eos_ids,
             None if forced is None else forced[: request.max_new_tokens],
             sampling=request.sampling,
             prompt=request.prompt,
+            stop_strings=request.stop,
+            detokenize=None if tokenizer is None else tokenizer.decode,
         )
 
     def _check(self, requests: Sequence[Request]) -> None:
@@ -281,6 +349,13 @@ class ServingEngine:
                 )
             if any(not 0 <= p < len(r.prompt) - 1 for p in r.prompt_positions):
                 raise ValueError(f"request {r.id!r}: prompt positions outside the prompt")
+            if r.stop and self.engine.tokenizer is None:
+                raise ValueError(
+                    f"request {r.id!r}: stop strings need the checkpoint's tokenizer, and "
+                    "this one has none: stop by max_new_tokens or end-of-sequence ids"
+                )
+            if any(not stop for stop in r.stop):
+                raise ValueError(f"request {r.id!r}: an empty stop string")
             if len(r.prompt) + r.max_new_tokens > self.max_context:
                 raise ValueError(f"request {r.id!r}: longer than max_context {self.max_context}")
 
@@ -444,7 +519,8 @@ class ServingEngine:
         prompt_logits = (
             torch.stack([seq.prompt_logits[p] for p in positions]) if positions else None
         )
-        output = GenerationOutput(
-            seq.decoder.tokens, torch.stack(seq.logits), seconds, 0.0, prompt_logits
-        )
-        return Served(output, positions, seq.cached_prefix, seq.preemptions)
+        vocab = self.engine.config.vocab_size
+        logits = torch.stack(seq.logits) if seq.logits else torch.empty(0, vocab)
+        output = GenerationOutput(seq.decoder.tokens, logits, seconds, 0.0, prompt_logits)
+        reason = seq.decoder.finish_reason or "cancelled"
+        return Served(output, positions, seq.cached_prefix, seq.preemptions, reason)

@@ -48,6 +48,31 @@ def test_teacher_forcing_feeds_the_forced_tokens_and_ignores_the_end_of_sequence
     assert decoder.tokens == [2, 2, 2]  # the model's own choice, recorded
 
 
+def test_a_stop_string_stops_at_the_token_that_completes_it_and_says_why() -> None:
+    """Letters a..h as tokens: "cd" spans two tokens and stops at the second ("stop"), with
+    the token kept; without it max_new_tokens ends the run ("length"); teacher forcing runs
+    to its end whatever the text holds."""
+    letters = "abcdefgh"
+
+    def detokenize(ids):
+        return "".join(letters[i] for i in ids)
+
+    stopped = Decoder(6, stop_strings=("cd",), detokenize=detokenize)
+    assert _run(stopped, _logits(1, 2, 3, 4)) == [1, 2, None]
+    assert (stopped.tokens, stopped.finish_reason) == ([1, 2, 3], "stop")
+    plain = Decoder(2, stop_strings=("zz",), detokenize=detokenize)
+    assert _run(plain, _logits(2, 3)) == [2, None]
+    assert plain.finish_reason == "length"
+    forced = Decoder(3, forced_tokens=[2, 3, 4], stop_strings=("cd",), detokenize=detokenize)
+    assert _run(forced, _logits(2, 3, 4)) == [2, 3, None]
+    assert forced.finish_reason == "length"
+    eos = Decoder(4, eos_ids={5})
+    assert _run(eos, _logits(1, 5)) == [1, None]
+    assert eos.finish_reason == "stop"
+    with pytest.raises(ValueError, match="stop strings need the checkpoint's tokenizer"):
+        Decoder(4, stop_strings=("cd",))
+
+
 def test_equal_maxima_choose_the_first_id() -> None:
     assert Decoder(1).choose(torch.tensor([0.0, 3.0, 3.0])) == 1
 

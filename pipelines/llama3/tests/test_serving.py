@@ -222,6 +222,141 @@ def test_the_compiled_mode_serves_through_its_compiled_graphs(monkeypatch) -> No
     assert planted == 0, f"the eager paged forward ran {planted} compiled regions"
 
 
+# Cancellation and limits (issue tracker: serving under pressure): a request that ends early,
+# cancelled mid-prefill or mid-decode, or stopped by max tokens, an end-of-sequence id or a stop
+# string, gives its blocks back at once and leaves in the prefix cache only blocks whose every
+# position it computed. Each check below is proven by the planted engines after it.
+CUT_PROMPT = list(range(5, 22))  # 17 tokens: chunks of 3 over blocks of 4
+OTHER_PROMPT = list(range(40, 47))
+
+
+class _KeepsBlocksOnCancel(ServingEngine):
+    """A planted bug: cancel takes the request out of the schedule but keeps its blocks."""
+
+    def _release(self, seq) -> None:
+        if seq.decoder.finish_reason is None and not seq.done:  # a cancel, not a finish
+            return
+        super()._release(seq)
+
+    def cancel(self, request_id: str):
+        for seq in [*self.waiting, *self.running]:
+            if seq.request.id == request_id:
+                seq.decoder.finish_reason = None
+        return super().cancel(request_id)
+
+
+class _PublishesTheBlockItWasFilling(ServingEngine):
+    """A planted bug: a cancelled request publishes the block it had not filled."""
+
+    def cancel(self, request_id: str):
+        for seq in self.running:
+            if seq.request.id == request_id and seq.computed % self.block_size:
+                b = len(seq.hashes)
+                self.pool.publish(seq.table[b], self._key_of_block(seq, b))
+        return super().cancel(request_id)
+
+
+def _held(serving: ServingEngine) -> int:
+    return sum(1 for refs in serving.pool.refs if refs > 0)
+
+
+def _cancel_mid_prefill(engine, serving_class=ServingEngine) -> list[str]:
+    """What goes wrong when 'cut' is cancelled after two chunks of 3 (block 0 full, block 1
+    half): the blocks still held, the cache's blocks that are not full computed ones, and
+    'other' (served beside it) or a later request reading 'cut's cached block off its solo."""
+    serving = serving_class(engine, block_size=4, chunk_size=3, prefix_caching=True)
+    serving.submit([Request("cut", CUT_PROMPT, 4), Request("other", OTHER_PROMPT, 3)])
+    serving.step()
+    serving.step()
+    problems = []
+    served = serving.cancel("cut")
+    if served.finish_reason != "cancelled" or served.output.tokens:
+        problems.append(f"cancelled as {served.finish_reason} with {served.output.tokens}")
+    (other,) = serving.running
+    if _held(serving) != len(other.table):
+        problems.append(f"{_held(serving)} blocks held, 'other' holds {len(other.table)}")
+    full = {serving._block_hash(b"", p[:4]) for p in (CUT_PROMPT, OTHER_PROMPT)}
+    if set(serving.pool.cached) != full:
+        problems.append(f"{len(set(serving.pool.cached) - full)} cached blocks not full ones")
+    results = {}
+    while serving.pending:
+        results.update(serving.step())
+    if _held(serving):
+        problems.append(f"{_held(serving)} blocks held after every request finished")
+    again = serving.serve([Request("again", CUT_PROMPT, 4)])["again"]
+    for name, out, prompt, steps in (
+        ("other", results["other"].output, OTHER_PROMPT, 3),
+        ("again", again.output, CUT_PROMPT, 4),
+    ):
+        solo = engine.generate(prompt, steps)
+        delta = float((out.logits - solo.logits).abs().max())
+        if out.tokens != solo.tokens or delta > 1e-4:
+            problems.append(f"{name}: {out.tokens} vs solo {solo.tokens}, logits off {delta:.3g}")
+    if again.cached_prefix != 4:
+        problems.append(f"'again' read {again.cached_prefix} positions from the cache, not 4")
+    return problems
+
+
+def test_a_request_cancelled_mid_prefill_frees_its_blocks_and_caches_only_full_ones() -> None:
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    assert _cancel_mid_prefill(engine) == []
+    (kept,) = _cancel_mid_prefill(engine, _KeepsBlocksOnCancel)[:1]
+    assert "blocks held" in kept
+    partial = _cancel_mid_prefill(engine, _PublishesTheBlockItWasFilling)
+    assert any("cached blocks not full ones" in p for p in partial), partial
+
+
+def test_a_request_cancelled_mid_decode_keeps_its_steps_and_frees_its_blocks() -> None:
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    solo = engine.generate(CUT_PROMPT, 6)
+    serving = ServingEngine(engine, block_size=4)
+    serving.submit([Request("cut", CUT_PROMPT, 6), Request("other", OTHER_PROMPT, 8)])
+    serving.step()  # the prompts: each request's first step
+    serving.step()  # its second
+    served = serving.cancel("cut")
+    assert served.finish_reason == "cancelled"
+    assert served.output.tokens == solo.tokens[:2]
+    # (a batch of two: eager's batched products round otherwise than one row's, within 1e-4)
+    assert (served.output.logits - solo.logits[:2]).abs().max() <= 1e-4
+    assert _held(serving) == len(serving.running[0].table)
+    with pytest.raises(KeyError, match="no pending request 'cut'"):
+        serving.cancel("cut")
+    finished = {}
+    while serving.pending:
+        finished.update(serving.step())
+    assert finished["other"].finish_reason == "length"
+    assert finished["other"].output.tokens == engine.generate(OTHER_PROMPT, 8).tokens
+    assert _held(serving) == 0
+
+
+def test_a_stop_string_ends_the_request_where_its_text_first_holds_it() -> None:
+    """The stop string is the text the k-th greedy token adds (absent before it): the served
+    request stops after that token ("stop"), frees its blocks, and its tokens are generate's
+    first k + 1; max_new_tokens ends the same request as "length"."""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    solo = engine.generate(CUT_PROMPT, 8, stop_on_eos=False)
+    decode = engine.tokenizer.decode
+    for k in range(2, 8):
+        before, after = decode(solo.tokens[:k]), decode(solo.tokens[: k + 1])
+        added = after[len(before) :] if after.startswith(before) else ""
+        if added.strip() and added not in before:
+            break
+    else:
+        pytest.fail(f"no token of {solo.tokens} adds text absent before it")
+    serving = ServingEngine(engine, block_size=4)
+    results = serving.serve(
+        [Request("stop", CUT_PROMPT, 8, stop=(added,)), Request("length", CUT_PROMPT, 3)]
+    )
+    assert results["stop"].finish_reason == "stop"
+    assert results["stop"].output.tokens == solo.tokens[: k + 1]
+    assert engine.generate(CUT_PROMPT, 8, stop=(added,)).tokens == solo.tokens[: k + 1]
+    assert results["length"].finish_reason == "length"
+    assert results["length"].output.tokens == solo.tokens[:3]
+    assert _held(serving) == 0
+    with pytest.raises(ValueError, match="request 'empty': an empty stop string"):
+        serving.serve([Request("empty", CUT_PROMPT, 2, stop=("",))])
+
+
 # Seeded sampling on the serving paths: a request's draws are keyed by its seed and the
 # position (sampling.uniform), so where a path computes the same logits as generate it must
 # draw the same tokens, whatever the batch, its order, the chunks, the blocks, the prefix
