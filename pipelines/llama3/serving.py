@@ -256,9 +256,9 @@ class ServingEngine:
         """Queue requests behind those waiting; `step` serves them. The first call sizes the
         pool (`num_blocks`, else enough for these requests at once)."""
         self._check(requests)
-        ids = [r.id for r in requests]
-        pending = {seq.request.id for seq in [*self.waiting, *self.running]}
-        clash = sorted({i for i in ids if ids.count(i) > 1} | (set(ids) & pending))
+        ids = collections.Counter(r.id for r in requests)
+        ids.update(seq.request.id for seq in [*self.waiting, *self.running])
+        clash = sorted(i for i, n in ids.items() if n > 1)
         if clash:
             raise ValueError(f"request ids {clash} are not unique among the pending requests")
         if self.pool is None:
@@ -267,8 +267,8 @@ class ServingEngine:
             self.pool = BlockPool(self.engine, self.num_blocks or needed + 1, self.block_size)
         now = time.perf_counter()
         for r in requests:
-            self.waiting.append(_Sequence(r, self._order, list(r.prompt), decoder=self._decoder(r)))
-            self.waiting[-1].submitted = now
+            seq = _Sequence(r, self._order, list(r.prompt), decoder=self._decoder(r), submitted=now)
+            self.waiting.append(seq)
             self._order += 1
 
     @torch.inference_mode()

@@ -35,6 +35,7 @@ examples (measured: at examples 55, 48 and 4; the file takes ~15 s on 2 cores):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import pathlib
 
@@ -224,8 +225,6 @@ MINIMUMS = {
 def test_the_drawn_schedules_evict_share_preempt_and_cancel(engine, monkeypatch) -> None:
     """The property's own examples, counted: a strategy that stopped drawing small pools,
     shared prefixes or cancellations would pass the property without exercising them."""
-    import collections
-
     counts = collections.Counter()
     serve, counting = _serve, _with_pool(_CountingPool)
     monkeypatch.setitem(
@@ -273,11 +272,11 @@ class _CancelKeepsBlocks(ServingEngine):
     """Cancel takes the request out of the schedule and keeps its blocks."""
 
     def cancel(self, request_id):
-        release, self._release = self._release, lambda seq: None
+        self._release = lambda seq: None
         try:
             return super().cancel(request_id)
         finally:
-            self._release = release
+            del self._release
 
 
 def _with_pool(pool_class) -> type[ServingEngine]:

@@ -233,16 +233,12 @@ OTHER_PROMPT = list(range(40, 47))
 class _KeepsBlocksOnCancel(ServingEngine):
     """A planted bug: cancel takes the request out of the schedule but keeps its blocks."""
 
-    def _release(self, seq) -> None:
-        if seq.decoder.finish_reason is None and not seq.done:  # a cancel, not a finish
-            return
-        super()._release(seq)
-
     def cancel(self, request_id: str):
-        for seq in [*self.waiting, *self.running]:
-            if seq.request.id == request_id:
-                seq.decoder.finish_reason = None
-        return super().cancel(request_id)
+        self._release = lambda seq: None
+        try:
+            return super().cancel(request_id)
+        finally:
+            del self._release
 
 
 class _PublishesTheBlockItWasFilling(ServingEngine):
