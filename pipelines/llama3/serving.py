@@ -74,6 +74,7 @@ class Request:
     prompt_positions: tuple[int, ...] = ()  # prompt positions whose logits to return
     sampling: SamplerSettings | None = None  # None: greedy (decoder.Decoder)
     stop: tuple[str, ...] = ()  # stop strings: the generated text containing one ends it
+    ignore_eos: bool = False  # True: the checkpoint's end-of-sequence ids do not stop it
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -294,6 +295,14 @@ class ServingEngine:
                     return self._output(seq, time.perf_counter() - seq.submitted)
         raise KeyError(f"no pending request {request_id!r} (finished, cancelled or never sent)")
 
+    def generated(self) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+        """Each pending request's steps so far, by id: its tokens and each step's logits
+        (the lists themselves, read between steps; a streaming server sends what is new)."""
+        return {
+            seq.request.id: (seq.decoder.tokens, seq.logits)
+            for seq in [*self.running, *self.waiting]
+        }
+
     @property
     def pending(self) -> int:
         """Requests submitted and not yet finished or cancelled."""
@@ -327,7 +336,7 @@ class ServingEngine:
         tokenizer = self.engine.tokenizer
         return Decoder(
             request.max_new_tokens,
-            self.engine.eos_ids,
+            frozenset() if request.ignore_eos else self.engine.eos_ids,
             None if forced is None else forced[: request.max_new_tokens],
             sampling=request.sampling,
             prompt=request.prompt,

@@ -1,0 +1,89 @@
+"""The engine's own HTTP server judged by the goldens, as llama-server is: through the OpenAI
+adapter (`golden_check --engine=openai`).
+
+`python -m pipelines.llama3.server` (what `./bazelw run //pipelines/llama3:serve` runs) is
+started on a free loopback port for one checkpoint and mode and stopped after (SIGTERM: it
+must exit 0); golden_check then sends every golden case's teacher-forced prefixes, 16 to a
+request, and judges the answers' top-k log-probabilities under the `cpu` tolerance column, the
+one this engine's own lanes use: the HTTP layer may add no error of its own. Served:
+the float32 file in the eager mode (own and torch goldens) and the q4_k file in the ggml mode
+(the ggml goldens). Every checkpoint mutation, served, must FAIL the short cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from harness.llama3 import checkpoint_mutations
+from harness.llama3.variants import variants
+from tools.golden_check import golden_check
+
+TINY = {v.encoding: v for v in variants("tinyllama")}
+STARTUP_S = 120
+
+
+@contextlib.contextmanager
+def _served(gguf, mode: str = "eager"):
+    """The server on `gguf` in `mode`: its OpenAI base URL; stopped (and checked) after."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, "-m", "pipelines.llama3.server", "--gguf", str(gguf)]
+    process = subprocess.Popen(
+        [*command, "--mode", mode, "--port", "0", "--threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = process.stdout.readline()  # "serving NAME at URL", once it listens
+        match = re.search(r" at (http://\S+)", line)
+        if match is None:
+            process.kill()
+            pytest.fail(f"the server did not start: {line!r} {process.stderr.read()[-2000:]}")
+        yield match.group(1)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail("the server did not stop within 30 s of SIGTERM")
+    assert code == 0, f"the server exited {code}: {process.stderr.read()[-2000:]}"
+
+
+def _check(url: str, checkpoint: str, tmp_path, *more: str) -> int:
+    argv = ["--engine=openai", f"--url={url}", f"--checkpoint={checkpoint}", "--tolerance=cpu"]
+    return golden_check.main([*argv, f"--report-dir={tmp_path}", *more])
+
+
+@pytest.mark.parametrize(
+    ("encoding", "mode", "golden"),
+    [("float32", "eager", "both"), ("q4_k", "ggml", "ggml")],
+    ids=["float32-eager", "q4_k-ggml"],
+)
+def test_the_served_engine_passes_its_goldens_over_http(encoding, mode, golden, tmp_path, capsys):
+    with _served(TINY[encoding].path, mode) as url:
+        code = _check(url, f"tinyllama-{encoding}", tmp_path, f"--golden={golden}")
+    printed = capsys.readouterr().out
+    print(printed)
+    assert code == 0, printed
+    assert "verdict: PASS" in printed
+
+
+@pytest.mark.parametrize("mutation", checkpoint_mutations.MUTATIONS, ids=lambda m: m.name)
+def test_every_checkpoint_mutation_served_fails(mutation, tmp_path, capsys) -> None:
+    copy = checkpoint_mutations.mutated_copy(TINY["float32"].path, mutation, tmp_path)
+    with _served(copy) as url:
+        code = _check(url, "tinyllama-float32", tmp_path, "--lane=short", "--golden=own")
+    printed = capsys.readouterr().out
+    print(f"{mutation.name} ({mutation.what}):\n{printed}")
+    assert code == 1, printed
+    assert "verdict: FAIL" in printed

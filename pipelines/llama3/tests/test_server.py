@@ -1,0 +1,482 @@
+"""The HTTP server (pipelines/llama3/server.py) under load on loopback, and its bad inputs.
+
+A random tiny model (tiny_checkpoint.py) is served on a free port with a small KV pool
+(blocks of 4 tokens, 64 blocks for 16 clients whose requests need up to 16 each, and
+the dropped streams' up to 60), so that
+requests wait, share prefix blocks, evict and preempt. 16 client threads each send three
+requests (one answer whole, one streamed, and either a stream the client drops after two
+events or one more whole answer); half the prompts start with one shared 24-token preamble.
+Every completed request's tokens must be its own: the greedy tokens `Llama3Engine.generate`
+computes alone for its prompt, or differ first at a step where the solo run's two candidates
+are within NEAR_TIE of each other (batching moves logits in the last bits); a streamed
+answer's pieces must add up to its tokens and text. No request may be lost (each client waits
+at most CLIENT_TIMEOUT_S), every dropped stream must be cancelled by the server, and at the
+end nothing is pending and no KV block is referenced. p50/p99 latency and tokens/s are
+printed (no timing is asserted).
+
+Each guarantee is proven by a planted server bug that the same load run must FAIL:
+results handed out in arrival order (another's tokens), an inbox that keeps only
+its first arrival (lost requests), and a stream that does not cancel when its client goes
+away (blocks held to the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import pathlib
+import statistics
+import threading
+import time
+import urllib.parse
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.llama3 import Llama3Engine
+from pipelines.llama3.server import (
+    TOKEN_ID_PREFIX,
+    EngineWorker,
+    RunningServer,
+    Server,
+)
+from pipelines.llama3.serving import ServingEngine
+from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+
+CLIENTS = 16
+DROPPING = 4  # clients whose third request is a stream they close after two events
+NEAR_TIE = 1e-4  # |logit gap| at which batched and solo greedy choices may differ
+CLIENT_TIMEOUT_S = 30.0
+SEED = 20261203
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("server") / "tiny.gguf"
+    write_tiny_llama(path, seed=11, n_layers=2, context_length=256)
+    return path
+
+
+@pytest.fixture(scope="module")
+def solo(checkpoint) -> Llama3Engine:
+    return Llama3Engine.from_gguf(checkpoint)
+
+
+def _server(checkpoint, server_class=Server, worker_class=EngineWorker, **options) -> Server:
+    engine = Llama3Engine.from_gguf(checkpoint)
+    serving = ServingEngine(
+        engine,
+        block_size=4,
+        num_blocks=options.pop("num_blocks", 64),
+        chunk_size=16,
+        max_batch=options.pop("max_batch", 16),
+        prefix_caching=True,
+        max_context=engine.config.context_length,
+    )
+    server = server_class(serving, "tiny", max_body=options.pop("max_body", 65536))
+    server.worker = worker_class(serving)
+    return server
+
+
+# --- a client -------------------------------------------------------------------------------
+
+
+def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    parts = urllib.parse.urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout), parts.path
+
+
+def _post(url: str, path: str, body: bytes | dict, timeout: float = CLIENT_TIMEOUT_S):
+    """(status, parsed JSON answer) of a POST of `body` (bytes as they are)."""
+    connection, base = _connection(url, timeout)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    try:
+        connection.request("POST", base + path, data, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def _get(url: str, path: str, method: str = "GET"):
+    connection, base = _connection(url, CLIENT_TIMEOUT_S)
+    try:
+        connection.request(method, base + path)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def _events(response) -> list[dict | str]:
+    """The server-sent events of a streamed answer, `[DONE]` as the string."""
+    events = []
+    for line in response:
+        line = line.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+        if payload == "[DONE]":
+            break
+    return events
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One request as its client saw it."""
+
+    client: int
+    prompt: list[int]
+    kind: str  # "whole", "stream" or "dropped"
+    seconds: float = 0.0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    problem: str | None = None
+
+
+def _body(prompt: list[int], max_tokens: int, stream: bool) -> dict:
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def _token_ids(logprobs: dict) -> list[int]:
+    return [int(name[len(TOKEN_ID_PREFIX) :]) for name in logprobs["tokens"]]
+
+
+def _request(url: str, outcome: Outcome, max_tokens: int, timeout: float) -> None:
+    start = time.perf_counter()
+    try:
+        if outcome.kind == "whole":
+            status, answer = _post(
+                url, "/completions", _body(outcome.prompt, max_tokens, False), timeout
+            )
+            if status != 200:
+                outcome.problem = f"HTTP {status}: {answer}"
+                return
+            (choice,) = answer["choices"]
+            outcome.tokens = _token_ids(choice["logprobs"])
+            outcome.text, outcome.finish_reason = choice["text"], choice["finish_reason"]
+            if answer["usage"]["completion_tokens"] != len(outcome.tokens):
+                outcome.problem = f"usage {answer['usage']} for {len(outcome.tokens)} tokens"
+        else:
+            connection, base = _connection(url, timeout)
+            body = json.dumps(_body(outcome.prompt, max_tokens, True)).encode()
+            connection.request(
+                "POST", base + "/completions", body, {"Content-Type": "application/json"}
+            )
+            response = connection.getresponse()
+            if response.status != 200:
+                outcome.problem = f"HTTP {response.status}: {response.read()[:300]!r}"
+                return
+            if outcome.kind == "dropped":
+                for _ in range(2):  # two events, then the client goes away mid-stream
+                    while not response.fp.readline().startswith(b"data: "):
+                        pass
+                response.close()  # closes the socket (the response holds it)
+                connection.close()
+                return
+            events = _events(response)
+            connection.close()
+            if not events or events[-1] != "[DONE]":
+                outcome.problem = f"the stream ended without [DONE]: {events[-1:]}"
+                return
+            for event in events[:-1]:
+                (choice,) = event["choices"]
+                outcome.text += choice["text"]
+                if choice["logprobs"]:
+                    outcome.tokens += _token_ids(choice["logprobs"])
+                outcome.finish_reason = choice["finish_reason"] or outcome.finish_reason
+    except (OSError, http.client.HTTPException, ValueError, KeyError) as error:
+        outcome.problem = f"{type(error).__name__}: {error}"
+    finally:
+        outcome.seconds = time.perf_counter() - start
+
+
+def _prompts(vocab: int) -> list[list[list[int]]]:
+    """Three prompts per client, seeded; half of them behind one shared 24-token preamble."""
+    rng = np.random.default_rng(SEED)
+    preamble = rng.integers(0, vocab, 24).tolist()
+    prompts = []
+    for client in range(CLIENTS):
+        own = []
+        for _ in range(3):
+            tail = rng.integers(0, vocab, int(rng.integers(3, 17))).tolist()
+            own.append(preamble + tail if client % 2 == 0 else tail)
+        prompts.append(own)
+    return prompts
+
+
+@dataclasses.dataclass
+class LoadResult:
+    outcomes: list[Outcome]
+    metrics: dict
+    seconds: float
+    problems: list[str]
+
+
+def _load(
+    server: Server, solo: Llama3Engine, *, max_tokens: int = 24, timeout: float = CLIENT_TIMEOUT_S
+) -> LoadResult:
+    """CLIENTS threads, three requests each, against `server` on a free port; every problem
+    found (module docstring), each naming its client and prompt."""
+    prompts = _prompts(solo.config.vocab_size)
+    outcomes = [
+        Outcome(
+            client,
+            prompts[client][j],
+            ("whole", "stream", "dropped" if client < DROPPING else "whole")[j],
+        )
+        for client in range(CLIENTS)
+        for j in range(3)
+    ]
+    with RunningServer(server) as running:
+
+        def client(c: int) -> None:
+            for outcome in outcomes[3 * c : 3 * c + 3]:
+                tokens = 200 if outcome.kind == "dropped" else max_tokens
+                _request(running.url, outcome, tokens, timeout)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(CLIENTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - start
+        deadline = time.perf_counter() + timeout
+        while True:  # the dropped streams are cancelled when the server next writes to them
+            metrics = _get(running.url[: -len("/v1")], "/metrics")[1]
+            if metrics["pending"] == 0 or time.perf_counter() > deadline:
+                break
+            time.sleep(0.05)
+    problems = [f"client {o.client} ({o.kind}): {o.problem}" for o in outcomes if o.problem]
+    for o in outcomes:
+        if o.problem or o.kind == "dropped":
+            continue
+        reference = solo.generate(o.prompt, max_tokens, stop_on_eos=False)
+        own = _own_tokens(o.tokens, reference)
+        if own is not None:
+            problems.append(f"client {o.client} ({o.kind}) prompt {o.prompt[:6]}...: {own}")
+        elif o.text != solo.tokenizer.decode(o.tokens):
+            problems.append(f"client {o.client} ({o.kind}): text {o.text!r} is not its tokens'")
+        elif o.finish_reason != "length":
+            problems.append(f"client {o.client} ({o.kind}): finish_reason {o.finish_reason!r}")
+    cancelled = metrics["requests"].get("cancelled", 0)
+    if cancelled != DROPPING:
+        problems.append(
+            f"{DROPPING} clients dropped their streams and the server cancelled {cancelled} "
+            f"requests (/metrics: {metrics})"
+        )
+    if metrics["pending"] or metrics["kv_blocks_in_use"]:
+        problems.append(
+            f"at the end {metrics['pending']} requests pending, "
+            f"{metrics['kv_blocks_in_use']} KV blocks referenced (/metrics: {metrics})"
+        )
+    return LoadResult(outcomes, metrics, seconds, problems)
+
+
+def _own_tokens(served: list[int], reference) -> str | None:
+    """None if `served` are the solo run's greedy tokens (up to a near tie); else why not."""
+    if len(served) != len(reference.tokens):
+        return f"{len(served)} tokens, the solo run {len(reference.tokens)}"
+    for step, (got, want) in enumerate(zip(served, reference.tokens, strict=True)):
+        if got == want:
+            continue
+        row = reference.logits[step]
+        gap = float(row[want] - row[got])
+        if gap <= NEAR_TIE * float(row.abs().max()):
+            return None  # a near tie: the two runs may go their own ways from here
+        return (
+            f"step {step} is token {got}, the solo run's {want} leads it by {gap:.3g}: these "
+            f"are not this prompt's tokens (served {served[:8]}, solo {reference.tokens[:8]})"
+        )
+    return None
+
+
+def _summary(result: LoadResult) -> str:
+    done = [o for o in result.outcomes if not o.problem and o.kind != "dropped"]
+    latencies = sorted(o.seconds for o in done)
+    tokens = sum(len(o.tokens) for o in done)
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    return (
+        f"{len(done)} requests from {CLIENTS} clients in {result.seconds:.2f} s: latency p50 "
+        f"{statistics.median(latencies) * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms, "
+        f"{tokens / result.seconds:.0f} generated tokens/s; /metrics {result.metrics}"
+    )
+
+
+# --- the tests ------------------------------------------------------------------------------
+
+
+def test_sixteen_clients_get_their_own_tokens_and_nothing_is_lost(checkpoint, solo) -> None:
+    result = _load(_server(checkpoint), solo)
+    print(_summary(result))
+    assert not result.problems, "\n".join(result.problems)
+    metrics = result.metrics
+    # the pool was under pressure: sharing, and preemption
+    assert metrics["prefix_cache_hits"] > 0 and metrics["preemptions"] > 0, metrics
+
+
+class _FirstComeFirstServed(EngineWorker):
+    """Planted: a finished result goes to the request that has waited longest, as if requests
+    finished in the order they arrived (they do not: prompts differ, sequences are preempted)."""
+
+    def _finish(self, event) -> None:
+        if event.served is not None and self._listeners:
+            event = dataclasses.replace(event, request_id=next(iter(self._listeners)))
+        super()._finish(event)
+
+
+class _FirstArrivalOnly(EngineWorker):
+    """Planted: the worker takes the first request that arrived during a step, drops the rest."""
+
+    def _take(self):
+        inbox, cancels = super()._take()
+        return inbox[:1], cancels
+
+
+class _NoCancelOnClose(Server):
+    """Planted: a stream whose client went away is left running to its max_tokens."""
+
+    def _on_close(self, unfinished: list[str]) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("plant", "expected"),
+    [
+        (dict(worker_class=_FirstComeFirstServed), "not this prompt's tokens"),
+        (dict(worker_class=_FirstArrivalOnly), "timed out"),
+        (dict(server_class=_NoCancelOnClose), "the server cancelled 0 requests"),
+    ],
+    ids=["another_requests_tokens", "lost_requests", "no_cancel_on_disconnect"],
+)
+def test_each_planted_server_bug_fails_the_load_run(checkpoint, solo, plant, expected) -> None:
+    result = _load(_server(checkpoint, **plant), solo, timeout=5.0)
+    print("\n".join(result.problems))
+    assert any(expected in p for p in result.problems), "\n".join(result.problems) or "no problem"
+
+
+# --- bad requests ---------------------------------------------------------------------------
+
+
+BAD = [
+    (b"{not json", 400, "not valid JSON"),
+    (b"x" * 70000, 413, "over this server's limit of 65536 bytes"),
+    ({"max_tokens": 4}, 400, '"prompt" is required'),
+    ({"prompt": [1, 2, 10**6]}, 400, "outside the vocabulary"),
+    ({"prompt": [1, 2], "max_tokens": 10**6}, 400, "over this server's context of 256"),
+    ({"prompt": [1, 2], "max_tokens": 0}, 400, '"max_tokens" must be at least 1'),
+    ({"prompt": [1, 2], "temperature": "hot"}, 400, '"temperature" must be a number'),
+    ({"prompt": [1, 2], "temperature": -1}, 400, '"temperature" must be >= 0'),
+    ({"prompt": [1, 2], "top_p": 0}, 400, "top_p=0.0 must lie in (0, 1]"),
+    ({"prompt": [1, 2], "logprobs": 99}, 400, '"logprobs" must lie in 0..20'),
+    ({"prompt": [1, 2], "n": 2}, 400, '"n" must be 1'),
+    ({"prompt": [1, 2], "stop": [""]}, 400, '"stop" must be a non-empty string'),
+    ({"prompt": [], "max_tokens": 1}, 400, '"prompt" must be text, token ids'),
+    ({"prompt": [[1], "a", 3]}, 400, "prompt 2 is neither text nor a list of token ids"),
+    ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model 'gpt-4' is not served here"),
+    ([1, 2], 400, "must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "message"), BAD, ids=[m for _, _, m in BAD])
+def test_a_bad_request_gets_a_clear_4xx_and_the_server_serves_on(
+    checkpoint, body, status, message
+) -> None:
+    server = _server(checkpoint)
+    with RunningServer(server) as running:
+        got, answer = _post(running.url, "/completions", body)
+        assert got == status, answer
+        assert message in answer["error"]["message"], answer
+        assert answer["error"]["type"] == "invalid_request_error"
+        ok, fine = _post(running.url, "/completions", _body([1, 2, 3], 2, False))
+        assert ok == 200 and len(fine["choices"][0]["logprobs"]["tokens"]) == 2, fine
+
+
+def test_endpoints_and_wrong_methods(checkpoint) -> None:
+    with RunningServer(_server(checkpoint)) as running:
+        assert _get(running.url, "/models")[1]["data"][0]["id"] == "tiny"
+        status, answer = _get(running.url, "/chat/completions", "POST")
+        assert status == 404 and "no such endpoint" in answer["error"]["message"]
+        status, answer = _get(running.url, "/completions")
+        assert status == 405 and "GET is not allowed" in answer["error"]["message"]
+        root = running.url[: -len("/v1")]
+        assert _get(root, "/health") == (200, {"status": "ok"})
+
+
+def test_text_prompts_stop_strings_and_seeded_sampling(checkpoint, solo) -> None:
+    tokenizer = solo.tokenizer
+    with RunningServer(_server(checkpoint)) as running:
+        prompt = "the cap"
+        status, answer = _post(
+            running.url, "/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        )
+        assert status == 200, answer
+        reference = solo.generate(tokenizer.encode(prompt), 12)
+        assert answer["choices"][0]["text"] == tokenizer.decode(reference.tokens)
+        assert answer["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt))
+        # a stop string: the text ends before it, finish_reason "stop"
+        text = answer["choices"][0]["text"]
+        stop = text[3:5]
+        cut = text[: text.find(stop)]
+        for stream in (False, True):
+            body = {
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 0,
+                "stop": stop,
+                "stream": stream,
+            }
+            if stream:
+                connection, base = _connection(running.url, CLIENT_TIMEOUT_S)
+                connection.request("POST", base + "/completions", json.dumps(body).encode())
+                events = _events(connection.getresponse())
+                connection.close()
+                got = "".join(e["choices"][0]["text"] for e in events[:-1])
+                reason = events[-2]["choices"][0]["finish_reason"]
+            else:
+                answer = _post(running.url, "/completions", body)[1]
+                got, reason = answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]
+            assert (got, reason) == (cut, "stop"), (stream, stop, text)
+        # seeded sampling: the same seed, the same draw; the engine's own sampled tokens
+        body = {
+            "prompt": [5, 6, 7],
+            "max_tokens": 8,
+            "temperature": 0.9,
+            "seed": 7,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        }
+        first = _token_ids(_post(running.url, "/completions", body)[1]["choices"][0]["logprobs"])
+        again = _token_ids(_post(running.url, "/completions", body)[1]["choices"][0]["logprobs"])
+        from pipelines.llama3.sampling import SamplerSettings
+
+        sampled = solo.generate(
+            [5, 6, 7], 8, stop_on_eos=False, sampling=SamplerSettings(temperature=0.9, seed=7)
+        )
+        assert first == again == sampled.tokens
+
+
+def test_top_logprobs_are_the_log_softmax_of_the_engines_logits(checkpoint, solo) -> None:
+    with RunningServer(_server(checkpoint)) as running:
+        body = {**_body([9, 8, 7, 6], 3, False), "logprobs": 5}
+        choice = _post(running.url, "/completions", body)[1]["choices"][0]
+    reference = solo.generate([9, 8, 7, 6], 3, stop_on_eos=False)
+    for step, top in enumerate(choice["logprobs"]["top_logprobs"]):
+        want = torch.log_softmax(reference.logits[step].double(), -1)
+        ids = [int(k[len(TOKEN_ID_PREFIX) :]) for k in top]
+        assert ids == torch.topk(want, 5).indices.tolist()
+        assert np.allclose(list(top.values()), want[ids].numpy(), atol=1e-5)
