@@ -8,9 +8,16 @@ the same threads; tools/llama_cpp/install.sh installs it from Debian). Prints to
 second (prompt and generated tokens over the wall time of the batch) of each, and the ratios
 served/sequential and served/llama.cpp, all from this one run.
 
+Then the HTTP servers (`--clients`, default 16): this engine's server (pipelines/llama3/
+server.py, in --server-modes) and llama.cpp's `llama-server` (--parallel CLIENTS, its default
+f16 KV cache, the same threads), each on a free loopback port, answer CLIENTS concurrent
+clients, one completion each (the same prompts, --new-tokens greedy tokens, no EOS stop),
+after one warm-up round: total tokens/s, p50/p99 latency and the ratio server/llama-server.
+
 Example:
     bazel run //tools:bench_serving
     bazel run //tools:bench_serving -- --modes=quantized --batches=16 --threads=2
+    bazel run //tools:bench_serving -- --modes= --clients=16 --server-modes=ggml
 
 Every mode by default: eager, quantized, ggml (llama.cpp's numerics through the same serving
 engine) and compiled (each block's dense parts as compiled graphs around the eager attention;
@@ -20,16 +27,22 @@ the warm-up batch compiles them, outside the timings).
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 
 import torch
 
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine
+from pipelines.llama3.server import RunningServer, build
 from pipelines.llama3.serving import Request, ServingEngine
 
 # Prompt words: request i takes LENGTHS[i % len(LENGTHS)] of them (mixed lengths).
@@ -57,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=16, help="generated per request")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    parser.add_argument(
+        "--clients", type=int, default=16, help="concurrent HTTP clients (0: no server rows)"
+    )
+    parser.add_argument(
+        "--server-modes", default="ggml,quantized", help="this engine's server, per mode"
+    )
     return parser
 
 
@@ -107,9 +126,105 @@ def _served(engine: Llama3Engine, prompts: list[list[int]], new: int) -> float:
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
+def _complete(url: str, prompt: list[int], new: int) -> float:
+    """One greedy completion of `new` tokens over HTTP; its latency in seconds."""
+    parts = urllib.parse.urlsplit(url)
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    try:
+        connection.request("POST", parts.path + "/completions", json.dumps(body).encode())
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise RuntimeError(f"{url} answered HTTP {response.status}: {str(answer)[:300]}")
+    generated = answer["usage"]["completion_tokens"]
+    if generated != new:
+        raise RuntimeError(f"{url} generated {generated} tokens, not {new}")
+    return time.perf_counter() - start
+
+
+def _clients(url: str, prompts: list[list[int]], new: int) -> tuple[float, list[float]]:
+    """Every prompt by a client thread of its own, all at once: wall seconds, latencies."""
+    latencies: list[float] = [0.0] * len(prompts)
+    errors: list[Exception] = []
+
+    def client(i: int) -> None:
+        try:
+            latencies[i] = _complete(url, prompts[i], new)
+        except Exception as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(prompts)} requests failed: {errors[0]}")
+    return time.perf_counter() - start, latencies
+
+
+def _server_row(name: str, url: str, prompts: list[list[int]], args) -> float:
+    _clients(url, prompts, args.new_tokens)  # warm up: first requests, caches, threads
+    seconds, latencies = _clients(url, prompts, args.new_tokens)
+    total = len(prompts) * (args.prompt_tokens + args.new_tokens) / seconds
+    latencies.sort()
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    print(
+        f"{name:<24} {len(prompts):>7} {total:>8.1f} {statistics.median(latencies) * 1e3:>8.0f} "
+        f"{p99 * 1e3:>8.0f}",
+        end="",
+    )
+    return total
+
+
+def servers(args: argparse.Namespace) -> None:
+    """The HTTP rows: this engine's server per mode, then llama-server, and the ratios."""
+    from goldens.engines.base import EngineError
+    from goldens.engines.llama_server import LlamaServer
+
+    engine = Llama3Engine.from_gguf(smollm2_gguf(), mode="eager")
+    prompts = _prompts(engine, args.clients, args.prompt_tokens)
+    print(
+        f"\nHTTP servers, {args.clients} concurrent clients, one completion each "
+        f"({args.prompt_tokens} prompt + {args.new_tokens} new tokens), {args.threads} threads"
+    )
+    print(
+        f"{'server':<24} {'clients':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}  vs llama-server"
+    )
+    ours = {}
+    for mode in [m for m in args.server_modes.split(",") if m]:
+        served = Llama3Engine.from_gguf(smollm2_gguf(), mode=mode)
+        context = args.prompt_tokens + args.new_tokens + 16
+        server = build(served, "smollm2", max_batch=args.clients, max_context=context)
+        with RunningServer(server) as running:
+            ours[mode] = _server_row(f"this engine ({mode})", running.url, prompts, args)
+        print()
+    theirs = None
+    if shutil.which("llama-server") is None:
+        print("llama-server: not installed (tools/llama_cpp/install.sh)")
+    else:
+        slots = args.clients
+        extra = ("--threads", str(args.threads), "--threads-batch", str(args.threads))
+        extra += ("--parallel", str(slots), "--ctx-size", str(slots * 256))
+        extra += ("--cache-type-k", "f16", "--cache-type-v", "f16")
+        try:
+            with LlamaServer(smollm2_gguf(), extra_args=extra) as peer:
+                theirs = _server_row("llama-server", peer.url, prompts, args)
+                print()
+        except EngineError as error:
+            print(f"llama-server: {error}")
+    if theirs:
+        for mode, total in ours.items():
+            print(f"this engine ({mode}) / llama-server: {total / theirs:.2f}")
+
+
+def batched(args: argparse.Namespace, modes: list[str]) -> None:
+    """The batch rows: each mode served, sequential, and llama-batched-bench."""
     batches = [int(b) for b in args.batches.split(",")]
     peer = llama_cpp_batched(args, batches)
     print(
@@ -120,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'mode':<10} {'batch':>5} {'served':>8} {'sequential':>11} {'llama.cpp':>10} "
         f"{'served/sequential':>18} {'served/llama.cpp':>17}"
     )
-    for mode in args.modes.split(","):
+    for mode in modes:
         engine = Llama3Engine.from_gguf(smollm2_gguf(), mode=mode)
         with torch.inference_mode():
             _served(engine, _prompts(engine, 2, 8), 2)  # warm up both paths
@@ -139,6 +254,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
     if isinstance(peer, str):
         print(f"llama.cpp: {peer}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    modes = [m for m in args.modes.split(",") if m]
+    if modes:
+        batched(args, modes)
+    if args.clients:
+        servers(args)
     return 0
 
 
