@@ -18,6 +18,13 @@ engine serves them (pipelines/llama3/serving.py), held to the same goldens and t
   too (the verdict says how many).
 - `preempt`: all cases batched in a pool too small for them: sequences are preempted and
   recomputed.
+- `pressure`: every case served PRESSURE_COPIES times (at least 18 requests), the copies
+  arriving in waves two steps apart while the earlier ones run, with prefix caching, prefill
+  in chunks of 8 beside other sequences' decode tokens, through a pool of the longest
+  request's blocks + 2: later copies read blocks that running copies hold, cached blocks are
+  evicted and their hashes looked up again, sequences are preempted. Every copy's rows are
+  judged (prompt positions a copy read from the cache: the rows of the copy that computed
+  them), and the lane's counters (`Served.counters`) must each reach PRESSURE_MINIMUMS.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from pipelines.llama3.engine import GenerationOutput
 from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import Request, ServingEngine, blocks_for
 
-SCENARIOS = ("solo", "batch", "chunked", "paged", "prefix", "preempt")
+SCENARIOS = ("solo", "batch", "chunked", "paged", "prefix", "preempt", "pressure")
 # The scenarios the long cases (thousands of positions) run: where their length matters.
 LONG_SCENARIOS = ("solo", "chunked", "paged", "prefix")
 
@@ -54,7 +61,22 @@ class Serving:
     # > 0: chunks of `chunk_size` only over this many prompt positions ending at WINDOW_END (or
     # the prompt's end), the rest of the prompt in one piece before and after
     window: int = 0
+    copies: int = 1  # > 1: each case served this many times, in waves (`pressure`)
 
+
+# The pressure lane: copies of every case (enough for 18 requests in flight), and what its
+# counters must reach (each at least once: measured on the tiny files' short cases, float32,
+# eager: see the lane's printed counters).
+PRESSURE_COPIES = 3
+PRESSURE_WAVE_STEPS = 2  # steps between waves
+PRESSURE_IN_FLIGHT = 16
+PRESSURE_MINIMUMS = {
+    "evictions": 1,
+    "hits on blocks a running sequence holds": 1,
+    "evicted hashes looked up again": 1,
+    "preemptions": 1,
+    "steps mixing prefill and decode rows": 1,
+}
 
 SERVINGS = {
     "batch": (
@@ -70,6 +92,16 @@ SERVINGS = {
     "paged": (Serving("block4", block_size=4), Serving("block16", block_size=16)),
     "prefix": (Serving("prefix", block_size=2, prefix=True),),
     "preempt": (Serving("preempt", block_size=4, tight_pool=True),),
+    "pressure": (
+        Serving(
+            "pressure",
+            block_size=4,
+            chunk_size=8,
+            prefix=True,
+            tight_pool=True,
+            copies=PRESSURE_COPIES,
+        ),
+    ),
 }
 LONG_SERVINGS = {
     "chunked": (Serving("chunk512", chunk_size=512), Serving("chunk1000", chunk_size=1000)),
@@ -131,6 +163,8 @@ class Served:
     cached_positions: int  # golden prompt positions read from the prefix cache (the sibling's rows)
     preemptions: int
     cache_hits: int  # blocks the requests read from the prefix cache
+    copies: list[list[Run]] = dataclasses.field(default_factory=list)  # pressure: copy 1, 2, ...
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)  # pressure: what it did
 
 
 class BlocksHeld(AssertionError):
@@ -141,14 +175,18 @@ def _serve(server: ServingEngine, requests: list[Request]) -> dict:
     """`server.serve(requests)`, then every block of the pool given back: free, or cached and
     evictable (a finished request holds none; a leak would starve the next requests)."""
     results = server.serve(requests)
+    _check_pool_given_back(server, [r.id for r in requests])
+    return results
+
+
+def _check_pool_given_back(server: ServingEngine, served: list[str]) -> None:
     pool = server.pool
     held = [b for b in range(pool.num_blocks) if pool.refs[b]]
     if held or pool.available() != pool.num_blocks:
         raise BlocksHeld(
             f"{type(server).__name__}: {len(held)} of {pool.num_blocks} blocks still held after "
-            f"serving {[r.id for r in requests]} to completion (blocks {held[:8]})"
+            f"serving {served} to completion (blocks {held[:8]})"
         )
-    return results
 
 
 def served_runs(
@@ -171,6 +209,8 @@ def served_runs(
         lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
         config["num_blocks"] = max(blocks_for(n, serving.block_size) for n in lengths) + 2
     results = {}
+    if serving.copies > 1:
+        return _pressure(engine, golden, requests, serving, serving_class, config)
     if serving.prefix:
         # One pool for every case and its siblings: the cache the case reads is theirs.
         blocks = _prefix_pool(requests, serving)
@@ -189,6 +229,13 @@ def served_runs(
         server = serving_engine(engine, serving_class, **config)
         order = requests[::-1] if serving.order == "reversed" else requests
         results = _serve(server, order)
+    runs, cached, preemptions = _runs(golden, requests, results)
+    return Served(runs, cached, preemptions, server.pool.hits)
+
+
+def _runs(golden: schema.Golden, requests: list[Request], results: dict):
+    """The served results of `requests` (one per case, in order) as runs; the golden prompt
+    positions read from the prefix cache, and the preemptions, summed."""
     runs, cached, preemptions = [], 0, 0
     for case, request in zip(golden.cases, requests, strict=True):
         served = results[request.id]
@@ -208,7 +255,44 @@ def served_runs(
         )
         cached += sum(p < served.cached_prefix for p in served.prompt_positions)
         preemptions += served.preemptions
-    return Served(runs, cached, preemptions, server.pool.hits)
+    return runs, cached, preemptions
+
+
+def _copy(request: Request, k: int) -> Request:
+    return dataclasses.replace(request, id=request.id if k == 0 else f"{request.id}/copy{k}")
+
+
+def _pressure(engine, golden, requests, serving, serving_class, config) -> Served:
+    """`pressure` (module docstring): the copies of every case in waves, one tight pool."""
+    copies = max(serving.copies, -(-(PRESSURE_IN_FLIGHT + 2) // len(requests)))
+    waves = [[_copy(r, k) for r in requests] for k in range(copies)]
+    if not serving.tight_pool:  # room for every copy at once (what the lane must not be)
+        config = {**config, "num_blocks": copies * _all_blocks(requests, serving)}
+    server = serving_engine(engine, serving_class, **config)
+    results, step, in_flight = {}, 0, 0
+    while waves or server.pending:
+        if waves and step % PRESSURE_WAVE_STEPS == 0:
+            server.submit(waves.pop(0))
+        in_flight = max(in_flight, server.pending)
+        results.update(server.step())
+        step += 1
+    _check_pool_given_back(server, list(results))
+    for request in requests:  # rows a copy read from the cache: the copy's that computed them
+        ids = [_copy(request, k).id for k in range(copies)]
+        for request_id in ids:
+            results[request_id] = _with_rows_of(results, request_id, ids, request)
+    runs, cached, preemptions = _runs(golden, requests, results)
+    others = [_runs(golden, [_copy(r, k) for r in requests], results)[0] for k in range(1, copies)]
+    pool = server.pool
+    counters = {
+        "requests in flight at once": in_flight,
+        "evictions": pool.evictions,
+        "hits on blocks a running sequence holds": pool.shared_hits,
+        "evicted hashes looked up again": pool.refound,
+        "preemptions": server.preemptions,
+        "steps mixing prefill and decode rows": server.mixed_steps,
+    }
+    return Served(runs, cached, preemptions, pool.hits, others, counters)
 
 
 def sampled_served(
@@ -291,6 +375,21 @@ def _with_siblings_rows(served: dict, request: Request):
     for source in (sibling, own):  # the case's own rows win where both computed one
         if source.output.prompt_logits is not None:
             rows.update(zip(source.prompt_positions, source.output.prompt_logits, strict=True))
+    positions = [p for p in request.prompt_positions if p in rows]
+    logits = torch.stack([rows[p] for p in positions]) if positions else None
+    output = dataclasses.replace(own.output, prompt_logits=logits)
+    return dataclasses.replace(own, output=output, prompt_positions=positions)
+
+
+def _with_rows_of(results: dict, request_id: str, ids: list[str], request: Request):
+    """`request_id`'s result with each prompt row it did not compute (read from the prefix
+    cache) taken from the first of `ids` that computed it: the same tokens, the same history."""
+    rows = {}
+    for source in [results[request_id], *(results[i] for i in ids)]:
+        if source.output.prompt_logits is not None:
+            for p, row in zip(source.prompt_positions, source.output.prompt_logits, strict=True):
+                rows.setdefault(p, row)
+    own = results[request_id]
     positions = [p for p in request.prompt_positions if p in rows]
     logits = torch.stack([rows[p] for p in positions]) if positions else None
     output = dataclasses.replace(own.output, prompt_logits=logits)

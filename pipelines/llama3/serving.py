@@ -17,6 +17,8 @@ token is the decoder's (`decoder.Decoder`, the one `Llama3Engine.generate` uses)
 - **Prefix caching**: a full block is published under a hash chained on its parent block's
   hash; a new request reuses the longest run of its full blocks already in the pool
   (reference counted; a block nobody uses stays cached and is evicted least recently used).
+- **Admission**: a waiting request is admitted when the pool, less the blocks the running
+  sequences take this step, has room for its first piece.
 - **Preemption**: when the pool has no free block for a running sequence, the most recently
   admitted one gives its blocks back and is recomputed later from its tokens (prompt and what
   it was fed), then continues exactly.
@@ -31,8 +33,8 @@ token is the decoder's (`decoder.Decoder`, the one `Llama3Engine.generate` uses)
 Each request's result is a `GenerationOutput`, as from `Llama3Engine.generate`. The single
 sequence path stays `generate` (its contiguous cache); the golden tests hold both to the same
 goldens (their `solo` lane and the serving scenarios). The methods `_slot`, `_write_slot`,
-`_positions`, `_context_slots`, `_block_hash` and `_resume_from` are the seams the scenario
-mutations of the golden tests replace. CPU and CUDA share this code (torch operators only);
+`_positions`, `_context_slots`, `_block_hash`, `_resume_from` and `_new_pool` are the seams the
+scenario mutations of the golden tests replace. CPU and CUDA share this code (torch operators only);
 it is tested on the CPU only.
 """
 
@@ -100,7 +102,12 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # prefix hash -> block
         self.hash_of: dict[int, bytes] = {}  # block -> its prefix hash
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
-        self.hits = 0
+        # what the pool went through, for the lanes that must exercise it
+        self.hits = 0  # prefix cache hits
+        self.shared_hits = 0  # ... on a block a running sequence holds (shared while live)
+        self.evictions = 0  # cached blocks taken for new keys
+        self.evicted: set[bytes] = set()  # the hashes evicted so far
+        self.refound = 0  # lookups of an evicted hash (a miss: the prefix is computed again)
 
     def available(self) -> int:
         return len(self.free) + len(self.evictable)
@@ -111,7 +118,10 @@ class BlockPool:
             block = self.free.popleft()
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
-            del self.cached[self.hash_of.pop(block)]
+            key = self.hash_of.pop(block)
+            del self.cached[key]
+            self.evicted.add(key)
+            self.evictions += 1
         else:
             return None
         self.refs[block] = 1
@@ -121,9 +131,12 @@ class BlockPool:
         """The cached block of this prefix hash, now referenced once more; None if absent."""
         block = self.cached.get(key)
         if block is None:
+            self.refound += key in self.evicted
             return None
         if self.refs[block] == 0:
             del self.evictable[block]
+        else:
+            self.shared_hits += 1
         self.refs[block] += 1
         self.hits += 1
         return block
@@ -189,6 +202,7 @@ class ServingEngine:
         self.max_context = max_context
         self.preemptions = 0
         self.steps = 0
+        self.mixed_steps = 0  # steps whose forward ran prompt rows and generated tokens' rows
         self.batch: list[tuple[_Sequence, int, int]] = []
         self.waiting: collections.deque[_Sequence] = collections.deque()  # in arrival order
         self.running: list[_Sequence] = []
@@ -222,6 +236,10 @@ class ServingEngine:
         """A full block's prefix hash: chained on its parent's, so equal tokens after a
         different history never share a block."""
         return hashlib.sha256(parent + b"|" + ",".join(map(str, tokens)).encode()).digest()
+
+    def _new_pool(self, num_blocks: int) -> BlockPool:
+        """The block pool (made at the first submit)."""
+        return BlockPool(self.engine, num_blocks, self.block_size)
 
     def _resume_from(self, seq: _Sequence) -> list[int]:
         """The positions a preempted sequence recomputes when it is admitted again: all."""
@@ -265,7 +283,7 @@ class ServingEngine:
         if self.pool is None:
             lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
             needed = sum(blocks_for(n, self.block_size) for n in lengths)
-            self.pool = BlockPool(self.engine, self.num_blocks or needed + 1, self.block_size)
+            self.pool = self._new_pool(self.num_blocks or needed + 1)
         now = time.perf_counter()
         for r in requests:
             seq = _Sequence(r, self._order, list(r.prompt), decoder=self._decoder(r), submitted=now)
@@ -312,9 +330,13 @@ class ServingEngine:
         waiting, running = self.waiting, self.running
         if not (waiting or running):
             return []
+        # Blocks the running sequences take this step: an admission may not take them (it
+        # would be preempted at once, and its prefix lookups wasted).
+        reserve = sum(self._blocks_wanted(seq) for seq in running)
         while waiting and (self.max_batch is None or len(running) < self.max_batch):
-            if not self._admit(waiting[0]):
+            if not self._admit(waiting[0], reserve if running else None):
                 break
+            reserve += self._blocks_wanted(waiting[0])
             running.append(waiting.popleft())
         if not running:
             raise PoolExhausted(
@@ -368,9 +390,15 @@ class ServingEngine:
             if len(r.prompt) + r.max_new_tokens > self.max_context:
                 raise ValueError(f"request {r.id!r}: longer than max_context {self.max_context}")
 
-    def _admit(self, seq: _Sequence) -> bool:
-        """Give `seq` its cached prefix blocks (prefix caching); False when the pool has no
-        block for its first piece now."""
+    def _blocks_wanted(self, seq: _Sequence) -> int:
+        """The blocks `seq`'s next piece needs beyond its block table."""
+        end = seq.computed + self._chunk(seq.computed, len(seq.fed) - seq.computed)
+        return max(0, blocks_for(end, self.block_size) - len(seq.table))
+
+    def _admit(self, seq: _Sequence, reserve: int | None = None) -> bool:
+        """Give `seq` its cached prefix blocks (prefix caching); False when the pool, less the
+        `reserve` blocks the running sequences take this step, has no room for its first
+        piece (None: nothing is running, one block will do)."""
         recompute = self._resume_from(seq) if seq.preemptions else None
         hits: list[int] = []
         if self.prefix_caching and not seq.preemptions:
@@ -382,13 +410,15 @@ class ServingEngine:
                     break
                 hits.append(block)
                 seq.hashes.append(key)
-        if self.pool.available() < 1:
+        seq.table = hits
+        seq.computed = len(hits) * self.block_size
+        room = self.pool.available() - (reserve or 0)
+        if room < (1 if reserve is None else max(1, self._blocks_wanted(seq))):
             for block in hits:
                 self.pool.release(block)
             seq.hashes.clear()
+            seq.table, seq.computed = [], 0
             return False
-        seq.table = hits
-        seq.computed = len(hits) * self.block_size
         seq.cached_prefix = seq.computed
         if recompute is not None:
             seq.skip = set(range(len(seq.fed))) - set(recompute)
@@ -485,6 +515,8 @@ class ServingEngine:
                 [offset + p - start for p in wanted[-1]] + ([offset + count - 1] if last else [])
             )
             offset += count
+        prefill = [start < len(seq.request.prompt) for seq, start, _ in pieces]
+        self.mixed_steps += any(prefill) and not all(prefill)
         logits = self.model.forward_paged(
             torch.tensor(tokens, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),

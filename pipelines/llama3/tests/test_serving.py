@@ -112,7 +112,11 @@ def test_the_quantized_batch_is_bitwise_where_the_kernels_see_the_same_rows(serv
 
 def test_a_pool_too_small_preempts_and_resumed_requests_continue_exactly(served) -> None:
     engine, requests, solo = served
-    serving = ServingEngine(engine, block_size=4, num_blocks=6)
+    # Blocks of one position and room for the longest request and one more block: two
+    # requests are admitted (each has room for its prompt), and their decode steps run the pool
+    # out (an admission never takes the blocks running sequences need in its step).
+    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    serving = ServingEngine(engine, block_size=1, num_blocks=longest + 1)
     results = serving.serve(requests)
     assert serving.preemptions > 0
     assert sum(r.preemptions for r in results.values()) == serving.preemptions

@@ -17,6 +17,7 @@ from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.serving import ServingEngine
+from pipelines.llama3.tests import pool_mutations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +246,13 @@ def _decode_written_to_another_sequence(self, seq, position, decoding):
     return ServingEngine._write_slot(self, seq, position, decoding)
 
 
+def _pool_of(pool_class):
+    def _new_pool(self, num_blocks):
+        return pool_class(self.engine, num_blocks, self.block_size)
+
+    return _new_pool
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingMutation(Mutation):
     """A serving-path bug and the scenario that must catch it (scenarios.py); the solo lane,
@@ -309,6 +317,19 @@ SERVING_MUTATIONS = [
         scenario="batch",
         method="_write_slot",
         replacement=_decode_written_to_another_sequence,
+    ),
+    # Only a pool under pressure reaches this one (pipelines/llama3/tests/pool_mutations.py): no
+    # other lane shares a block between running sequences. (The pool's other planted bug, an
+    # evicted hash left findable, passes the pressure lane in every variant tried: waves 1 to 4
+    # steps apart, 3 to 6 copies, pools of the largest case's blocks + 2 to + 6. The schedule
+    # fuzz, whose prompts differ behind a shared preamble, catches it.)
+    ServingMutation(
+        "uncounted_shared_hit",
+        "a cache hit on a block a running sequence holds does not count its new reader",
+        {},
+        scenario="pressure",
+        method="_new_pool",
+        replacement=_pool_of(pool_mutations.UncountedHit),
     ),
 ]
 

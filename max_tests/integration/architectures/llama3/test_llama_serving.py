@@ -122,6 +122,15 @@ def lane_counters(serving: scenarios.Serving, served: scenarios.Served) -> list[
     a prefix lane read blocks from the cache and compared the prompt positions inside them
     (the rows of the sibling that computed them)."""
     missing = []
+    if serving.copies > 1:  # the pressure lane: every counter (scenarios.PRESSURE_MINIMUMS)
+        least = {"requests in flight at once": scenarios.PRESSURE_IN_FLIGHT}
+        least.update(scenarios.PRESSURE_MINIMUMS)
+        missing += [
+            f"{serving.name}: {name} {served.counters.get(name, 0)}, below its minimum {floor}"
+            for name, floor in least.items()
+            if served.counters.get(name, 0) < floor
+        ]
+        return missing
     if serving.tight_pool and served.preemptions == 0:
         missing.append(f"{serving.name}: no sequence was preempted (the pool is not tight)")
     if serving.prefix and served.cache_hits == 0:
@@ -189,6 +198,19 @@ def test_llama_serving(
                     lane=case_lane,
                 )
                 delta = scenarios.max_logprob_delta(served.runs, solo)
+                for k, runs in enumerate(served.copies, start=1):  # pressure: every copy
+                    copy = judge.compare_runs(
+                        runs, golden, source, reference, tol, variant,
+                        engine.tokenizer.decode, lane=case_lane,
+                    )  # fmt: skip
+                    delta = max(delta, scenarios.max_logprob_delta(runs, solo))
+                    failures += failure_report.failures_with_report(
+                        copy,
+                        golden,
+                        engine.tokenizer.decode,
+                        reports,
+                        f"{_case_id(variant, mode, scenario)}-{serving.name}-copy{k}",
+                    )
                 record_property("invariance", f"{serving.name}|{reference}|{delta:.6g}")
                 record_property("golden_checks", verdict.steps + verdict.prompt_positions)
                 failures += lane_counters(serving, served)
@@ -203,6 +225,8 @@ def test_llama_serving(
                     )
                 if served.preemptions:
                     extra.append(f"{served.preemptions} preemptions")
+                if served.counters:
+                    extra.append(", ".join(f"{k} {v}" for k, v in served.counters.items()))
                 print(
                     f"  {serving.name}: {verdict.summary()}; vs solo max |Δ log-prob| {delta:.3g}"
                     + (" (bitwise)" if delta == 0 else "")
@@ -225,9 +249,10 @@ def _tiny_short(goldens, encoding: str):
 
 
 def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
-    """The counters are proven: a pool large enough for everyone never preempts, a prefix lane
-    that leaves the cached prompt positions out compares none of them, and a prefix cache whose
-    hashes never repeat is never read; each is named, the goldens alone pass."""
+    """The counters are proven: a pool large enough for everyone never preempts (nor, in the
+    pressure lane, evicts), a prefix lane that leaves the cached prompt positions out compares
+    none of them, and a prefix cache whose hashes never repeat is never read; each is named,
+    the goldens alone pass."""
     variant, golden = _tiny_short(goldens, "float32")
     engine = engine_runs.load_engine(variant, "cpu")
     (preempt,) = scenarios.SERVINGS["preempt"]
@@ -243,6 +268,15 @@ def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
         assert lane_counters(prefix, scenarios.served_runs(engine, golden, prefix)) == [
             "prefix: no prompt position read from the prefix cache was compared"
         ]
+    # the pressure lane in a pool with room for every copy: nothing evicted or preempted
+    (pressure,) = scenarios.SERVINGS["pressure"]
+    assert lane_counters(pressure, scenarios.served_runs(engine, golden, pressure)) == []
+    roomy = dataclasses.replace(pressure, tight_pool=False)
+    assert lane_counters(roomy, scenarios.served_runs(engine, golden, roomy)) == [
+        "pressure: evictions 0, below its minimum 1",
+        "pressure: evicted hashes looked up again 0, below its minimum 1",
+        "pressure: preemptions 0, below its minimum 1",
+    ]
     monkeypatch.setattr(ServingEngine, "_block_hash", lambda self, parent, tokens: os.urandom(32))
     assert lane_counters(prefix, scenarios.served_runs(engine, golden, prefix)) == [
         "prefix: no block was read from the prefix cache"
