@@ -7,7 +7,8 @@ engine serves them (pipelines/llama3/serving.py), held to the same goldens and t
   into two batches one after the other.
 - `chunked`: prefill in chunks of 1, 3 and 16 tokens (the long cases: 512 and 1000, and 1,
   3 and 16 over a window of 512 positions: `windowed`), so prompts cross chunk boundaries;
-  all cases batched.
+  all cases batched; and decode in speculative verification chunks (`spec4`: the forced
+  tokens proposed 4 at a time, each decode piece 5 positions).
 - `paged`: blocks of 4 and 16 positions (long cases: 16 and 64), so cases cross block
   boundaries.
 - `prefix`: each case served after two sibling requests, one sharing its first blocks (read
@@ -42,6 +43,7 @@ from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.engine import GenerationOutput
 from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import Request, ServingEngine, blocks_for
+from pipelines.llama3.speculative import NgramDraft, Speculation
 
 SCENARIOS = ("solo", "batch", "chunked", "paged", "prefix", "preempt", "pressure")
 # The scenarios the long cases (thousands of positions) run: where their length matters.
@@ -62,6 +64,7 @@ class Serving:
     # the prompt's end), the rest of the prompt in one piece before and after
     window: int = 0
     copies: int = 1  # > 1: each case served this many times, in waves (`pressure`)
+    speculate: int = 0  # > 0: speculative decoding, K proposals per decode piece
 
 
 # The pressure lane: copies of every case (enough for 18 requests in flight), and what its
@@ -88,6 +91,9 @@ SERVINGS = {
         Serving("chunk1", chunk_size=1),
         Serving("chunk3", chunk_size=3),
         Serving("chunk16", chunk_size=16),
+        # decode in verification chunks: teacher-forced, the forced tokens are the proposals
+        # (all accepted), so each decode piece scores K + 1 positions at once
+        Serving("spec4", speculate=4),
     ),
     "paged": (Serving("block4", block_size=4), Serving("block16", block_size=16)),
     "prefix": (Serving("prefix", block_size=2, prefix=True),),
@@ -165,6 +171,7 @@ class Served:
     cache_hits: int  # blocks the requests read from the prefix cache
     copies: list[list[Run]] = dataclasses.field(default_factory=list)  # pressure: copy 1, 2, ...
     counters: dict[str, int] = dataclasses.field(default_factory=dict)  # pressure: what it did
+    verified: int = 0  # speculation: proposals verified (scored in a decode piece)
 
 
 class BlocksHeld(AssertionError):
@@ -197,6 +204,9 @@ def served_runs(
 ) -> Served:
     """Every case of `golden` teacher-forced through a `serving_class` as `serving` says."""
     requests = [_request(engine, case) for case in golden.cases]
+    if serving.speculate:
+        speculation = Speculation(NgramDraft(), serving.speculate)
+        requests = [dataclasses.replace(r, speculation=speculation) for r in requests]
     max_context = max(len(r.prompt) + r.max_new_tokens for r in requests) + 8
     config = dict(
         block_size=serving.block_size,
@@ -230,7 +240,10 @@ def served_runs(
         order = requests[::-1] if serving.order == "reversed" else requests
         results = _serve(server, order)
     runs, cached, preemptions = _runs(golden, requests, results)
-    return Served(runs, cached, preemptions, server.pool.hits)
+    verified = sum(
+        sum(r.output.speculation.proposed) for r in results.values() if r.output.speculation
+    )
+    return Served(runs, cached, preemptions, server.pool.hits, verified=verified)
 
 
 def _runs(golden: schema.Golden, requests: list[Request], results: dict):

@@ -53,6 +53,7 @@ from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
 from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import Request, Served, ServingEngine, blocks_for
+from pipelines.llama3.speculative import NgramDraft, Speculation
 
 MAX_LOGPROBS = 20  # top log-probabilities per token, at most (vLLM's default limit)
 MAX_PROMPTS = 64  # prompts in one request, at most
@@ -260,8 +261,15 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, what: s
 class Server:
     """The Flask application around one EngineWorker."""
 
-    def __init__(self, serving: ServingEngine, model_name: str, max_body: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        serving: ServingEngine,
+        model_name: str,
+        max_body: int = 1 << 20,
+        speculation: Speculation | None = None,
+    ) -> None:
         self.serving = serving
+        self.speculation = speculation  # every request's (None: no speculative decoding)
         self.engine = serving.engine
         self.model_name = model_name
         self.worker = EngineWorker(serving)
@@ -420,6 +428,7 @@ class Server:
                 sampling=completion.sampling,
                 stop=completion.stop,
                 ignore_eos=completion.ignore_eos,
+                speculation=self.speculation,
             )
             for request_id, prompt in zip(ids, completion.prompts, strict=True)
         ]
@@ -706,9 +715,12 @@ def build(
     chunk_size: int | None = 512,
     max_context: int | None = None,
     max_body: int = 1 << 20,
+    speculate: int = 0,
 ) -> Server:
     """A Server for `engine`: a pool of `kv_tokens` keys (in blocks of `block_size`), at most
-    `max_batch` requests in a step, prefill in chunks of `chunk_size`, prefix caching on."""
+    `max_batch` requests in a step, prefill in chunks of `chunk_size`, prefix caching on;
+    `speculate` > 0: every request decodes speculatively, the n-gram draft proposing up to that
+    many tokens a step (the same tokens, fewer forwards)."""
     context = max_context or min(engine.config.context_length or 8192, 16384)
     serving = ServingEngine(
         engine,
@@ -719,7 +731,8 @@ def build(
         prefix_caching=True,
         max_context=context,
     )
-    return Server(serving, model_name, max_body=max_body)
+    speculation = Speculation(NgramDraft(), speculate) if speculate else None
+    return Server(serving, model_name, max_body=max_body, speculation=speculation)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -749,6 +762,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-context", type=int, default=0, help="tokens per request (0: file's)")
     parser.add_argument("--max-body", type=int, default=1 << 20, help="request body limit, bytes")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
+    parser.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: the n-gram draft proposes up to K tokens (1-8) a step (0: off)",
+    )
     return parser
 
 
@@ -764,9 +784,12 @@ def main(argv: list[str] | None = None) -> int:
         ("--max-context", args.max_context, 0),
         ("--max-body", args.max_body, 1),
         ("--port", args.port, 0),
+        ("--speculate", args.speculate, 0),
     ):
         if value < least:
             parser.error(f"{flag}={value} must be at least {least}")
+    if args.speculate > 8:
+        parser.error(f"--speculate={args.speculate} must lie in 0..8")
     base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
     gguf = pathlib.Path(base, os.path.expanduser(args.gguf))
     if not gguf.is_file():
@@ -788,6 +811,7 @@ def main(argv: list[str] | None = None) -> int:
         chunk_size=args.chunk_size or None,
         max_context=args.max_context or None,
         max_body=args.max_body,
+        speculate=args.speculate,
     )
     try:
         running = RunningServer(server, args.host, args.port)

@@ -26,6 +26,10 @@ token is the decoder's (`decoder.Decoder`, the one `Llama3Engine.generate` uses)
   (packed.PackedAttention.forward_paged) runs a decode row through `decode_attention_paged`
   over its block table's slots (bit-identical to the contiguous kernel `generate` uses);
   prefill pieces run SDPA over the gathered keys.
+- **Speculative decoding per request** (`Request.speculation`): a decode piece is the token
+  just chosen and the draft's proposals (`speculative.py`), scored in the same forward as every
+  other piece; the one decoder verifies them (the same decisions as `generate`'s); the rejected
+  proposals' positions are dropped, their blocks freed, never published to the prefix cache.
 - **Teacher forcing per request**: `Request.forced_tokens` feeds the golden's tokens, as
   `Llama3Engine.generate` does; `prompt_positions` returns logits of those prompt positions
   (positions read from the prefix cache are not computed, so not returned).
@@ -34,7 +38,8 @@ Each request's result is a `GenerationOutput`, as from `Llama3Engine.generate`. 
 sequence path stays `generate` (its contiguous cache); the golden tests hold both to the same
 goldens (their `solo` lane and the serving scenarios). The methods `_slot`, `_write_slot`,
 `_positions`, `_context_slots`, `_block_hash`, `_resume_from` and `_new_pool` are the seams the
-scenario mutations of the golden tests replace. CPU and CUDA share this code (torch operators only);
+scenario mutations of the golden tests replace; `_accepted_end` and `_free_rejected` those of
+the speculation tests. CPU and CUDA share this code (torch operators only);
 it is tested on the CPU only.
 """
 
@@ -48,6 +53,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pipelines.llama3 import speculative
 from pipelines.llama3.decoder import Decoder
 from pipelines.llama3.engine import GenerationOutput, Llama3Engine
 from pipelines.llama3.model import PagedBatch
@@ -77,6 +83,9 @@ class Request:
     sampling: SamplerSettings | None = None  # None: greedy (decoder.Decoder)
     stop: tuple[str, ...] = ()  # stop strings: the generated text containing one ends it
     ignore_eos: bool = False  # True: the checkpoint's end-of-sequence ids do not stop it
+    # speculative decoding: each decode step feeds the draft's proposals after the token just
+    # chosen, one forward scores them, the decoder verifies them (speculative.py)
+    speculation: speculative.Speculation | None = None
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -176,6 +185,8 @@ class _Sequence:
     slots: list[int] = dataclasses.field(default_factory=list)
     slots_of: list[int] | None = None
     submitted: float = 0.0  # time.perf_counter() at submit
+    proposal: list[int] = dataclasses.field(default_factory=list)  # this step's draft tokens
+    stats: speculative.Stats | None = None  # with speculation: proposals and acceptances
 
 
 class ServingEngine:
@@ -287,6 +298,7 @@ class ServingEngine:
         now = time.perf_counter()
         for r in requests:
             seq = _Sequence(r, self._order, list(r.prompt), decoder=self._decoder(r), submitted=now)
+            seq.stats = speculative.Stats() if r.speculation is not None else None
             self.waiting.append(seq)
             self._order += 1
 
@@ -439,6 +451,9 @@ class ServingEngine:
             if seq not in running:
                 continue
             count = self._chunk(seq.computed, len(seq.fed) - seq.computed)
+            if seq.request.speculation is not None and len(seq.fed) - seq.computed == 1:
+                seq.proposal = self._propose(seq)
+                count += len(seq.proposal)
             end = seq.computed + count
             while len(seq.table) * self.block_size < end:
                 block = self.pool.allocate()
@@ -463,7 +478,7 @@ class ServingEngine:
             )
         running.remove(seq)
         self._release(seq)
-        seq.hashes, seq.computed = [], 0
+        seq.hashes, seq.computed, seq.proposal = [], 0, []
         seq.preemptions += 1
         self.preemptions += 1
         waiting.appendleft(seq)
@@ -486,7 +501,7 @@ class ServingEngine:
         pool, device = self.pool, self.engine.device
         tokens, positions, slots = [], [], []
         for seq, start, count in pieces:
-            tokens += seq.fed[start : start + count]
+            tokens += [*seq.fed, *seq.proposal][start : start + count]
             positions += self._positions(seq, start, count)
             slots += [self._write_slot(seq, p, count == 1) for p in range(start, start + count)]
         fresh = [not s for seq, start, count in pieces for s in self._skipped(seq, start, count)]
@@ -510,10 +525,9 @@ class ServingEngine:
                     if start <= p < start + count and p not in seq.prompt_logits
                 ]
             )
-            last = start + count == len(seq.fed)
-            outputs.append(
-                [offset + p - start for p in wanted[-1]] + ([offset + count - 1] if last else [])
-            )
+            last = start + count == len(seq.fed) + len(seq.proposal)
+            rows = range(count - 1 - len(seq.proposal), count) if last else []
+            outputs.append([offset + p - start for p in wanted[-1]] + [offset + r for r in rows])
             offset += count
         prefill = [start < len(seq.request.prompt) for seq, start, _ in pieces]
         self.mixed_steps += any(prefill) and not all(prefill)
@@ -528,6 +542,10 @@ class ServingEngine:
         ):
             for j, p in enumerate(positions_wanted):
                 seq.prompt_logits[p] = piece_logits[j].cpu()
+            if seq.proposal:
+                self._verify(seq, start, piece_logits[len(positions_wanted) :])
+                self._publish_full_blocks(seq)
+                continue
             seq.computed = start + count
             self._publish_full_blocks(seq)
             if start + count == len(seq.fed):
@@ -555,6 +573,58 @@ class ServingEngine:
         else:
             seq.fed.append(token)
 
+    def _propose(self, seq: _Sequence) -> list[int]:
+        """The draft's proposals after the token just chosen (teacher-forced: the forced
+        tokens), no more than the steps left."""
+        speculation, decoder = seq.request.speculation, seq.decoder
+        remaining = decoder.max_new_tokens - len(decoder.tokens)
+        if decoder.forced_tokens is not None:
+            done = len(decoder.tokens)
+            proposal = list(decoder.forced_tokens[done : done + speculation.k])
+        else:
+            proposal = speculation.draft.propose([*decoder.prompt, *decoder.tokens], speculation.k)
+        return proposal[:remaining]
+
+    def _verify(self, seq: _Sequence, start: int, rows: torch.Tensor) -> None:
+        """A speculative piece's rows: the decoder chooses from row 0, then from row j + 1
+        while its choice equals proposal j (speculative.decode, the same decisions); the
+        rejected proposals' keys are dropped: the sequence's computed positions end after the
+        accepted ones, and blocks that hold nothing else go back to the pool."""
+        proposal, seq.proposal = seq.proposal, []
+        accepted, token = 0, None
+        for j in range(rows.shape[0]):
+            row = speculative.verification_row(rows, j).cpu()
+            seq.logits.append(row)
+            token = seq.decoder.step(row)
+            if token is None:
+                seq.done = True
+                break
+            if j < len(proposal) and speculative.verified(token, proposal[j], row):
+                accepted += 1
+                continue
+            break
+        seq.stats.proposed.append(len(proposal))
+        seq.stats.accepted.append(accepted)
+        seq.fed += proposal[:accepted]
+        seq.computed = self._accepted_end(start, accepted, len(proposal))
+        if not seq.done:
+            seq.fed.append(token)
+        self._free_rejected(seq)
+
+    def _free_rejected(self, seq: _Sequence) -> None:
+        """Give back the blocks past the sequence's computed positions (they held only
+        rejected proposals' keys; the next piece allocates again what it needs)."""
+        keep = blocks_for(seq.computed, self.block_size)
+        for block in seq.table[keep:]:
+            self.pool.release(block)
+        del seq.table[keep:]
+        del seq.slots[keep * self.block_size :]
+
+    def _accepted_end(self, start: int, accepted: int, proposed: int) -> int:
+        """The positions computed after a speculative piece from `start`: the fed token and
+        the accepted proposals (the rejected ones' keys are never read, their blocks freed)."""
+        return start + 1 + accepted
+
     def _output(self, seq: _Sequence, seconds: float) -> Served:
         positions = [p for p in seq.request.prompt_positions if p in seq.prompt_logits]
         prompt_logits = (
@@ -562,6 +632,8 @@ class ServingEngine:
         )
         vocab = self.engine.config.vocab_size
         logits = torch.stack(seq.logits) if seq.logits else torch.empty(0, vocab)
-        output = GenerationOutput(seq.decoder.tokens, logits, seconds, 0.0, prompt_logits)
+        output = GenerationOutput(
+            seq.decoder.tokens, logits, seconds, 0.0, prompt_logits, speculation=seq.stats
+        )
         reason = seq.decoder.finish_reason or "cancelled"
         return Served(output, positions, seq.cached_prefix, seq.preemptions, reason)

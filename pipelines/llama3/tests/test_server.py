@@ -41,6 +41,7 @@ from pipelines.llama3.server import (
     EngineWorker,
     RunningServer,
     Server,
+    build,
 )
 from pipelines.llama3.serving import ServingEngine
 from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
@@ -480,3 +481,17 @@ def test_top_logprobs_are_the_log_softmax_of_the_engines_logits(checkpoint, solo
         ids = [int(k[len(TOKEN_ID_PREFIX) :]) for k in top]
         assert ids == torch.topk(want, 5).indices.tolist()
         assert np.allclose(list(top.values()), want[ids].numpy(), atol=1e-5)
+
+
+def test_a_speculating_server_answers_the_same_tokens(checkpoint, solo) -> None:
+    """--speculate: every request decodes speculatively (the n-gram draft): its solo greedy
+    tokens, in fewer forwards than tokens where the text repeats."""
+    engine = Llama3Engine.from_gguf(checkpoint)
+    server = build(engine, "tiny", kv_tokens=1024, block_size=4, speculate=4)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    with RunningServer(server) as running:
+        status, answer = _post(running.url, "/completions", _body(prompt, 24, False))
+    assert status == 200, answer
+    reference = solo.generate(prompt, 24, stop_on_eos=False)
+    assert _own_tokens(_token_ids(answer["choices"][0]["logprobs"]), reference) is None
+    assert server.serving.steps < 24, server.serving.steps  # proposals accepted

@@ -13,6 +13,11 @@
   in use (the next block after the whole block), the verification rows off by one, the block
   fed one position late; and, on rows
   with an exact tie, acceptance of a tied proposal the decoder did not choose.
+- The serving engine speculates per request (`Request.speculation`): the same greedy parity
+  with every request in one ragged batch (blocks of 4), the same sampled draws; after every
+  step a sequence holds blocks for its computed positions only, and a follow-up request reading
+  the served blocks from the prefix cache gets its solo numbers. Planted, each FAILS: rejected
+  proposals' blocks kept in the table, rejected proposals' keys counted as computed.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 from pipelines.llama3 import Llama3Engine, sampling, speculative
 from pipelines.llama3.sampling import SamplerSettings
+from pipelines.llama3.serving import Request, ServingEngine
 from pipelines.llama3.speculative import NgramDraft, Speculation
 
 TESTDATA = Path(
@@ -245,3 +251,147 @@ def test_every_planted_speculation_bug_fails_parity(engine, monkeypatch, capsys)
     with capsys.disabled():
         print(f"\nspeculation mutations, {engine.mode}, k=4:\n" + "\n".join(lines))
     assert not missed, missed
+
+
+# --- speculation in the serving engine -----------------------------------------------------
+
+
+def _served(engine, k: int, serving_class=ServingEngine, sampler=None, **config):
+    """Every PROMPTS request at once through the serving engine with the scripted draft:
+    (prompts, references without speculation, results, the serving engine)."""
+    prompts, references, requests = [], [], []
+    with torch.inference_mode():
+        for i, text in enumerate(PROMPTS):
+            prompt = engine.tokenizer.encode(text)
+            reference = engine.generate(prompt, STEPS, stop_on_eos=False, sampling=sampler)
+            draft = _scripted(prompt, reference)
+            prompts.append(prompt)
+            references.append(reference)
+            requests.append(
+                Request(
+                    str(i),
+                    prompt,
+                    STEPS,
+                    sampling=sampler,
+                    ignore_eos=True,
+                    speculation=Speculation(draft, k),
+                )
+            )
+    serving = serving_class(engine, **config)
+    return prompts, references, serving.serve(requests), serving
+
+
+def _served_parity(engine, k: int, serving_class=ServingEngine, **config):
+    """Mismatched requests, the worst row delta and the summed stats."""
+    mismatched, worst, total = [], 0.0, speculative.Stats()
+    try:
+        _, references, results, _ = _served(engine, k, serving_class, **config)
+    except (ValueError, RuntimeError, IndexError) as error:  # a bug that breaks the schedule
+        return [repr(error)], float("inf"), total
+    for i, reference in enumerate(references):
+        out = results[str(i)].output
+        if out.tokens != reference.tokens:
+            mismatched.append(PROMPTS[i])
+            continue
+        worst = max(worst, _delta(out.logits, reference.logits))
+        total.proposed += out.speculation.proposed
+        total.accepted += out.speculation.accepted
+    return mismatched, worst, total
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_served_speculation_gives_the_same_tokens(engine, k, capsys) -> None:
+    """The serving engine speculates per request, every request in one ragged batch (blocks of
+    4, so rejected proposals cross block boundaries): generate's tokens without speculation,
+    rows within LOGPROB_ATOL; accepted, rejected and bonus tokens all occur."""
+    mismatched, worst, stats = _served_parity(engine, k, block_size=4)
+    with capsys.disabled():
+        print(f"\nserved speculation {engine.mode} k={k}: {stats.summary()}; max |Δ log-prob| "
+              f"{worst:.3g}")  # fmt: skip
+    assert not mismatched, mismatched
+    assert worst < LOGPROB_ATOL, worst
+    rejected = sum(p - a for p, a in zip(stats.proposed, stats.accepted, strict=True))
+    bonus = sum(p == a and p > 0 for p, a in zip(stats.proposed, stats.accepted, strict=True))
+    assert sum(stats.accepted) > 0 and rejected > 0 and bonus > 0, stats
+
+
+def test_served_sampled_speculation_draws_the_same_tokens(engine) -> None:
+    prompts, references, results, _ = _served(engine, 4, sampler=SAMPLER, block_size=4)
+    for i, (prompt, reference) in enumerate(zip(prompts, references, strict=True)):
+        out = results[str(i)].output
+        verdicts = sampling.compare_continuations(
+            (reference.tokens, reference.logits),
+            (out.tokens, out.logits),
+            SAMPLER,
+            SAMPLER.seed,
+            prompt,
+            sampling.draw_margin(LOGPROB_ATOL, SAMPLER),
+        )
+        assert all(v.verdict != "FAIL" for v in verdicts), [v.detail for v in verdicts]
+        if all(v.verdict == "equal" for v in verdicts):
+            assert out.tokens == reference.tokens, PROMPTS[i]
+
+
+class _HoldsRejectedBlocks(ServingEngine):
+    """Planted: a rejected proposal's blocks stay in its sequence's table."""
+
+    def _free_rejected(self, seq) -> None:
+        pass
+
+
+class _KeepsRejectedKeys(ServingEngine):
+    """Planted: the rejected proposals' positions count as computed (their keys in use)."""
+
+    def _accepted_end(self, start, accepted, proposed):
+        return start + 1 + proposed
+
+
+def _rejected_blocks_held(engine, serving_class) -> list[str]:
+    """Serve PROMPTS step by step (blocks of 1, prefix caching): after every step each running
+    sequence holds blocks for its computed positions only; then a follow-up request whose
+    prompt is a served prompt and its tokens reads them from the prefix cache and must get its
+    solo numbers (a block published with a rejected proposal's keys would move them)."""
+    problems = []
+    prompts, references, requests = [], [], []
+    with torch.inference_mode():
+        for i, text in enumerate(PROMPTS):
+            prompt = engine.tokenizer.encode(text)
+            reference = engine.generate(prompt, STEPS, stop_on_eos=False)
+            prompts.append(prompt)
+            references.append(reference)
+            draft = Speculation(_scripted(prompt, reference), 4)
+            requests.append(Request(str(i), prompt, STEPS, ignore_eos=True, speculation=draft))
+        serving = serving_class(engine, block_size=1, prefix_caching=True)
+        serving.submit(requests)
+        results = {}
+        while serving.pending:
+            results.update(serving.step())
+            for seq in serving.running:
+                if len(seq.table) > seq.computed:
+                    problems.append(
+                        f"step {serving.steps}: request {seq.request.id} holds "
+                        f"{len(seq.table)} blocks for {seq.computed} computed positions"
+                    )
+        longest = max(range(len(PROMPTS)), key=lambda i: len(prompts[i]))
+        follow = [*prompts[longest], *references[longest].tokens[:8]]
+        solo = engine.generate(follow, 4, stop_on_eos=False)
+        again = serving.serve([Request("follow", follow, 4, ignore_eos=True)])["follow"]
+    if again.cached_prefix == 0:
+        problems.append("the follow-up request read nothing from the prefix cache")
+    if again.output.tokens != solo.tokens or _delta(again.output.logits, solo.logits) > 2e-4:
+        problems.append(
+            f"the follow-up request, {again.cached_prefix} positions from the cache, is off its "
+            f"solo run by {_delta(again.output.logits, solo.logits):.3g}"
+        )
+    return problems
+
+
+def test_served_rejected_proposals_free_their_blocks_and_are_never_cached(engine) -> None:
+    assert _rejected_blocks_held(engine, ServingEngine) == []
+    held = _rejected_blocks_held(engine, _HoldsRejectedBlocks)
+    assert any("holds" in p for p in held), held
+
+
+def test_served_rejected_keys_left_in_use_fail_parity(engine) -> None:
+    mismatched, worst, _ = _served_parity(engine, 4, _KeepsRejectedKeys, block_size=4)
+    assert mismatched or worst >= LOGPROB_ATOL, (mismatched, worst)

@@ -131,6 +131,8 @@ def lane_counters(serving: scenarios.Serving, served: scenarios.Served) -> list[
             if served.counters.get(name, 0) < floor
         ]
         return missing
+    if serving.speculate and served.verified == 0:
+        missing.append(f"{serving.name}: no proposal was verified (nothing speculated)")
     if serving.tight_pool and served.preemptions == 0:
         missing.append(f"{serving.name}: no sequence was preempted (the pool is not tight)")
     if serving.prefix and served.cache_hits == 0:
@@ -225,6 +227,8 @@ def test_llama_serving(
                     )
                 if served.preemptions:
                     extra.append(f"{served.preemptions} preemptions")
+                if served.verified:
+                    extra.append(f"{served.verified} proposals verified")
                 if served.counters:
                     extra.append(", ".join(f"{k} {v}" for k, v in served.counters.items()))
                 print(
@@ -276,6 +280,13 @@ def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
         "pressure: evictions 0, below its minimum 1",
         "pressure: evicted hashes looked up again 0, below its minimum 1",
         "pressure: preemptions 0, below its minimum 1",
+    ]
+    # a speculative serving whose requests lost their speculation verifies nothing
+    spec = next(x for x in scenarios.SERVINGS["chunked"] if x.speculate)
+    assert lane_counters(spec, scenarios.served_runs(engine, golden, spec)) == []
+    plain = dataclasses.replace(spec, speculate=0)
+    assert lane_counters(spec, scenarios.served_runs(engine, golden, plain)) == [
+        "spec4: no proposal was verified (nothing speculated)"
     ]
     monkeypatch.setattr(ServingEngine, "_block_hash", lambda self, parent, tokens: os.urandom(32))
     assert lane_counters(prefix, scenarios.served_runs(engine, golden, prefix)) == [
