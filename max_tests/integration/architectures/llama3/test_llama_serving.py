@@ -335,7 +335,7 @@ def test_a_serving_that_drops_prompt_rows_fails(goldens) -> None:
     did not return fails as missing (the decode steps alone would pass)."""
     variant, golden = _tiny_short(goldens, "float32")
     engine = engine_runs.load_engine(variant, "cpu")
-    (_, chunk3, _) = scenarios.SERVINGS["chunked"]
+    chunk3 = next(s for s in scenarios.SERVINGS["chunked"] if s.name == "chunk3")
     source = goldens.load("own", variant)[1]
     tol = tolerance("own", "float32", "cpu")
 
