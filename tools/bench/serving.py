@@ -6,7 +6,9 @@ the paged KV cache), by `Llama3Engine.generate` one request after another, and b
 `llama-batched-bench` (the same prompt and generated lengths, several sequences in one batch,
 the same threads; tools/llama_cpp/install.sh installs it from Debian). Prints total tokens per
 second (prompt and generated tokens over the wall time of the batch) of each, and the ratios
-served/sequential and served/llama.cpp, all from this one run.
+served/sequential and served/llama.cpp, all from this one run; and the serving engine's own
+cost per scheduler step (`sched ms/step`: the wall time outside the model's forward, over
+the steps: admission, block tables, prefix hashing, the decoder).
 
 Then the HTTP servers (`--clients`, default 16): this engine's server (pipelines/llama3/
 server.py, in --server-modes) and llama.cpp's `llama-server` (--parallel CLIENTS, its default
@@ -116,14 +118,30 @@ def _sequential(engine: Llama3Engine, prompts: list[list[int]], new: int) -> flo
     return time.perf_counter() - start
 
 
-def _served(engine: Llama3Engine, prompts: list[list[int]], new: int) -> float:
+def _served(engine: Llama3Engine, prompts: list[list[int]], new: int) -> tuple[float, float]:
+    """(wall seconds, scheduler seconds per step) of serving `prompts`: the scheduler's
+    share is the wall time outside the model's forward (`forward_paged`), per step."""
     # Teacher-forced on token 0: every request generates exactly `new` tokens, no EOS stop,
     # as generate(stop_on_eos=False) does for the sequential baseline.
     requests = [Request(str(i), p, new, forced_tokens=[0] * new) for i, p in enumerate(prompts)]
     server = ServingEngine(engine, block_size=16)
-    start = time.perf_counter()
-    server.serve(requests)
-    return time.perf_counter() - start
+    model, in_forward = engine.model, [0.0]
+
+    def timed_forward(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return type(model).forward_paged(model, *args, **kwargs)
+        finally:
+            in_forward[0] += time.perf_counter() - begin
+
+    model.forward_paged = timed_forward  # an instance attribute, removed after
+    try:
+        start = time.perf_counter()
+        server.serve(requests)
+        seconds = time.perf_counter() - start
+    finally:
+        del model.forward_paged
+    return seconds, (seconds - in_forward[0]) / max(server.steps, 1)
 
 
 def _complete(url: str, prompt: list[int], new: int) -> float:
@@ -233,7 +251,7 @@ def batched(args: argparse.Namespace, modes: list[str]) -> None:
     )
     print(
         f"{'mode':<10} {'batch':>5} {'served':>8} {'sequential':>11} {'llama.cpp':>10} "
-        f"{'served/sequential':>18} {'served/llama.cpp':>17}"
+        f"{'served/sequential':>18} {'served/llama.cpp':>17} {'sched ms/step':>14}"
     )
     for mode in modes:
         engine = Llama3Engine.from_gguf(smollm2_gguf(), mode=mode)
@@ -246,11 +264,13 @@ def batched(args: argparse.Namespace, modes: list[str]) -> None:
                 total = batch * (args.prompt_tokens + args.new_tokens)
                 sequential = total / _sequential(engine, prompts, args.new_tokens)
                 theirs = peer.get(batch) if isinstance(peer, dict) else None
-                served = total / _served(engine, prompts, args.new_tokens)
+                seconds, scheduler = _served(engine, prompts, args.new_tokens)
+                served = total / seconds
                 ratio = f"{served / theirs:17.2f}" if theirs else f"{'-':>17}"
                 print(
                     f"{mode:<10} {batch:>5} {served:>8.1f} {sequential:>11.1f} "
-                    f"{theirs or float('nan'):>10.1f} {served / sequential:>18.2f} {ratio}"
+                    f"{theirs or float('nan'):>10.1f} {served / sequential:>18.2f} {ratio} "
+                    f"{scheduler * 1e3:>14.2f}"
                 )
     if isinstance(peer, str):
         print(f"llama.cpp: {peer}")
