@@ -1,0 +1,159 @@
+"""The hot-ops bench on its tiny shape: every op per mode and build in the table and the
+record, numbers that agree with each other, each build's modules on that build's library,
+and one-line refusals of bad options. No assertion compares two timings."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from collections import defaultdict
+
+import pytest
+
+from pipelines.llama3 import kernel_library
+from tools.bench import hot_ops
+
+DECODE_OPS = {"qkv", "decode_attn", "attn_out", "swiglu", "down", "head"}
+PREFILL_OPS = {"qkv", "prefill_attn", "attn_out", "swiglu", "down", "head"}
+ARGS = ["--shapes=tiny", "--rows=1,64", "--context=32", "--repeats=1", "--threads=1"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[str, dict]:
+    """One run of every mode and build this CPU runs: the printed table and the record."""
+    path = tmp_path_factory.mktemp("hot_ops") / "hot_ops.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert hot_ops.main([*ARGS, f"--json={path}"]) == 0
+    return out.getvalue(), json.loads(path.read_text())
+
+
+def _table(text: str) -> list[list[str]]:
+    """The table's rows, split into cells (mode, build, op, rows, ms, MB, GB/s, GFLOP/s,
+    share)."""
+    rows = [line.split() for line in text.splitlines()]
+    return [cells for cells in rows if len(cells) == 9 and cells[0] in hot_ops.MODES]
+
+
+def _runs() -> list[tuple[str, str]]:
+    builds = [b for b in hot_ops.BUILDS if kernel_library.runnable(b)]
+    return [("eager", "torch")] + [(mode, b) for mode in ("quantized", "ggml") for b in builds]
+
+
+def test_table_has_every_op_per_mode_and_build(run) -> None:
+    ops = defaultdict(set)
+    for mode, build, op, rows, *_ in _table(run[0]):
+        ops[mode, build.rstrip("*"), int(rows)].add(op)
+    for mode, build in _runs():
+        assert ops[mode, build, 1] == DECODE_OPS, (mode, build)
+        assert ops[mode, build, 64] == PREFILL_OPS, (mode, build)
+    assert len(ops) == 2 * len(_runs())
+
+
+def test_numbers_are_positive_and_consistent(run) -> None:
+    results = run[1]["results"]
+    assert len(results) == 12 * len(_runs())
+    for r in results:
+        assert r["seconds"] > 0 and r["bytes"] > 0 and r["flops"] > 0
+        assert r["gb_per_s"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9, rel=1e-9)
+        assert r["gflop_per_s"] == pytest.approx(r["flops"] / r["seconds"] / 1e9, rel=1e-9)
+    printed = {(c[0], c[1].rstrip("*"), c[2], int(c[3])): c for c in _table(run[0])}
+    for r in results:
+        cells = printed[r["mode"], r["build"], r["op"], r["rows"]]
+        assert float(cells[4]) == pytest.approx(r["seconds"] * 1e3, abs=6e-4)
+        assert float(cells[5]) == pytest.approx(r["bytes"] / 1e6, abs=6e-3)
+        assert float(cells[6]) == pytest.approx(r["gb_per_s"], abs=6e-3)
+        assert float(cells[7]) == pytest.approx(r["gflop_per_s"], abs=6e-3)
+
+
+def test_decode_shares_sum_to_one_per_mode_and_build(run) -> None:
+    shares, step = defaultdict(float), defaultdict(float)
+    for r in run[1]["results"]:
+        if r["rows"] == 1:
+            shares[r["mode"], r["build"]] += r["share"]
+            step[r["mode"], r["build"]] += r["seconds"] * r["per_step"]
+        else:
+            assert r["share"] is None and r["per_step"] == 0
+    assert sorted(shares) == sorted(_runs())
+    assert all(total == pytest.approx(1.0) for total in shares.values())
+    for entry in run[1]["decode_steps"]:
+        assert entry["seconds"] == pytest.approx(step[entry["mode"], entry["build"]])
+    percent = defaultdict(float)
+    for mode, build, _, rows, *cells in _table(run[0]):
+        if rows == "1":
+            percent[mode, build] += float(cells[-1].rstrip("%"))
+    assert all(total == pytest.approx(100.0, abs=0.5) for total in percent.values())
+
+
+def test_record_says_what_was_measured(run) -> None:
+    record = run[1]
+    assert record["kind"] == "hot_ops"
+    assert record["setup"]["rows"] == [1, 64] and record["setup"]["threads"] == 1
+    assert record["setup"]["modes"] == ["eager", "quantized", "ggml"]
+    assert {"cpu_model", "cpu_count"} <= set(record["machine"])
+    heads = [r for r in record["results"] if r["op"] == "head" and r["rows"] == 1]
+    tiny = hot_ops.SHAPES["tiny"]
+    assert all(r["flops"] == 2 * tiny.dim * tiny.vocab for r in heads)
+    assert {r["per_step"] for r in heads} == {1}
+
+
+@pytest.mark.parametrize("build", [b for b in hot_ops.BUILDS if kernel_library.runnable(b)])
+def test_modules_keep_the_build_they_were_made_with(build) -> None:
+    """The in-process switch the docstring claims: each module calls its own build's library,
+    and $LLAMA_GOLDENS_KERNELS is as before afterwards."""
+    before = os.environ.get(kernel_library.KERNELS_ENV)
+    weights = hot_ops.random_weights(hot_ops.SHAPES["tiny"])
+    for mode in ("quantized", "ggml"):
+        with hot_ops.kernel_build(build):
+            layer = hot_ops.packed_layer(mode, hot_ops.SHAPES["tiny"], weights)
+        assert layer.products["qkv"][0]._lib is kernel_library.load(build)
+        assert layer.attention._lib is kernel_library.load(build)
+    assert os.environ.get(kernel_library.KERNELS_ENV) == before
+
+
+@pytest.mark.parametrize(
+    ("option", "mentions"),
+    [
+        ("--modes=fast", "--modes=fast: choose from eager, quantized, ggml"),
+        ("--shapes=gpt2", "--shapes=gpt2: choose from"),
+        ("--builds=sse9", "--builds=sse9: choose from"),
+        ("--rows=0,1", "--rows=0,1: give positive row counts"),
+        ("--rows=one", "--rows=one"),
+        ("--repeats=0", "--repeats=0: must be at least 1"),
+        ("--context=0", "--context=0: must be at least 1"),
+        ("--threads=0", "--threads=0: must be at least 1"),
+        ("--repeats=many", "--repeats"),
+    ],
+)
+def test_bad_options_exit_2_with_one_line(option, mentions, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        hot_ops.main(["--shapes=tiny", option])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bench_hot_ops: error: ") and mentions in err
+
+
+def test_a_build_this_cpu_cannot_run_is_refused(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: frozenset())  # plain x86-64
+    with pytest.raises(SystemExit) as exit_:
+        hot_ops.main(["--shapes=tiny", "--builds=avx2"])
+    assert exit_.value.code == 2
+    assert "--builds=avx2: this CPU cannot run avx2; it runs portable" in capsys.readouterr().err
+
+
+def test_json_into_a_file_is_refused(tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        hot_ops.main(["--shapes=tiny", f"--json={tmp_path / 'file' / 'out.json'}"])
+    assert exit_.value.code == 2
+    assert "--json=" in capsys.readouterr().err
+
+
+def test_help_starts_with_the_summary(capsys) -> None:
+    with pytest.raises(SystemExit):
+        hot_ops.main(["--help"])
+    out = capsys.readouterr().out
+    assert hot_ops.__doc__.splitlines()[0] in out
+    assert "bazel run //tools:bench_hot_ops" in out
