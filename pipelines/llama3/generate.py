@@ -21,7 +21,7 @@ import torch
 from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
 from pipelines.llama3.sampling import ORDERS, SamplerSettings
-from pipelines.llama3.speculative import NgramDraft, Speculation
+from pipelines.llama3.speculative import NgramDraft, Speculation, self_draft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -72,6 +72,14 @@ def _parser() -> argparse.ArgumentParser:
         help="speculative decoding: the n-gram (prompt lookup) draft proposes up to K tokens "
         "(1 to 8) that one forward verifies; the same tokens, fewer forwards (0: off)",
     )
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --speculate: the checkpoint's own first N layers and head draft instead of "
+        "the n-gram (self-speculation; 0: the embedding straight into the head)",
+    )
     return parser
 
 
@@ -110,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     sampling = _sampling(args, parser)
     speculation = None
+    if args.draft_layers is not None and not args.speculate:
+        parser.error("--draft-layers drafts for speculative decoding: give --speculate=K too")
     if args.speculate:
         try:
             speculation = Speculation(NgramDraft(), args.speculate)
@@ -124,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.draft_layers is not None:
+        if not 0 <= args.draft_layers < engine.config.n_layers:
+            parser.error(
+                f"--draft-layers={args.draft_layers}: the draft takes 0 to "
+                f"{engine.config.n_layers - 1} of the checkpoint's {engine.config.n_layers} layers"
+            )
+        draft = self_draft(gguf_path, args.draft_layers, mode=args.mode)
+        speculation = dataclasses.replace(speculation, draft=draft)
     if engine.tokenizer is None:
         print(
             f"error: {gguf_path} stores no tokenizer (tokenizer.ggml.*); cannot encode --prompt",
@@ -141,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(out.tokens)} new tokens, decode {out.decode_tokens_per_second:.1f} tok/s"
     )
     if out.speculation is not None:
-        print(f"speculation (n-gram draft, k={args.speculate}): {out.speculation.summary()}")
+        name = "n-gram" if args.draft_layers is None else f"{args.draft_layers}-layer self"
+        print(f"speculation ({name} draft, k={args.speculate}): {out.speculation.summary()}")
     return 0
 
 

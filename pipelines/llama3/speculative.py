@@ -23,7 +23,9 @@ terms; `emitted` combines them, equal to p: test_speculative). So the emitted to
 target's distribution, and the same tokens as sampling without speculation, draw for draw.
 
 Drafts: `NgramDraft` (prompt lookup, model-free): the tokens that followed the most recent
-earlier occurrence of the history's last n tokens (n from `max_n` down to 1). Teacher-forced
+earlier occurrence of the history's last n tokens (n from `max_n` down to 1); `ModelDraft`:
+another engine's greedy tokens, its KV cache kept across steps (`self_draft`: the target
+checkpoint's first layers and its head, loaded as a model of its own). Teacher-forced
 (`forced_tokens`), the forced sequence is the draft: the decoder feeds every forced token, so
 every proposal is accepted and each block is a verification forward over the sequence being
 checked, which is how the golden lanes hold speculation to the goldens (test_llama_speculative).
@@ -61,11 +63,60 @@ class NgramDraft:
         return []
 
 
+class ModelDraft:
+    """A model proposes: greedy decoding of a draft engine (a smaller checkpoint with the
+    target's vocabulary, or the target's own first layers and head: `self_draft`) from the
+    history. Its KV cache lives across calls: the positions of a history it computed before
+    are not computed again (another history, another request's, starts again where the two
+    differ). Greedy whatever the target samples: a deterministic draft, as the verification
+    assumes (module docstring)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._cached: list[int] = []  # the tokens whose keys are in the draft's cache
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        history, model = [int(t) for t in history], self.engine.model
+        needed = len(history) + k
+        if needed > model.max_seq_len:  # a bigger cache starts empty
+            model.setup_caches(max(needed, 2 * model.max_seq_len))
+            self._cached = []
+        common = self._reusable(history)
+        device = self.engine.device
+        with torch.inference_mode():
+            fed = torch.tensor([history[common:]], dtype=torch.long, device=device)
+            logits = model(fed, common, outputs=[fed.shape[1] - 1])[0, -1]
+            proposal = [int(torch.argmax(logits))]
+            for i in range(k - 1):
+                token = torch.tensor([[proposal[-1]]], dtype=torch.long, device=device)
+                proposal.append(int(torch.argmax(model(token, len(history) + i)[0, -1])))
+        self._cached = history + proposal[:-1]
+        return proposal
+
+    def _reusable(self, history: list[int]) -> int:
+        """How many of the history's first positions the cache holds already (the last
+        history token is always fed: its logits propose the first token)."""
+        common = 0
+        for ours, theirs in zip(self._cached, history[:-1], strict=False):
+            if ours != theirs:
+                break
+            common += 1
+        return common
+
+
+def self_draft(path, layers: int, mode: str = "eager") -> ModelDraft:
+    """The checkpoint's first `layers` layers, its final norm and its head, as a draft (0: the
+    embedding straight into the head)."""
+    from pipelines.llama3.engine import Llama3Engine  # engine.py imports this module
+
+    return ModelDraft(Llama3Engine.from_gguf(path, mode=mode, overrides={"n_layers": layers}))
+
+
 @dataclasses.dataclass(frozen=True)
 class Speculation:
     """`draft` proposes up to `k` tokens per step (1 to 8)."""
 
-    draft: NgramDraft = NgramDraft()
+    draft: NgramDraft | ModelDraft = NgramDraft()
     k: int = 4
 
     def __post_init__(self) -> None:
