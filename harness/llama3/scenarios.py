@@ -22,8 +22,10 @@ engine serves them (pipelines/llama3/serving.py), held to the same goldens and t
 - `pressure`: every case served PRESSURE_COPIES times (at least 18 requests), the copies
   arriving in waves two steps apart while the earlier ones run, with prefix caching, prefill
   in chunks of 8 beside other sequences' decode tokens, through a pool of the longest
-  request's blocks + 2: later copies read blocks that running copies hold, cached blocks are
-  evicted and their hashes looked up again, sequences are preempted. Every copy's rows are
+  request's blocks + 10: later copies are admitted beside running ones and read blocks that
+  those hold, cached blocks are evicted and their hashes looked up again, sequences are
+  preempted (+ 2, the preempt lane's pool, admits no copy while another runs: no block is
+  shared live). Every copy's rows are
   judged (prompt positions a copy read from the cache: the rows of the copy that computed
   them), and the lane's counters (`Served.counters`) must each reach PRESSURE_MINIMUMS.
 """
@@ -72,6 +74,7 @@ class Serving:
 # eager: see the lane's printed counters).
 PRESSURE_COPIES = 3
 PRESSURE_WAVE_STEPS = 2  # steps between waves
+PRESSURE_EXTRA_BLOCKS = 8  # beyond the tight pool's (largest case's blocks + 2)
 PRESSURE_IN_FLIGHT = 16
 PRESSURE_MINIMUMS = {
     "evictions": 1,
@@ -281,6 +284,8 @@ def _pressure(engine, golden, requests, serving, serving_class, config) -> Serve
     waves = [[_copy(r, k) for r in requests] for k in range(copies)]
     if not serving.tight_pool:  # room for every copy at once (what the lane must not be)
         config = {**config, "num_blocks": copies * _all_blocks(requests, serving)}
+    else:  # the largest case's blocks and a few more: copies admitted beside running ones
+        config = {**config, "num_blocks": config["num_blocks"] + PRESSURE_EXTRA_BLOCKS}
     server = serving_engine(engine, serving_class, **config)
     results, step, in_flight = {}, 0, 0
     while waves or server.pending:

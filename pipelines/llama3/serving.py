@@ -413,6 +413,8 @@ class ServingEngine:
         piece (None: nothing is running, one block will do)."""
         recompute = self._resume_from(seq) if seq.preemptions else None
         hits: list[int] = []
+        pool = self.pool
+        counters = (pool.hits, pool.shared_hits, pool.refound)  # a refused admission read none
         if self.prefix_caching and not seq.preemptions:
             # At least the last prompt token is computed: its logits are the first step's.
             for b in range((len(seq.fed) - 1) // self.block_size):
@@ -427,7 +429,8 @@ class ServingEngine:
         room = self.pool.available() - (reserve or 0)
         if room < (1 if reserve is None else max(1, self._blocks_wanted(seq))):
             for block in hits:
-                self.pool.release(block)
+                pool.release(block)
+            pool.hits, pool.shared_hits, pool.refound = counters
             seq.hashes.clear()
             seq.table, seq.computed = [], 0
             return False
