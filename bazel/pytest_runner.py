@@ -29,8 +29,11 @@ Sharding (`shard_count` on the target): Bazel's TEST_TOTAL_SHARDS and TEST_SHARD
 the selected tests round-robin in collection order, or in contiguous runs with
 PYTEST_SHARDS=contiguous in the target's env (tests that share per-process state in order,
 e.g. one engine per checkpoint, keep it); each shard runs its share in a process of its own,
-and the runner touches TEST_SHARD_STATUS_FILE to say it shards. A shard left with no
-test while the selection holds some passes with the skipped case saying so.
+and the runner touches TEST_SHARD_STATUS_FILE to say it shards. Contiguous runs are cut at
+equal shares of the tests' weights: 1 each, times every factor of PYTEST_SHARD_WEIGHTS
+("smollm2=10 chunked=3": a test whose id contains "smollm2" weighs 10, 30 if "chunked" too)
+whose word its id contains, so that a target's few heavy cases do not land in one shard. A
+shard left with no test while the selection holds some passes with the skipped case saying so.
 
 The check is scoped to the package: give a selection to the target that holds the test (the
 README's one-case commands do), or to a suite of its package's targets, not to `//...`, where
@@ -39,6 +42,7 @@ packages without a match fail.
 
 import difflib
 import gc
+import math
 import os
 import re
 import subprocess
@@ -138,21 +142,33 @@ class _Collected:
 class _Shard:
     """A pytest plugin keeping this shard's share of the selected tests (module docstring)."""
 
-    def __init__(self, total: int, index: int, contiguous: bool) -> None:
+    def __init__(self, total: int, index: int, contiguous: bool, weights: dict[str, float]) -> None:
         self.total, self.index, self.contiguous = total, index, contiguous
+        self.weights = weights
         self.selected_before = 0  # tests the selection holds, over every shard
 
-    def _shard_of(self, position: int, count: int) -> int:
-        if self.contiguous:
-            return position * self.total // count
-        return position % self.total
+    def _weight(self, nodeid: str) -> float:
+        return math.prod(w for word, w in self.weights.items() if word in nodeid)
+
+    def _shards(self, nodeids: list[str]) -> list[int]:
+        """Each test's shard: round-robin, or contiguous runs of equal weight (a test goes
+        to the shard in whose share its weight starts)."""
+        if not self.contiguous:
+            return [i % self.total for i in range(len(nodeids))]
+        weights = [self._weight(n) for n in nodeids]
+        total, before, shards = sum(weights), 0.0, []
+        for w in weights:
+            shards.append(min(self.total - 1, int(before * self.total / total)))
+            before += w
+        return shards
 
     @pytest.hookimpl(trylast=True)  # after -k/-m deselect
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
         self.selected_before = len(items)
         mine, others = [], []
-        for i, item in enumerate(items):
-            (mine if self._shard_of(i, len(items)) == self.index else others).append(item)
+        shards = self._shards([item.nodeid for item in items])
+        for item, shard in zip(items, shards, strict=True):
+            (mine if shard == self.index else others).append(item)
         if others:
             config.hook.pytest_deselected(items=others)
         items[:] = mine
@@ -168,7 +184,17 @@ def _shard() -> _Shard | None:
     order = os.environ.get("PYTEST_SHARDS", "round_robin")
     if order not in ("round_robin", "contiguous"):
         raise SystemExit(f"pytest_runner: PYTEST_SHARDS={order!r}: round_robin or contiguous")
-    return _Shard(total, int(os.environ.get("TEST_SHARD_INDEX", "0")), order == "contiguous")
+    weights = {}
+    for entry in os.environ.get("PYTEST_SHARD_WEIGHTS", "").split():
+        word, _, weight = entry.partition("=")
+        try:
+            weights[word] = float(weight)
+        except ValueError:
+            raise SystemExit(
+                f"pytest_runner: PYTEST_SHARD_WEIGHTS entry {entry!r}: write WORD=NUMBER"
+            ) from None
+    index = int(os.environ.get("TEST_SHARD_INDEX", "0"))
+    return _Shard(total, index, order == "contiguous", weights)
 
 
 class _FrozenImports:

@@ -210,6 +210,20 @@ def test_shards_split_the_selected_tests_and_together_run_each_once(project):
         assert _run(project, "test_many.py", env=env).returncode == 0
         contiguous.append(sorted(name for name, skipped in _cases(project) if skipped is None))
     assert contiguous == [["test_n[0]", "test_n[1]", "test_n[2]"], ["test_n[3]", "test_n[4]"]]
+    # weighted: test_n[0] weighs 4 = the other four together, so it is a shard of its own
+    weighted = []
+    for index in (0, 1):
+        env = _shard_env(project, index) | {
+            "PYTEST_SHARDS": "contiguous",
+            "PYTEST_SHARD_WEIGHTS": "n[0]=2 [0]=2",
+        }
+        assert _run(project, "test_many.py", env=env).returncode == 0
+        weighted.append(sorted(name for name, skipped in _cases(project) if skipped is None))
+    assert weighted == [["test_n[0]"], ["test_n[1]", "test_n[2]", "test_n[3]", "test_n[4]"]]
+    env = _shard_env(project, 0) | {"PYTEST_SHARDS": "contiguous", "PYTEST_SHARD_WEIGHTS": "n"}
+    result = _run(project, "test_many.py", env=env)
+    assert result.returncode != 0
+    assert "PYTEST_SHARD_WEIGHTS entry 'n': write WORD=NUMBER" in result.stdout + result.stderr
 
 
 def test_a_shard_left_without_a_test_passes_saying_so(project):
