@@ -58,18 +58,31 @@ class Decoder:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
 
+    def history(self) -> list[int]:
+        """The prompt and the tokens fed so far: the penalties' history; its length is the
+        position of this step's token (where its uniforms are drawn)."""
+        step = len(self.tokens)
+        fed = self.tokens if self.forced_tokens is None else self.forced_tokens[:step]
+        return [*self.prompt, *fed]
+
+    def distribution(self, logits: torch.Tensor) -> tuple:
+        """(kept ids, probabilities): the processed distribution this step draws from."""
+        return sampling_lib.processed(logits, self.sampling, self.history())
+
     def choose(self, logits: torch.Tensor) -> int:
         """This step's token from its logits [vocab]: greedy, or drawn at its position."""
         if self.sampling is None:
             return int(torch.argmax(logits))
-        step = len(self.tokens)
-        fed = self.tokens if self.forced_tokens is None else self.forced_tokens[:step]
-        history = [*self.prompt, *fed]
+        history = self.history()
         return sampling_lib.sample(logits, self.sampling, self.seed, history, len(history))
 
     def step(self, logits: torch.Tensor) -> int | None:
         """Record this step's choice; the token to feed the next step, or None: stop."""
-        token = self.choose(logits)
+        return self.take(self.choose(logits))
+
+    def take(self, token: int) -> int | None:
+        """Record `token` as this step's choice (made by `choose`, or by speculative
+        decoding's rejection sampler); the token to feed the next step, or None: stop."""
         self.tokens.append(token)
         step = len(self.tokens) - 1
         if self.forced_tokens is not None:

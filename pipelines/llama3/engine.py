@@ -292,7 +292,9 @@ class Llama3Engine:
         prefill's logits at those positions (`prompt_logits`); the LM head runs on them only.
         With `speculation` (speculative.Speculation) a draft proposes tokens that one forward
         verifies, the decoder accepting the longest prefix it would have chosen: the same
-        tokens (greedy, or sampled under the same seed), fewer forwards (speculative.py); with
+        tokens (greedy, or sampled under the same seed), fewer forwards (speculative.py; a
+        draft that samples, `SamplingDraft`, is verified by rejection sampling: the target's
+        distribution, other draws); with
         `forced_tokens` too, the forced tokens are the proposals, K + 1 rows per forward.
         `stop` (strings): the generation ends after the token whose text completes one.
         """

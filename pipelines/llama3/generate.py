@@ -80,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
         help="with --speculate: the checkpoint's own first N layers and head draft instead of "
         "the n-gram (self-speculation; 0: the embedding straight into the head)",
     )
+    parser.add_argument(
+        "--draft-samples",
+        action="store_true",
+        help="with --draft-layers and a sampler: the draft samples its proposals, verified by "
+        "rejection sampling (the target's distribution, other draws than without speculation)",
+    )
     return parser
 
 
@@ -120,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     speculation = None
     if args.draft_layers is not None and not args.speculate:
         parser.error("--draft-layers drafts for speculative decoding: give --speculate=K too")
+    if args.draft_samples and (args.draft_layers is None or sampling is None):
+        parser.error("--draft-samples: give --draft-layers=N and a sampler (--temperature=T)")
     if args.speculate:
         try:
             speculation = Speculation(NgramDraft(), args.speculate)
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--draft-layers={args.draft_layers}: the draft takes 0 to "
                 f"{engine.config.n_layers - 1} of the checkpoint's {engine.config.n_layers} layers"
             )
-        draft = self_draft(gguf_path, args.draft_layers, mode=args.mode)
+        draft = self_draft(gguf_path, args.draft_layers, args.mode, sample=args.draft_samples)
         speculation = dataclasses.replace(speculation, draft=draft)
     if engine.tokenizer is None:
         print(
@@ -160,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if out.speculation is not None:
         name = "n-gram" if args.draft_layers is None else f"{args.draft_layers}-layer self"
+        name += ", sampling" if args.draft_samples else ""
         print(f"speculation ({name} draft, k={args.speculate}): {out.speculation.summary()}")
     return 0
 

@@ -494,9 +494,11 @@ def compare_draws(
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
 _LOW = np.uint64(0xFFFFFFFF)
-# The counter's third word: a domain for the token draws (a later stream, e.g. a speculative
-# draft's, takes another).
+# The counter's third word: a domain per stream, so that the token draws, a speculative
+# draft's draws and the rejection sampler's acceptance tests never share a uniform.
 TOKEN_DOMAIN = int.from_bytes(hashlib.sha256(b"token").digest()[:4], "little")
+DRAFT_DOMAIN = int.from_bytes(hashlib.sha256(b"draft").digest()[:4], "little")
+ACCEPT_DOMAIN = int.from_bytes(hashlib.sha256(b"accept").digest()[:4], "little")
 
 
 def philox4x32(counter, key) -> tuple[np.ndarray, ...]:
@@ -512,11 +514,12 @@ def philox4x32(counter, key) -> tuple[np.ndarray, ...]:
     return c0, c1, c2, c3
 
 
-def uniform(seed: int, position):
-    """Uniform(s) in [0, 1) with 53 random bits for `seed` at `position` (int or array)."""
+def uniform(seed: int, position, domain: int = TOKEN_DOMAIN):
+    """Uniform(s) in [0, 1) with 53 random bits for `seed` at `position` (int or array), in
+    the stream `domain` (the token draws' unless told)."""
     position = np.asarray(position, dtype=np.uint64)
     x0, x1, _, _ = philox4x32(
-        (position & _LOW, position >> np.uint64(32), TOKEN_DOMAIN, 0),
+        (position & _LOW, position >> np.uint64(32), domain, 0),
         (seed & 0xFFFFFFFF, seed >> 32),
     )
     bits = (x0 >> np.uint64(5)) * np.uint64(1 << 26) + (x1 >> np.uint64(6))

@@ -186,6 +186,7 @@ class _Sequence:
     slots_of: list[int] | None = None
     submitted: float = 0.0  # time.perf_counter() at submit
     proposal: list[int] = dataclasses.field(default_factory=list)  # this step's draft tokens
+    dists: list | None = None  # what a sampling draft drew them from (None: deterministic)
     stats: speculative.Stats | None = None  # with speculation: proposals and acceptances
 
 
@@ -455,7 +456,7 @@ class ServingEngine:
                 continue
             count = self._chunk(seq.computed, len(seq.fed) - seq.computed)
             if seq.request.speculation is not None and len(seq.fed) - seq.computed == 1:
-                seq.proposal = self._propose(seq)
+                seq.proposal, seq.dists = self._propose(seq)
                 count += len(seq.proposal)
             end = seq.computed + count
             while len(seq.table) * self.block_size < end:
@@ -481,7 +482,7 @@ class ServingEngine:
             )
         running.remove(seq)
         self._release(seq)
-        seq.hashes, seq.computed, seq.proposal = [], 0, []
+        seq.hashes, seq.computed, seq.proposal, seq.dists = [], 0, [], None
         seq.preemptions += 1
         self.preemptions += 1
         waiting.appendleft(seq)
@@ -576,36 +577,22 @@ class ServingEngine:
         else:
             seq.fed.append(token)
 
-    def _propose(self, seq: _Sequence) -> list[int]:
+    def _propose(self, seq: _Sequence) -> tuple[list[int], list | None]:
         """The draft's proposals after the token just chosen (teacher-forced: the forced
-        tokens), no more than the steps left."""
-        speculation, decoder = seq.request.speculation, seq.decoder
-        remaining = decoder.max_new_tokens - len(decoder.tokens)
-        if decoder.forced_tokens is not None:
-            done = len(decoder.tokens)
-            proposal = list(decoder.forced_tokens[done : done + speculation.k])
-        else:
-            proposal = speculation.draft.propose([*decoder.prompt, *decoder.tokens], speculation.k)
-        return proposal[:remaining]
+        tokens), no more than the steps left, and what a sampling draft drew them from."""
+        return speculative.proposals(seq.decoder, seq.request.speculation)
 
     def _verify(self, seq: _Sequence, start: int, rows: torch.Tensor) -> None:
-        """A speculative piece's rows: the decoder chooses from row 0, then from row j + 1
-        while its choice equals proposal j (speculative.decode, the same decisions); the
-        rejected proposals' keys are dropped: the sequence's computed positions end after the
-        accepted ones, and blocks that hold nothing else go back to the pool."""
+        """A speculative piece's rows, verified by speculative.verify (the decisions of
+        `generate`); the rejected proposals' keys are dropped: the sequence's computed
+        positions end after the accepted ones, and blocks that hold nothing else go back to
+        the pool."""
         proposal, seq.proposal = seq.proposal, []
-        accepted, token = 0, None
-        for j in range(rows.shape[0]):
-            row = speculative.verification_row(rows, j).cpu()
-            seq.logits.append(row)
-            token = seq.decoder.step(row)
-            if token is None:
-                seq.done = True
-                break
-            if j < len(proposal) and speculative.verified(token, proposal[j], row):
-                accepted += 1
-                continue
-            break
+        dists, seq.dists = seq.dists, None
+        accepted, token = speculative.verify(
+            seq.decoder, rows.cpu(), proposal, dists, seq.logits.append
+        )
+        seq.done = token is None
         seq.stats.proposed.append(len(proposal))
         seq.stats.accepted.append(accepted)
         seq.fed += proposal[:accepted]

@@ -14,13 +14,24 @@ Greedy: a proposal is accepted iff it is the argmax (the first of equal maxima),
 are those of decoding without speculation, and the rows are its rows up to the verification
 forward's numerics (several positions at once, as a chunk computes them).
 
-Sampling: the drafts here are deterministic (a proposal x is a point mass q = 1 at x), for which
-rejection sampling accepts x with probability min(1, p(x) / q(x)) = p(x) and on rejection draws
-from the residual max(0, p - q), normalized: p without x. The decoder's draw with the position's
-uniform u realizes exactly that: it accepts iff its draw pick(p, u) is x (probability p(x)), and
-its draw is otherwise distributed as the residual (`acceptance` and `residual` below are the two
-terms; `emitted` combines them, equal to p: test_speculative). So the emitted tokens are the
-target's distribution, and the same tokens as sampling without speculation, draw for draw.
+Sampling with a deterministic draft (the n-gram draft, a greedy `ModelDraft`: a proposal x is a
+point mass q = 1 at x): rejection sampling accepts x with probability min(1, p(x) / q(x)) = p(x)
+and on rejection draws from the residual max(0, p - q), normalized: p without x. The decoder's
+draw with the position's uniform u realizes exactly that: it accepts iff its draw pick(p, u) is
+x (probability p(x)), and its draw is otherwise distributed as the residual (`acceptance` and
+`residual` below are the two terms; `emitted` combines them, equal to p: test_speculative). So
+the emitted tokens are the target's distribution, and the same tokens as sampling without
+speculation, draw for draw.
+
+Sampling with a draft that samples (`SamplingDraft`: each proposal x drawn from the draft's
+processed distribution q, with uniforms of its own stream): the rejection sampler proper
+(`rejection_step`): accept x iff u < min(1, p(x) / q(x)), u from the acceptance stream;
+otherwise draw from max(0, p - q), normalized (`residual_distribution`); after K accepted
+proposals the bonus token is drawn from the target's last row (`bonus_distribution`). p is the
+decoder's processed distribution of the verification row (penalties, truncations, temperature),
+q the one the draft drew from. The emitted token is then distributed as p exactly
+(`emitted_distribution`, equal to p to float tolerance: test_speculative, with draws held to p
+by the G-test), but the draws are not those of sampling without speculation.
 
 Drafts: `NgramDraft` (prompt lookup, model-free): the tokens that followed the most recent
 earlier occurrence of the history's last n tokens (n from `max_n` down to 1); `ModelDraft`:
@@ -39,9 +50,23 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pipelines.llama3 import sampling
+
+
+class Draft:
+    """What proposes tokens: `propose(history, k)`, up to k tokens to follow `history`.
+    `drafted` adds the distributions they were drawn from, for a draft that samples; None
+    for a deterministic one (the default)."""
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def drafted(self, history: Sequence[int], k: int, decoder) -> tuple[list[int], list | None]:
+        return self.propose(history, k), None
+
 
 @dataclasses.dataclass(frozen=True)
-class NgramDraft:
+class NgramDraft(Draft):
     """Prompt lookup: propose what followed the last earlier match of the history's tail."""
 
     max_n: int = 3
@@ -63,7 +88,7 @@ class NgramDraft:
         return []
 
 
-class ModelDraft:
+class ModelDraft(Draft):
     """A model proposes: greedy decoding of a draft engine (a smaller checkpoint with the
     target's vocabulary, or the target's own first layers and head: `self_draft`) from the
     history. Its KV cache lives across calls: the positions of a history it computed before
@@ -76,6 +101,11 @@ class ModelDraft:
         self._cached: list[int] = []  # the tokens whose keys are in the draft's cache
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
+        return self._run(history, k, lambda logits, context: int(torch.argmax(logits)))
+
+    def _run(self, history: Sequence[int], k: int, choose) -> list[int]:
+        """k proposals after `history`, each `choose(logits, context)` of the draft's logits
+        after `context` (the history and the proposals before it)."""
         history, model = [int(t) for t in history], self.engine.model
         needed = len(history) + k
         if needed > model.max_seq_len:  # a bigger cache starts empty
@@ -86,10 +116,11 @@ class ModelDraft:
         with torch.inference_mode():
             fed = torch.tensor([history[common:]], dtype=torch.long, device=device)
             logits = model(fed, common, outputs=[fed.shape[1] - 1])[0, -1]
-            proposal = [int(torch.argmax(logits))]
+            proposal = [choose(logits, history)]
             for i in range(k - 1):
                 token = torch.tensor([[proposal[-1]]], dtype=torch.long, device=device)
-                proposal.append(int(torch.argmax(model(token, len(history) + i)[0, -1])))
+                logits = model(token, len(history) + i)[0, -1]
+                proposal.append(choose(logits, history + proposal))
         self._cached = history + proposal[:-1]
         return proposal
 
@@ -104,19 +135,45 @@ class ModelDraft:
         return common
 
 
-def self_draft(path, layers: int, mode: str = "eager") -> ModelDraft:
+class SamplingDraft(ModelDraft):
+    """A model proposes by sampling: a sampled request's proposals are drawn from the draft
+    engine's processed distribution q (the request's sampler settings, penalties over the
+    history and the proposals before), each with the uniform of the draft's own stream at the
+    proposal's position, and returned with q for the rejection sampler (module docstring). A
+    greedy request gets the draft's greedy tokens."""
+
+    def drafted(self, history: Sequence[int], k: int, decoder) -> tuple[list[int], list | None]:
+        if decoder.sampling is None:
+            return super().drafted(history, k, decoder)
+        dists = []
+
+        def draw_one(logits: torch.Tensor, context: list[int]) -> int:
+            q = sampling.processed(logits, decoder.sampling, context)
+            dists.append(self.reported(q, logits))
+            return draw(q, sampling.uniform(decoder.seed, len(context), sampling.DRAFT_DOMAIN))
+
+        return self._run(history, k, draw_one), dists
+
+    def reported(self, q, logits: torch.Tensor):
+        """The distribution reported for a proposal drawn from q: q itself (a seam: the
+        acceptance ratio must use the distribution drawn from, test_speculative)."""
+        return q
+
+
+def self_draft(path, layers: int, mode: str = "eager", sample: bool = False) -> ModelDraft:
     """The checkpoint's first `layers` layers, its final norm and its head, as a draft (0: the
-    embedding straight into the head)."""
+    embedding straight into the head); with `sample`, a SamplingDraft."""
     from pipelines.llama3.engine import Llama3Engine  # engine.py imports this module
 
-    return ModelDraft(Llama3Engine.from_gguf(path, mode=mode, overrides={"n_layers": layers}))
+    engine = Llama3Engine.from_gguf(path, mode=mode, overrides={"n_layers": layers})
+    return (SamplingDraft if sample else ModelDraft)(engine)
 
 
 @dataclasses.dataclass(frozen=True)
 class Speculation:
     """`draft` proposes up to `k` tokens per step (1 to 8)."""
 
-    draft: NgramDraft | ModelDraft = NgramDraft()
+    draft: Draft = NgramDraft()
     k: int = 4
 
     def __post_init__(self) -> None:
@@ -151,32 +208,67 @@ def decode(model, decoder, logits, position: int, speculation: Speculation, step
     stats = Stats()
     step_logits[0] = logits
     token = decoder.step(logits)
+
+    def keep(row: torch.Tensor) -> None:
+        step_logits[len(decoder.tokens)] = row
+
     while token is not None:
-        remaining = decoder.max_new_tokens - len(decoder.tokens)
-        if decoder.forced_tokens is not None:  # teacher forcing: the forced sequence proposes
-            done = len(decoder.tokens)
-            proposal = list(decoder.forced_tokens[done : done + speculation.k])
-        else:
-            history = [*decoder.prompt, *decoder.tokens]
-            proposal = speculation.draft.propose(history, speculation.k)
-        proposal = proposal[:remaining]
+        proposal, dists = proposals(decoder, speculation)
         block = torch.tensor([[token, *proposal]], dtype=torch.long, device=device)
         rows = model(block, block_start(position))[0]  # [1 + len(proposal), vocab]
-        accepted = 0
-        for j in range(rows.shape[0]):
-            row = verification_row(rows, j)
-            step_logits[len(decoder.tokens)] = row
-            token = decoder.step(row)
-            if token is None:
-                break
-            if j < len(proposal) and verified(token, proposal[j], row):
-                accepted += 1
-                continue
-            break  # a rejected proposal (its replacement is `token`), or the bonus token
+        accepted, token = verify(decoder, rows, proposal, dists, keep)
         stats.proposed.append(len(proposal))
         stats.accepted.append(accepted)
         position = next_position(position, accepted, block.shape[1])
     return stats
+
+
+def proposals(decoder, speculation: Speculation) -> tuple[list[int], list | None]:
+    """The draft's proposals after the decoder's tokens, with the distributions they were
+    drawn from (None: a deterministic draft), no more than the steps left; teacher-forced,
+    the forced tokens."""
+    remaining = decoder.max_new_tokens - len(decoder.tokens)
+    if decoder.forced_tokens is not None:  # teacher forcing: the forced sequence proposes
+        done = len(decoder.tokens)
+        return list(decoder.forced_tokens[done : done + min(speculation.k, remaining)]), None
+    history = [*decoder.prompt, *decoder.tokens]
+    proposal, dists = speculation.draft.drafted(history, speculation.k, decoder)
+    return proposal[:remaining], None if dists is None else dists[:remaining]
+
+
+def verify(decoder, rows: torch.Tensor, proposal, dists=None, keep=None) -> tuple[int, int | None]:
+    """The decoder's choices from a verification forward's rows (row j: after the block's
+    first j + 1 tokens), `keep(row)` called with each row it reads; (proposals accepted, the
+    token to feed next, or None: the sequence stopped). Row 0 first, then row j + 1 while
+    choice j equals proposal j: the first that differs replaces its proposal and ends the
+    step; after all of them, the last row's choice is the bonus token. The choice: the
+    decoder's own (greedy, or a deterministic draft's sampling), or with `dists` (the
+    distributions a sampling draft drew the proposals from) the rejection sampler's. The
+    generate loop (`decode`) and the serving engine both verify here."""
+    accepted, token = 0, None
+    sampled = dists is not None and decoder.sampling is not None
+    for j in range(rows.shape[0]):
+        row = verification_row(rows, j)
+        if keep is not None:
+            keep(row)
+        if sampled and (j < len(proposal) or dists):
+            p, position = decoder.distribution(row), len(decoder.history())
+            u = sampling.uniform(decoder.seed, position)
+            if j < len(proposal):
+                u_accept = sampling.uniform(decoder.seed, position, sampling.ACCEPT_DOMAIN)
+                choice = rejection_step(p, dists[j], proposal[j], u_accept, u)
+            else:
+                choice = draw(bonus_distribution(p, dists[-1]), u)
+            token = decoder.take(choice)
+        else:
+            token = decoder.step(row)
+        if token is None:
+            return accepted, None
+        if j < len(proposal) and verified(token, proposal[j], row):
+            accepted += 1
+            continue
+        break  # a rejected proposal (its replacement is `token`), or the bonus token
+    return accepted, token
 
 
 # The loop's four decisions, each a seam the speculation mutations patch (test_speculative,
@@ -225,3 +317,73 @@ def emitted(ids: np.ndarray, probs: np.ndarray, x: int) -> np.ndarray:
     """The emitted token's distribution: accept x with `acceptance`, else draw `residual`."""
     a = acceptance(ids, probs, x)
     return np.where(ids == x, a, 0.0) + (1.0 - a) * residual(ids, probs, x)
+
+
+# --- the rejection sampler, for a draft that samples ---------------------------------------
+# A distribution is (kept ids, probabilities), as sampling.processed returns it. Each function
+# below is a seam the speculation mutations patch (test_speculative).
+
+
+def probability(dist, x: int) -> float:
+    """dist's probability of token x (0 where it is not kept)."""
+    ids, probs = dist
+    hit = ids == x
+    return float(probs[hit].sum()) if hit.any() else 0.0
+
+
+def accept_probability(p, q, x: int) -> float:
+    """min(1, p(x) / q(x)) for a proposal x drawn from q (so q(x) > 0)."""
+    return min(1.0, probability(p, x) / probability(q, x))
+
+
+def residual_distribution(p, q):
+    """max(0, p - q), normalized, over p's ids: what a rejection draws from. A new array: p
+    is the target's, read again. (Where p <= q everywhere they are equal and nothing is ever
+    rejected: p.)"""
+    ids, probs = p
+    q_ids, q_probs = q
+    order = np.argsort(q_ids, kind="stable")
+    sorted_ids = q_ids[order]
+    at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+    q_at = np.where(sorted_ids[at] == ids, q_probs[order][at], 0.0)
+    rest = np.maximum(probs - q_at, 0.0)
+    total = rest.sum()
+    return (ids, rest / total) if total > 0 else p
+
+
+def bonus_distribution(p, q):
+    """What the bonus token (after every proposal was accepted) is drawn from: the target's
+    last row, p (q: the last proposal's draft distribution, not used)."""
+    return p
+
+
+def draw(dist, u: float) -> int:
+    """The token whose cumulative interval, in id order, holds u: the inverse CDF, without
+    normalizing (a distribution that does not sum to 1 is drawn as it is, wrongly)."""
+    ids, probs = dist
+    order = np.argsort(ids, kind="stable")
+    index = int(np.searchsorted(np.cumsum(probs[order]), u, side="right"))
+    return int(ids[order][min(index, len(ids) - 1)])
+
+
+def rejection_step(p, q, x: int, u_accept: float, u_residual: float) -> int:
+    """The token emitted for proposal x (drawn from q) against the target's p: x if u_accept
+    falls below the acceptance probability, else a draw from the residual."""
+    if u_accept < accept_probability(p, q, x):
+        return x
+    return draw(residual_distribution(p, q), u_residual)
+
+
+def emitted_distribution(p, q) -> dict[int, float]:
+    """The exact distribution of rejection_step's token when x is drawn from q: the sum over
+    x of q(x) (a(x) at x + (1 - a(x)) residual), from the functions above as they are (each
+    rejection's residual computed anew, as the sampler does). Equal to p when they are
+    right."""
+    emitted: dict[int, float] = {}
+    for x, qx in zip(q[0].tolist(), q[1].tolist(), strict=True):
+        a = accept_probability(p, q, x)
+        emitted[x] = emitted.get(x, 0.0) + qx * a
+        r_ids, r_probs = residual_distribution(p, q)
+        for t, r in zip(r_ids.tolist(), r_probs.tolist(), strict=True):
+            emitted[t] = emitted.get(t, 0.0) + qx * (1.0 - a) * r
+    return emitted

@@ -46,7 +46,7 @@ CORRUPTED = {2, 13}  # with k = 8 the block between them passes whole
 
 
 @dataclasses.dataclass(frozen=True)
-class ScriptedDraft:
+class ScriptedDraft(speculative.Draft):
     """A test draft: proposes the reference run's next tokens, those at CORRUPTED replaced by
     the reference row's runner-up, so that steps accept, reject and take a bonus token."""
 
