@@ -48,7 +48,6 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import torch
 
-from goldens.cli_files import PathError, output_directory, user_path
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import CheckpointError, Llama3Engine, LlamaConfig
 from pipelines.llama3.engine import MODES, freeze_imported_objects
@@ -60,6 +59,7 @@ from tools.bench.record import (
     PEER,
     Timings,
     build_record,
+    json_output,
     load_average,
     machine_info,
     write_record,
@@ -465,12 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler = settings_from_text(args.sampler)
     except ValueError as error:
         parser.error(str(error))
-    json_path = user_path(args.json) if args.json else None
-    if json_path:
-        try:  # before the minutes of benchmarking, not after
-            output_directory(json_path.parent, "--json")
-        except PathError as error:
-            parser.error(str(error))
+    json_path = json_output(args.json, parser)
     torch.set_num_threads(args.threads)
     try:
         gguf_path = args.gguf or smollm2_gguf()

@@ -72,13 +72,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from goldens.cli_files import PathError, output_directory, user_path
 from pipelines.llama3 import ggml_mode, kernel_library, packed
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.model import Attention, FeedForward, precompute_rope
 from pipelines.llama3.packing import RawMatrix
 from pipelines.llama3.quants import dequantize
-from tools.bench.record import load_average, machine_info, write_record
+from tools.bench.record import json_output, load_average, machine_info, write_record
 
 Q = GGMLQuantizationType
 MODES = ("eager", "quantized", "ggml")
@@ -577,12 +576,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{option}={value}: must be at least 1")
     if args.threads < 1:
         parser.error(f"--threads={args.threads}: must be at least 1")
-    json_path = user_path(args.json) if args.json else None
-    if json_path:
-        try:  # before the minutes of timing, not after
-            output_directory(json_path.parent, "--json")
-        except PathError as error:
-            parser.error(str(error))
+    json_path = json_output(args.json, parser)
     torch.set_num_threads(args.threads)
     load_at_start = load_average()
     results, steps = [], []

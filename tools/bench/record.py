@@ -39,7 +39,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from goldens.cli_files import write_atomically
+from goldens.cli_files import PathError, output_directory, user_path, write_atomically
 from goldens.machine import cpu_model
 
 SCHEMA_VERSION = 1
@@ -128,3 +128,17 @@ def dumps(data: dict[str, Any]) -> str:
 def write_record(path: Path, record: dict[str, Any]) -> None:
     """Write `record` to `path` whole or not at all (an interrupted run leaves no torn file)."""
     write_atomically(path, dumps(record))
+
+
+def json_output(value: str | None, parser) -> Path | None:
+    """A bench's `--json FILE` as the user meant it (relative to where `bazel run` was
+    started), its folder checked before the minutes of timing, not after: a bad one is
+    `parser.error` (exit 2) now. None without the option."""
+    if not value:
+        return None
+    path = user_path(value)
+    try:
+        output_directory(path.parent, "--json")
+    except PathError as error:
+        parser.error(str(error))
+    return path

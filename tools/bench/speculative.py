@@ -35,8 +35,10 @@ import urllib.request
 
 import torch
 
+from goldens.cli_files import write_atomically
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, speculative
+from tools.bench.record import json_output
 
 PROMPT = (
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
@@ -199,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--k={args.k}: speculation drafts 1 to 8 tokens a step")
     if args.new_tokens < 2 or args.repeats < 1:
         parser.error("--new-tokens must be at least 2 and --repeats at least 1")
+    json_path = json_output(args.json, parser)
     gguf = args.gguf or str(smollm2_gguf())
     torch.set_num_threads(args.threads)
     engine = Llama3Engine.from_gguf(gguf, mode=args.mode)
@@ -237,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         lines.append(skipped)
     print("\n".join(lines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    if json_path:
+        text = json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n"
+        write_atomically(json_path, text.encode())
     return 0
 
 

@@ -92,13 +92,19 @@ def _greedy_parity(engine, k: int) -> tuple[list[str], float, speculative.Stats]
             except ValueError as error:  # a planted bug that overruns the cache is caught too
                 mismatched.append(f"{text}: {error}")
                 continue
-            if out.tokens != reference.tokens:
-                mismatched.append(text)
-                continue
-            worst = max(worst, _delta(out.logits, reference.logits))
-            total.proposed += out.speculation.proposed
-            total.accepted += out.speculation.accepted
+            worst = max(worst, _tally(text, out, reference, mismatched, total))
     return mismatched, worst, total
+
+
+def _tally(name: str, out, reference, mismatched: list, total: speculative.Stats) -> float:
+    """`out` against `reference`: `name` into `mismatched` where the tokens differ, else the
+    stats into `total`; the worst row delta (0 where mismatched)."""
+    if out.tokens != reference.tokens:
+        mismatched.append(name)
+        return 0.0
+    total.proposed += out.speculation.proposed
+    total.accepted += out.speculation.accepted
+    return _delta(out.logits, reference.logits)
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -151,17 +157,23 @@ def test_sampled_speculation_draws_the_same_tokens(engine) -> None:
                 sampling=SAMPLER,
                 speculation=Speculation(draft, 4),
             )
-            verdicts = sampling.compare_continuations(
-                (reference.tokens, reference.logits),
-                (out.tokens, out.logits),
-                SAMPLER,
-                SAMPLER.seed,
-                prompt,
-                sampling.draw_margin(LOGPROB_ATOL, SAMPLER),
-            )
-            assert all(v.verdict != "FAIL" for v in verdicts), [v.detail for v in verdicts]
-            if all(v.verdict == "equal" for v in verdicts):
-                assert out.tokens == reference.tokens, text
+            _assert_same_draws(prompt, reference, out, text)
+
+
+def _assert_same_draws(prompt, reference, out, name: str) -> None:
+    """`out` drew sampling's seeded tokens of `reference`: equal where every draw is, else
+    judged by the draw rule (no FAIL)."""
+    verdicts = sampling.compare_continuations(
+        (reference.tokens, reference.logits),
+        (out.tokens, out.logits),
+        SAMPLER,
+        SAMPLER.seed,
+        prompt,
+        sampling.draw_margin(LOGPROB_ATOL, SAMPLER),
+    )
+    assert all(v.verdict != "FAIL" for v in verdicts), [v.detail for v in verdicts]
+    if all(v.verdict == "equal" for v in verdicts):
+        assert out.tokens == reference.tokens, name
 
 
 @pytest.mark.parametrize("case", range(6))
@@ -290,12 +302,7 @@ def _served_parity(engine, k: int, serving_class=ServingEngine, **config):
         return [repr(error)], float("inf"), total
     for i, reference in enumerate(references):
         out = results[str(i)].output
-        if out.tokens != reference.tokens:
-            mismatched.append(PROMPTS[i])
-            continue
-        worst = max(worst, _delta(out.logits, reference.logits))
-        total.proposed += out.speculation.proposed
-        total.accepted += out.speculation.accepted
+        worst = max(worst, _tally(PROMPTS[i], out, reference, mismatched, total))
     return mismatched, worst, total
 
 
@@ -318,18 +325,7 @@ def test_served_speculation_gives_the_same_tokens(engine, k, capsys) -> None:
 def test_served_sampled_speculation_draws_the_same_tokens(engine) -> None:
     prompts, references, results, _ = _served(engine, 4, sampler=SAMPLER, block_size=4)
     for i, (prompt, reference) in enumerate(zip(prompts, references, strict=True)):
-        out = results[str(i)].output
-        verdicts = sampling.compare_continuations(
-            (reference.tokens, reference.logits),
-            (out.tokens, out.logits),
-            SAMPLER,
-            SAMPLER.seed,
-            prompt,
-            sampling.draw_margin(LOGPROB_ATOL, SAMPLER),
-        )
-        assert all(v.verdict != "FAIL" for v in verdicts), [v.detail for v in verdicts]
-        if all(v.verdict == "equal" for v in verdicts):
-            assert out.tokens == reference.tokens, PROMPTS[i]
+        _assert_same_draws(prompt, reference, results[str(i)].output, PROMPTS[i])
 
 
 class _HoldsRejectedBlocks(ServingEngine):
