@@ -30,8 +30,8 @@ otherwise draw from max(0, p - q), normalized (`residual_distribution`); after K
 proposals the bonus token is drawn from the target's last row (`bonus_distribution`). p is the
 decoder's processed distribution of the verification row (penalties, truncations, temperature),
 q the one the draft drew from. The emitted token is then distributed as p exactly
-(`emitted_distribution`, equal to p to float tolerance: test_speculative, with draws held to p
-by the G-test), but the draws are not those of sampling without speculation.
+(`emitted_distribution`, equal to p to float tolerance: test_speculative_sampling, draws held
+to p by the G-test), but the draws are not those of sampling without speculation.
 
 Drafts: `NgramDraft` (prompt lookup, model-free): the tokens that followed the most recent
 earlier occurrence of the history's last n tokens (n from `max_n` down to 1); `ModelDraft`:
@@ -156,7 +156,7 @@ class SamplingDraft(ModelDraft):
 
     def reported(self, q, logits: torch.Tensor):
         """The distribution reported for a proposal drawn from q: q itself (a seam: the
-        acceptance ratio must use the distribution drawn from, test_speculative)."""
+        acceptance ratio must use the distribution drawn from, test_speculative_sampling)."""
         return q
 
 
@@ -321,7 +321,7 @@ def emitted(ids: np.ndarray, probs: np.ndarray, x: int) -> np.ndarray:
 
 # --- the rejection sampler, for a draft that samples ---------------------------------------
 # A distribution is (kept ids, probabilities), as sampling.processed returns it. Each function
-# below is a seam the speculation mutations patch (test_speculative).
+# below is a seam the speculation mutations patch (test_speculative_sampling).
 
 
 def probability(dist, x: int) -> float:
