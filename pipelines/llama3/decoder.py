@@ -12,6 +12,11 @@ One place for the choice that `Llama3Engine.generate` and the serving engine
 - **teacher forcing**: with `forced_tokens`, step i feeds forced_tokens[i] to the next step
   instead of the choice, and no end-of-sequence id stops it: the logits of every step follow
   the sequence being checked, while `tokens` keeps the model's own choice;
+- **constraints**: with `constraint` (constrained.Matcher: a JSON schema, regex, choice or
+  grammar), every token outside the language gets logit -inf before the choice (greedy or
+  sampled: the distribution restricted and renormalized), end-of-sequence ids only where the
+  text is a member; the matcher takes each fed token (a forced one too, which must be in the
+  language); `allowed` keeps each step's allowed ids;
 - **stop conditions**: `max_new_tokens` steps (`finish_reason` "length"), a choice among
   `eos_ids` (the checkpoint's: `Llama3Engine.eos_ids`), or a choice after which the generated
   text (`detokenize` of the tokens so far) contains one of `stop_strings` (both "stop"); the
@@ -25,6 +30,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from pipelines.llama3 import constrained
 from pipelines.llama3 import sampling as sampling_lib
 
 
@@ -42,6 +48,8 @@ class Decoder:
     stop_strings: Sequence[str] = ()  # text that ends the sequence once generated
     detokenize: Callable[[list[int]], str] | None = None  # tokens -> text, for stop_strings
     finish_reason: str | None = None  # once stopped: "length" or "stop"
+    constraint: constrained.Matcher | None = None  # the request's language, if any
+    allowed: list = dataclasses.field(default_factory=list)  # constrained: each step's ids
 
     def __post_init__(self) -> None:
         if self.stop_strings and self.detokenize is None:
@@ -55,6 +63,11 @@ class Decoder:
             # teacher forcing runs the forced sequence to its end: no early stop
             self.max_new_tokens, self.eos_ids = len(self.forced_tokens), frozenset()
             self.stop_strings = ()
+        if self.constraint is not None and self.forced_tokens is None and not self.eos_ids:
+            raise ValueError(
+                "a constrained sequence ends with an end-of-sequence id once its text is "
+                "complete: it cannot ignore them (ignore_eos / stop_on_eos=False)"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
 
@@ -65,12 +78,20 @@ class Decoder:
         fed = self.tokens if self.forced_tokens is None else self.forced_tokens[:step]
         return [*self.prompt, *fed]
 
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the choice is made from: constrained, -inf outside the language."""
+        if self.constraint is None:
+            return logits
+        mask = self.constraint.mask(logits.shape[-1]).to(logits.device)
+        return constrained.apply_mask(logits, mask)
+
     def distribution(self, logits: torch.Tensor) -> tuple:
         """(kept ids, probabilities): the processed distribution this step draws from."""
-        return sampling_lib.processed(logits, self.sampling, self.history())
+        return sampling_lib.processed(self.masked(logits), self.sampling, self.history())
 
     def choose(self, logits: torch.Tensor) -> int:
         """This step's token from its logits [vocab]: greedy, or drawn at its position."""
+        logits = self.masked(logits)
         if self.sampling is None:
             return int(torch.argmax(logits))
         history = self.history()
@@ -85,6 +106,10 @@ class Decoder:
         decoding's rejection sampler); the token to feed the next step, or None: stop."""
         self.tokens.append(token)
         step = len(self.tokens) - 1
+        if self.constraint is not None:
+            fed = token if self.forced_tokens is None else self.forced_tokens[step]
+            self.allowed.append(self.constraint.allowed())
+            self.constraint.consume(fed)
         if self.forced_tokens is not None:
             if step == self.max_new_tokens - 1:
                 self.finish_reason = "length"

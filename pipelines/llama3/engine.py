@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipelines.llama3 import ggml_mode, packed, speculative
+from pipelines.llama3 import constrained, ggml_mode, packed, speculative
 from pipelines.llama3.compiled import CompiledTransformer, compile_blocks
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.decoder import Decoder
@@ -41,6 +41,7 @@ class GenerationOutput:
     # prompt positions asked for (row j after input_ids[: prompt_positions[j] + 1])
     prompt_logits: torch.Tensor | None = None
     speculation: speculative.Stats | None = None  # with speculation: proposals and acceptances
+    allowed: list | None = None  # with a constraint: each step's allowed ids (np.ndarray)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -279,6 +280,7 @@ class Llama3Engine:
         sampling: SamplerSettings | None = None,
         speculation: speculative.Speculation | None = None,
         stop: Sequence[str] = (),
+        constraint: constrained.Constraint | None = None,
     ) -> GenerationOutput:
         """Prefill, then decode, each step reading the keys and values of the KV cache; the
         next token and the stop are the decoder's (decoder.Decoder: greedy, end-of-sequence ids;
@@ -297,6 +299,9 @@ class Llama3Engine:
         distribution, other draws); with
         `forced_tokens` too, the forced tokens are the proposals, K + 1 rows per forward.
         `stop` (strings): the generation ends after the token whose text completes one.
+        `constraint` (constrained.Constraint: JSON schema, regex, choice, grammar): each step
+        chooses among the tokens its language allows (`allowed`: each step's ids), and ends
+        with an end-of-sequence id once the text is a member.
         """
         if forced_tokens is not None:
             bad = [t for t in forced_tokens if not 0 <= t < self.config.vocab_size]
@@ -310,6 +315,7 @@ class Llama3Engine:
             prompt=input_ids,
             stop_strings=tuple(stop),
             detokenize=None if self.tokenizer is None else self.tokenizer.decode,
+            constraint=constrained.matcher(constraint, self.tokenizer),
         )
         max_new_tokens = decoder.max_new_tokens
         prompt = self._tensor(input_ids)
@@ -354,6 +360,7 @@ class Llama3Engine:
             decode_seconds,
             prefill[:-1].cpu() if positions else None,
             stats,
+            decoder.allowed if constraint is not None else None,
         )
 
 

@@ -53,7 +53,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipelines.llama3 import speculative
+from pipelines.llama3 import constrained, speculative
 from pipelines.llama3.decoder import Decoder
 from pipelines.llama3.engine import GenerationOutput, Llama3Engine
 from pipelines.llama3.model import PagedBatch
@@ -86,6 +86,9 @@ class Request:
     # speculative decoding: each decode step feeds the draft's proposals after the token just
     # chosen, one forward scores them, the decoder verifies them (speculative.py)
     speculation: speculative.Speculation | None = None
+    # constrained decoding: the output held to a JSON schema, regex, choice or grammar, with
+    # its own matcher (constrained.py) in the request's decoder
+    constraint: constrained.Constraint | None = None
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -377,6 +380,7 @@ class ServingEngine:
             prompt=request.prompt,
             stop_strings=request.stop,
             detokenize=None if tokenizer is None else tokenizer.decode,
+            constraint=constrained.matcher(request.constraint, tokenizer),
         )
 
     def _check(self, requests: Sequence[Request]) -> None:
@@ -623,7 +627,13 @@ class ServingEngine:
         vocab = self.engine.config.vocab_size
         logits = torch.stack(seq.logits) if seq.logits else torch.empty(0, vocab)
         output = GenerationOutput(
-            seq.decoder.tokens, logits, seconds, 0.0, prompt_logits, speculation=seq.stats
+            seq.decoder.tokens,
+            logits,
+            seconds,
+            0.0,
+            prompt_logits,
+            speculation=seq.stats,
+            allowed=seq.decoder.allowed if seq.request.constraint is not None else None,
         )
         reason = seq.decoder.finish_reason or "cancelled"
         return Served(output, positions, seq.cached_prefix, seq.preemptions, reason)

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pipelines.llama3 import sampling
+from pipelines.llama3 import constrained, sampling
 
 
 class Draft:
@@ -101,7 +101,33 @@ class ModelDraft(Draft):
         self._cached: list[int] = []  # the tokens whose keys are in the draft's cache
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
-        return self._run(history, k, lambda logits, context: int(torch.argmax(logits)))
+        return self._run(history, k, _argmax)
+
+    def drafted(self, history: Sequence[int], k: int, decoder) -> tuple[list[int], list | None]:
+        return self._masked_run(history, k, decoder, _argmax), None
+
+    def _masked_run(self, history: Sequence[int], k: int, decoder, choose) -> list[int]:
+        """`_run`, and with the decoder's constraint each proposal chosen from the draft's
+        logits masked by the language after the proposals before it (the matcher advanced
+        by each, then rolled back: its state is the verified tokens' only)."""
+        matcher = decoder.constraint
+        if matcher is None:
+            return self._run(history, k, choose)
+        taken = 0
+
+        def masked_choose(logits: torch.Tensor, context: list[int]) -> int:
+            nonlocal taken
+            if matcher.stopped:  # after an end of sequence: verification stops before it
+                return choose(logits, context)
+            token = choose(decoder.masked(logits), context)
+            matcher.consume(token)
+            taken += 1
+            return token
+
+        try:
+            return self._run(history, k, masked_choose)
+        finally:
+            constrained.rollback_proposals(matcher, taken)
 
     def _run(self, history: Sequence[int], k: int, choose) -> list[int]:
         """k proposals after `history`, each `choose(logits, context)` of the draft's logits
@@ -152,12 +178,16 @@ class SamplingDraft(ModelDraft):
             dists.append(self.reported(q, logits))
             return draw(q, sampling.uniform(decoder.seed, len(context), sampling.DRAFT_DOMAIN))
 
-        return self._run(history, k, draw_one), dists
+        return self._masked_run(history, k, decoder, draw_one), dists
 
     def reported(self, q, logits: torch.Tensor):
         """The distribution reported for a proposal drawn from q: q itself (a seam: the
         acceptance ratio must use the distribution drawn from, test_speculative_sampling)."""
         return q
+
+
+def _argmax(logits: torch.Tensor, context: list[int]) -> int:
+    return int(torch.argmax(logits))
 
 
 def self_draft(path, layers: int, mode: str = "eager", sample: bool = False) -> ModelDraft:
@@ -225,14 +255,17 @@ def decode(model, decoder, logits, position: int, speculation: Speculation, step
 
 def proposals(decoder, speculation: Speculation) -> tuple[list[int], list | None]:
     """The draft's proposals after the decoder's tokens, with the distributions they were
-    drawn from (None: a deterministic draft), no more than the steps left; teacher-forced,
-    the forced tokens."""
+    drawn from (None: a deterministic draft), no more than the steps left, and with a
+    constraint no further than its language allows (the matcher's state rolled back after
+    the check); teacher-forced, the forced tokens."""
     remaining = decoder.max_new_tokens - len(decoder.tokens)
     if decoder.forced_tokens is not None:  # teacher forcing: the forced sequence proposes
         done = len(decoder.tokens)
         return list(decoder.forced_tokens[done : done + min(speculation.k, remaining)]), None
     history = [*decoder.prompt, *decoder.tokens]
     proposal, dists = speculation.draft.drafted(history, speculation.k, decoder)
+    if decoder.constraint is not None:  # constrained: only the prefix the language allows
+        remaining = min(remaining, decoder.constraint.viable(proposal))
     return proposal[:remaining], None if dists is None else dists[:remaining]
 
 

@@ -110,6 +110,12 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self) -> tuple[list[bytes], set[int]]:
+        """(each id's bytes, the special ids): a byte-level token's bytes are its spelling in
+        GPT-2's byte alphabet read back (a token may hold part of a UTF-8 character); an
+        added token's are its text; a special (control) token's its name, never text."""
+        return _token_bytes(self.backend)
+
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
         return cls.from_gguf_reader(open_gguf(path), path)
@@ -234,3 +240,17 @@ def _backend(
         ]
     )
     return backend
+
+
+@functools.lru_cache(maxsize=4)
+def _token_bytes(backend: BackendTokenizer) -> tuple[list[bytes], set[int]]:
+    byte_of = {char: byte for byte, char in _BYTE_ALPHABET.items()}
+    added = backend.get_added_tokens_decoder()
+    tokens = []
+    for index in range(backend.get_vocab_size(with_added_tokens=True)):
+        spelled = backend.id_to_token(index) or ""
+        if index in added or any(char not in byte_of for char in spelled):
+            tokens.append(spelled.encode())
+        else:
+            tokens.append(bytes(byte_of[char] for char in spelled))
+    return tokens, {index for index, token in added.items() if token.special}
