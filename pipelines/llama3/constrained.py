@@ -105,6 +105,16 @@ class Constraint:
         except Exception as error:  # the converter raises plain exceptions
             raise ConstraintError(f"grammar: not Lark or GBNF: {error}") from None
 
+    def check(self) -> None:
+        """Compile the constraint without a vocabulary: ConstraintError naming what is wrong
+        (before a checkpoint loads)."""
+        import llguidance
+
+        grammar = llguidance.LLMatcher.grammar_from_lark(self.lark())
+        error = llguidance.LLMatcher.validate_grammar(grammar, None)
+        if error:
+            raise ConstraintError(f"{self.kind}: {error}")
+
 
 def _loads(text: str, kind: str):
     try:

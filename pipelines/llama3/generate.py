@@ -8,6 +8,10 @@ Example:
     bazel run //pipelines/llama3:generate -- \\
         --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --prompt "Once upon a time" --temperature 0.8 --top-p 0.95 --seed 7
+    bazel run //pipelines/llama3:generate -- \\
+        --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --prompt "A user record as JSON: " --json-schema '{"type": "object", \\
+        "properties": {"name": {"type": "string"}}, "required": ["name"]}'
 """
 
 import argparse
@@ -18,6 +22,7 @@ import sys
 
 import torch
 
+from pipelines.llama3.constrained import Constraint, ConstraintError
 from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
 from pipelines.llama3.sampling import ORDERS, SamplerSettings
@@ -86,7 +91,40 @@ def _parser() -> argparse.ArgumentParser:
         help="with --draft-layers and a sampler: the draft samples its proposals, verified by "
         "rejection sampling (the target's distribution, other draws than without speculation)",
     )
+    constraint = parser.add_argument_group(
+        "constrained decoding (one of them; @FILE reads the text from a file)"
+    ).add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", help="the output is an instance of this schema")
+    constraint.add_argument("--regex", help="the output matches this regex, whole")
+    constraint.add_argument(
+        "--choice", action="append", help="the output is one of these (repeat the option)"
+    )
+    constraint.add_argument("--grammar", help="the output is in this Lark or GBNF grammar")
     return parser
+
+
+def _constraint(args, parser) -> Constraint | None:
+    """The constraint the options give, its text read from @FILE where one is named."""
+
+    def text(option: str, value: str) -> str:
+        if not value.startswith("@"):
+            return value
+        path = user_path(value[1:])
+        if not path.is_file():
+            parser.error(f"{option}={value}: {path} is not a file")
+        return path.read_text()
+
+    constraint = Constraint.choice(args.choice) if args.choice else None
+    for kind in ("json_schema", "regex", "grammar"):
+        value = getattr(args, kind)
+        if value is not None:
+            constraint = Constraint(kind, text("--" + kind.replace("_", "-"), value))
+    if constraint is not None:
+        try:
+            constraint.check()  # before the checkpoint loads
+        except ConstraintError as error:
+            parser.error(f"--{constraint.kind.replace('_', '-')}: {error}")
+    return constraint
 
 
 def _sampling(args, parser) -> SamplerSettings | None:
@@ -123,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sampling = _sampling(args, parser)
+    constraint = _constraint(args, parser)
     speculation = None
     if args.draft_layers is not None and not args.speculate:
         parser.error("--draft-layers drafts for speculative decoding: give --speculate=K too")
@@ -157,9 +196,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     input_ids = engine.tokenizer.encode(args.prompt)
-    out = engine.generate(
-        input_ids, args.max_new_tokens, sampling=sampling, speculation=speculation
-    )
+    try:
+        out = engine.generate(
+            input_ids,
+            args.max_new_tokens,
+            sampling=sampling,
+            speculation=speculation,
+            constraint=constraint,
+        )
+    except ConstraintError as error:
+        option = "--" + constraint.kind.replace("_", "-")
+        print(f"error: {option}: {error}", file=sys.stderr)
+        return 2
     print(args.prompt + engine.tokenizer.decode(out.tokens))
     prefill_rate = len(input_ids) / out.prefill_seconds
     print(

@@ -10,7 +10,10 @@ Endpoints: `POST /v1/completions` (OpenAI's legacy completions: `prompt` as text
 a list of either; `max_tokens`, `temperature` (0: greedy; OpenAI's default 1), `top_p`,
 `top_k`, `min_p`, `seed`, the penalties, `stop`, `logprobs` (top-K log-probabilities of each
 generated token), `stream` (server-sent events, `data: [DONE]` last), and vLLM's
-`return_tokens_as_token_ids` and `ignore_eos`); `GET /v1/models`; `GET /health`; and
+`return_tokens_as_token_ids` and `ignore_eos`; constrained decoding by one of
+`response_format` (`json_object`, `json_schema`), llama-server's `json_schema` and `grammar`
+(GBNF), or vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`:
+docs/constrained_decoding.md); `GET /v1/models`; `GET /health`; and
 `GET /metrics` (JSON: requests by outcome, pending, KV blocks in use, steps, preemptions).
 A chat endpoint is not served: the checkpoints it is tested on have no chat template.
 
@@ -49,6 +52,8 @@ import torch
 import werkzeug.exceptions
 import werkzeug.serving
 
+from pipelines.llama3 import constrained
+from pipelines.llama3.constrained import Constraint, ConstraintError
 from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
 from pipelines.llama3.sampling import SamplerSettings
@@ -60,6 +65,17 @@ MAX_PROMPTS = 64  # prompts in one request, at most
 MAX_STOPS = 4  # stop strings, as OpenAI allows
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's return_tokens_as_token_ids spelling
+# Constrained decoding's request fields (constrained.py), one per request: OpenAI's
+# response_format, llama-server's json_schema and grammar (GBNF), vLLM's guided_* fields.
+CONSTRAINT_FIELDS = {
+    "response_format": "json_schema",
+    "json_schema": "json_schema",
+    "grammar": "grammar",
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 WAIT_S = 600.0  # a request's longest wait for its next event (a wedged worker: 500, not a hang)
 
 
@@ -245,6 +261,7 @@ class Completion:
     include_usage: bool
     token_ids: bool  # name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
     ignore_eos: bool
+    constraint: Constraint | None = None  # constrained decoding (`_constraint`)
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], default=None, what: str = ""):
@@ -337,6 +354,13 @@ class Server:
             raise BadRequest('"stop" needs the checkpoint\'s tokenizer, and it has none', "stop")
         stream = _field(body, "stream", (bool,), False, "true or false")
         options = _field(body, "stream_options", (dict,), {}, "an object")
+        constraint = self._constraint(body)
+        if constraint is not None and body.get("ignore_eos"):
+            raise BadRequest(
+                "a constrained completion ends with an end-of-sequence token once its text is "
+                'complete: drop "ignore_eos"',
+                "ignore_eos",
+            )
         return Completion(
             prompts=prompts,
             max_tokens=max_tokens,
@@ -347,7 +371,46 @@ class Server:
             include_usage=bool(options.get("include_usage")),
             token_ids=bool(body.get("return_tokens_as_token_ids")),
             ignore_eos=bool(body.get("ignore_eos")),
+            constraint=constraint,
         )
+
+    def _constraint(self, body: dict) -> Constraint | None:
+        """The completion's constraint, from the one field of CONSTRAINT_FIELDS it gives,
+        compiled against the vocabulary here so that a bad one is a 400 naming its field."""
+        given = [name for name in CONSTRAINT_FIELDS if body.get(name) is not None]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise BadRequest(f"give one constraint, not {', '.join(given)}", given[1])
+        name, value = given[0], body[given[0]]
+        if name == "response_format":
+            kind = value.get("type") if isinstance(value, dict) else None
+            if kind == "text":
+                return None
+            if kind == "json_object":
+                value, name = {"type": "object"}, "json_schema"
+            elif kind == "json_schema" and isinstance(value.get("json_schema"), dict):
+                value, name = value["json_schema"].get("schema", {}), "json_schema"
+            else:
+                raise BadRequest(
+                    '"response_format" must be {"type": "text"}, {"type": "json_object"} or '
+                    '{"type": "json_schema", "json_schema": {"schema": {...}}}',
+                    "response_format",
+                )
+        kind = CONSTRAINT_FIELDS.get(name, "json_schema")
+        wants = {"json_schema": (dict, bool), "choice": (list,)}.get(kind, (str,))
+        if not isinstance(value, wants):
+            shape = {"json_schema": "a JSON schema object", "choice": "a list of strings"}
+            raise BadRequest(f'"{name}" must be {shape.get(kind, "text")}', name)
+        text = json.dumps(value) if kind in ("json_schema", "choice") else value
+        constraint = Constraint(kind, text)
+        if self.engine.tokenizer is None:
+            raise BadRequest(f'"{name}" needs the checkpoint\'s tokenizer, and it has none', name)
+        try:
+            constrained.matcher(constraint, self.engine.tokenizer)
+        except ConstraintError as error:
+            raise BadRequest(f'"{name}": {error}', name) from None
+        return constraint
 
     def _prompts(self, prompt: object) -> list[list[int]]:
         if prompt is None:
@@ -429,6 +492,7 @@ class Server:
                 stop=completion.stop,
                 ignore_eos=completion.ignore_eos,
                 speculation=self.speculation,
+                constraint=completion.constraint,
             )
             for request_id, prompt in zip(ids, completion.prompts, strict=True)
         ]

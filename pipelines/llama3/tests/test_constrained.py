@@ -565,3 +565,23 @@ def test_every_planted_bug_fails(tiny, monkeypatch) -> None:
             print(f"    {check:13s} {'FAILED ' + failure if failure else 'passed'}")
     escaped = [name for name, verdicts in matrix.items() if not any(verdicts.values())]
     assert escaped == [], f"planted bugs no check caught: {escaped}"
+
+
+def test_the_generate_command_constrains_and_names_a_bad_constraint(tiny, capsys) -> None:
+    from pipelines.llama3 import generate
+
+    gguf = str(TESTDATA / "tiny_llama.gguf")
+    base = ["--gguf", gguf, "--prompt", "Answer: ", "--max-new-tokens", "6"]
+    assert generate.main([*base, "--choice", "yes", "--choice", "no"]) == 0
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert first_line in ("Answer: yes<|eot_id|>", "Answer: no<|eot_id|>"), first_line
+    for option, value, message in (
+        ("--regex", "[0-9", "unclosed character class"),
+        ("--json-schema", "{bad", "not JSON"),
+        ("--grammar", "@/nonexistent/grammar.gbnf", "is not a file"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            generate.main([*base, option, value])
+        assert exit_.value.code == 2
+        error = capsys.readouterr().err
+        assert option in error and message in error, error

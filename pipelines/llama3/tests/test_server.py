@@ -495,3 +495,48 @@ def test_a_speculating_server_answers_the_same_tokens(checkpoint, solo) -> None:
     reference = solo.generate(prompt, 24, stop_on_eos=False)
     assert _own_tokens(_token_ids(answer["choices"][0]["logprobs"]), reference) is None
     assert server.serving.steps < 24, server.serving.steps  # proposals accepted
+
+
+def test_constrained_completions_in_every_request_form(checkpoint, solo) -> None:
+    """Each constraint field (OpenAI's response_format, llama-server's json_schema and GBNF
+    grammar, vLLM's guided_*): the answer is its solo constrained generate's text, and it
+    conforms; a bad or a doubled constraint is a 400 naming its field."""
+    from pipelines.llama3.constrained import Constraint
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    forms = [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+            Constraint.json_schema(schema),
+        ),
+        ({"json_schema": schema}, Constraint.json_schema(schema)),
+        ({"grammar": 'root ::= "(" [0-9]+ ")"'}, Constraint.grammar('root ::= "(" [0-9]+ ")"')),
+        ({"guided_regex": "[a-c]{2}x"}, Constraint.regex("[a-c]{2}x")),
+        ({"guided_choice": ["yes", "no"]}, Constraint.choice(["yes", "no"])),
+    ]
+    tokenizer = solo.tokenizer
+    prompt = "the answer: "
+    with RunningServer(_server(checkpoint)) as running:
+        for fields, constraint in forms:
+            body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, **fields}
+            status, answer = _post(running.url, "/completions", body)
+            assert status == 200, (fields, answer)
+            want = solo.generate(tokenizer.encode(prompt), 10, constraint=constraint)
+            text = answer["choices"][0]["text"]
+            assert text == tokenizer.decode(want.tokens), fields
+        for fields, field in (
+            ({"guided_regex": "[0-9"}, "guided_regex"),
+            ({"json_schema": "not a schema"}, "json_schema"),
+            ({"response_format": {"type": "xml"}}, "response_format"),
+            ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+            ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
+        ):
+            body = {"prompt": prompt, "max_tokens": 4, **fields}
+            status, answer = _post(running.url, "/completions", body)
+            assert status == 400, (fields, answer)
+            assert answer["error"]["param"] == field, answer
