@@ -37,31 +37,40 @@ def engine_decode_tps(engine, input_ids: Sequence[int], new_tokens: int, samplin
 
 
 class LlamaServerSide:
-    """llama-server on the checkpoint, timed by its own report of each completion."""
+    """llama-server on the checkpoint (with `extra_args` of its command line), timed by its
+    own report of each completion. The benches' one way to run the peer."""
 
-    def __init__(self, gguf, threads: int) -> None:
+    def __init__(self, gguf, threads: int, extra_args: Sequence[str] = ()) -> None:
         from goldens.engines.llama_server import LlamaServer
 
         threads_args = ("--threads", str(threads), "--threads-batch", str(threads))
-        self.server = LlamaServer(gguf, extra_args=threads_args)
+        self.server = LlamaServer(gguf, extra_args=(*threads_args, *extra_args))
         self.server.start()
         self.root = self.server.url[: -len("/v1")]
 
-    def decode_tps(self, input_ids: Sequence[int], new_tokens: int, sampler=None) -> float:
+    def completion(self, input_ids: Sequence[int], new_tokens: int, **fields) -> dict:
+        """llama-server's native /completion answer (its `timings` too): `new_tokens` after
+        `input_ids`, greedy, no prompt cache, end of sequence ignored, unless `fields` say
+        otherwise."""
         body = {
             "prompt": [int(i) for i in input_ids],
             "n_predict": new_tokens,
             "ignore_eos": True,
             "cache_prompt": False,
-            **({**sampler, "seed": 0} if sampler else {"temperature": 0.0}),
+            "temperature": 0.0,
+            **fields,
         }
         request = urllib.request.Request(
             self.root + "/completion",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            answer = json.loads(response.read())
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())
+
+    def decode_tps(self, input_ids: Sequence[int], new_tokens: int, sampler=None) -> float:
+        fields = {**sampler, "seed": 0} if sampler else {}
+        answer = self.completion(input_ids, new_tokens, **fields)
         return float(answer["timings"]["predicted_per_second"])
 
     def close(self) -> None:

@@ -31,7 +31,6 @@ import json
 import math
 import shutil
 import sys
-import urllib.request
 
 import torch
 
@@ -39,6 +38,7 @@ from goldens.cli_files import write_atomically
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, speculative
 from tools.bench.record import json_output
+from tools.bench.sampled import LlamaServerSide
 
 PROMPT = (
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
@@ -118,43 +118,12 @@ def _engine_row(engine, draft, name: str, input_ids, args) -> Row:
     return row
 
 
-class _LlamaServer:
-    """llama-server with one way of drafting, timed by its own report of each completion."""
-
-    def __init__(self, gguf, threads: int, extra: tuple[str, ...]) -> None:
-        from goldens.engines.llama_server import LlamaServer
-
-        threads_args = ("--threads", str(threads), "--threads-batch", str(threads))
-        self.server = LlamaServer(gguf, extra_args=(*threads_args, *extra))
-        self.server.start()
-        self.root = self.server.url[: -len("/v1")]
-
-    def run(self, input_ids, new_tokens: int) -> dict:
-        body = {
-            "prompt": [int(i) for i in input_ids],
-            "n_predict": new_tokens,
-            "ignore_eos": True,
-            "cache_prompt": False,
-            "temperature": 0.0,
-        }
-        request = urllib.request.Request(
-            self.root + "/completion",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=600) as response:
-            return json.loads(response.read())["timings"]
-
-    def close(self) -> None:
-        self.server.stop()
-
-
 def _llama_row(gguf, name: str, extra: tuple[str, ...], input_ids, args) -> Row:
     row = Row("llama-server", name)
-    server = _LlamaServer(gguf, args.threads, extra)
+    server = LlamaServerSide(gguf, args.threads, extra)
     try:
         for _ in range(args.repeats):
-            timings = server.run(input_ids, args.new_tokens)
+            timings = server.completion(input_ids, args.new_tokens)["timings"]
             tps = float(timings["predicted_per_second"])
             if tps > row.tps:
                 row.tps = tps
