@@ -16,8 +16,10 @@
   DRAWS seeded draws at ALPHA = 1e-6 (false-alarm rate), whose power against drawing before
   masking is computed and printed (>= 0.999).
 - Every path: the serving engine gives each request of a ragged batch its own mask (tokens and
-  masks equal to its solo `generate`); speculative decoding (n-gram, model and sampling
-  drafts) keeps greedy constrained tokens and masks exactly, the drafts masked too.
+  masks equal to its solo `generate`) in the batch, chunked, prefix-cache and preempting
+  scenarios (the last must preempt), in the eager, quantized and ggml modes; speculative
+  decoding (n-gram, model and sampling drafts) keeps greedy constrained tokens and masks
+  exactly, the drafts masked too.
 - Planted (MUTATIONS), each FAILS at least one check above: an end of sequence allowed before
   the text is complete, or never; the mask applied after sampling; another request's mask in a
   ragged batch; the state not rolled back after draft proposals; one token id off.
@@ -412,29 +414,55 @@ def test_sampling_draws_from_the_restricted_renormalized_distribution(tiny) -> N
 # --- every path: serving, speculative decoding ------------------------------------------
 
 
-def _serving_failures(engine) -> list[str]:
-    """Four requests in one ragged batch, three constrained differently: each one's tokens
-    and masks equal its solo generate's."""
-    names = ["ref", "regex_phone", "choice", None]
+# The serving scenarios a constrained batch goes through: every request its own mask in each.
+SCENARIOS = {
+    "batch": {"block_size": 4},
+    "chunked": {"block_size": 4, "chunk_size": 3},
+    "prefix": {"block_size": 4, "prefix_caching": True},
+    "preempt": {"block_size": 4, "num_blocks": 16},  # five requests of ~11 blocks each
+}
+PREAMBLE = "You answer in exactly the format you are asked for. "
+
+
+def _serving_failures(engine, scenarios=tuple(SCENARIOS)) -> list[str]:
+    """Five requests in one ragged batch behind a shared preamble, four constrained (two
+    choices of one prompt, differently), one not: in each scenario each one's tokens and
+    masks equal its solo generate's; the preempt scenario must preempt."""
+    names = ["ref", "regex_phone", "choice", "choice_unicode", None]
     requests = []
     for i, name in enumerate(names):
         case = CASES.get(name)
-        prompt = _prompt(engine, case or CASES["choice"])
+        words = "choice" if name and name.startswith("choice") else (name or "anything")
+        prompt = engine.tokenizer.encode(f"{PREAMBLE}Answer with {words}: ")
         requests.append(Request(f"r{i}", prompt, STEPS, constraint=case and case.constraint))
-    results = ServingEngine(engine, block_size=4).serve(requests)
+    solo = {r.id: engine.generate(r.prompt, STEPS, constraint=r.constraint) for r in requests}
     failures = []
-    for request, name in zip(requests, names, strict=True):
-        solo = engine.generate(request.prompt, STEPS, constraint=request.constraint)
-        served = results[request.id].output
-        if served.tokens != solo.tokens:
-            failures.append(f"served {name}: tokens {served.tokens} != solo {solo.tokens}")
-        elif name and not _same_masks(served, solo):
-            failures.append(f"served {name}: masks differ from solo")
+    for scenario in scenarios:
+        serving = ServingEngine(engine, **SCENARIOS[scenario])
+        results = serving.serve(requests)
+        if scenario == "preempt" and serving.preemptions == 0:
+            failures.append("preempt: the pool preempted nothing (the scenario is not one)")
+        for request, name in zip(requests, names, strict=True):
+            served, want = results[request.id].output, solo[request.id]
+            if served.tokens != want.tokens:
+                failures.append(f"{scenario} {name}: tokens {served.tokens} != solo {want.tokens}")
+            elif name and not _same_masks(served, want):
+                failures.append(f"{scenario} {name}: masks differ from solo")
     return failures
 
 
 def test_a_ragged_batch_gives_each_request_its_own_mask(tiny) -> None:
     assert _serving_failures(tiny) == []
+
+
+@pytest.mark.parametrize("mode", ["quantized", "ggml"])
+def test_every_mode_constrains_alike(mode) -> None:
+    """The Q4_K checkpoint in the quantized and ggml modes: member walks, constrained runs
+    against the reference, and the serving scenarios."""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama_q4_k.gguf", mode=mode)
+    names = ["object", "choice_unicode", "lark"]
+    assert _check_masks(engine, names) == []
+    assert _serving_failures(engine) == []
 
 
 def _same_masks(one, other) -> bool:
@@ -540,7 +568,7 @@ MUTATIONS = {
 CHECKS = {
     "masks": lambda engine: _walk_members(engine, ["shared_prefixes", "choice", "ref"]),
     "distribution": _distribution_failures,
-    "serving": _serving_failures,
+    "serving": lambda engine: _serving_failures(engine, ("batch",)),
     "speculation": _speculation_failures,
 }
 
