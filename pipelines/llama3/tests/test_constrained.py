@@ -22,7 +22,9 @@
   exactly, the drafts masked too.
 - Planted (MUTATIONS), each FAILS at least one check above: an end of sequence allowed before
   the text is complete, or never; the mask applied after sampling; another request's mask in a
-  ragged batch; the state not rolled back after draft proposals; one token id off.
+  ragged batch; the state not rolled back after draft proposals; one token id off; a sampling
+  draft proposing from its unmasked distribution (the q it reports then not the one it drew
+  from, which the rejection sampler's exactness needs).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import pytest
 import torch
 
 from goldens import multinomial
-from pipelines.llama3 import Llama3Engine, constrained, sampling
+from pipelines.llama3 import Llama3Engine, constrained, sampling, speculative
 from pipelines.llama3.constrained import Constraint
 from pipelines.llama3.decoder import Decoder
 from pipelines.llama3.sampling import SamplerSettings
@@ -494,6 +496,41 @@ def test_speculation_keeps_the_constrained_tokens(tiny) -> None:
     assert _speculation_failures(tiny) == []
 
 
+def _draft_failures(engine) -> list[str]:
+    """The rejection sampler emits the target's (restricted) distribution only if each
+    proposal is drawn from the q it reports: under a constraint, q is the draft's processed
+    distribution masked at that draft position, so every proposal and every q's support are
+    in the language; afterwards the matcher is where it was."""
+    draft = self_draft(TESTDATA / "tiny_llama.gguf", 0, sample=True)
+    case = CASES["object"]
+    prompt = _prompt(engine, case)
+    failures = []
+    for seed in range(4):
+        matcher = constrained.matcher(case.constraint, engine.tokenizer)
+        matcher.consume(engine.tokenizer.encode('{"', add_bos=False)[0])
+        before = list(matcher.consumed)
+        settings = dataclasses.replace(SAMPLER, seed=seed)
+        decoder = Decoder(12, engine.eos_ids, sampling=settings, prompt=prompt, constraint=matcher)
+        proposal, dists = draft.drafted([*prompt, *before], 4, decoder)
+        if matcher.consumed != before:
+            failures.append(f"seed {seed}: the matcher kept the proposals {matcher.consumed}")
+        walk = constrained.matcher(case.constraint, engine.tokenizer)
+        for token in before:
+            walk.consume(token)
+        for j, (token, (ids, probs)) in enumerate(zip(proposal, dists, strict=True)):
+            allowed = set(walk.allowed().tolist())
+            outside = set(ids[probs > 0].tolist()) - allowed
+            if outside or token not in allowed:
+                failures.append(f"seed {seed} proposal {j}: q or the proposal outside the mask")
+                break
+            walk.consume(token)
+    return failures
+
+
+def test_a_sampling_draft_draws_from_the_masked_distribution_and_rolls_back(tiny) -> None:
+    assert _draft_failures(tiny) == []
+
+
 # --- planted bugs ----------------------------------------------------------------------
 
 
@@ -556,6 +593,13 @@ def _no_rollback(monkeypatch) -> None:
     monkeypatch.setattr(constrained, "rollback_proposals", lambda matcher, taken: None)
 
 
+def _draft_unmasked(monkeypatch) -> None:
+    """The draft proposes from its unmasked distribution (the verification still masks)."""
+    monkeypatch.setattr(
+        speculative.ModelDraft, "_masked_run", lambda self, h, k, d, choose: self._run(h, k, choose)
+    )
+
+
 MUTATIONS = {
     "eos_before_complete": _eos_early,
     "eos_never": _eos_never,
@@ -563,6 +607,7 @@ MUTATIONS = {
     "mask_after_sampling": _mask_after_sampling,
     "another_requests_mask": _shared_mask,
     "state_not_rolled_back": _no_rollback,
+    "draft_unmasked": _draft_unmasked,
 }
 # The checks each planted bug runs against (all of them: the matrix shows every verdict).
 CHECKS = {
@@ -570,6 +615,7 @@ CHECKS = {
     "distribution": _distribution_failures,
     "serving": lambda engine: _serving_failures(engine, ("batch",)),
     "speculation": _speculation_failures,
+    "draft": _draft_failures,
 }
 
 
@@ -584,7 +630,7 @@ def test_every_planted_bug_fails(tiny, monkeypatch) -> None:
                     failures = run(tiny)
                 except Exception as error:  # a planted bug may also break the engine outright
                     failures = [f"{type(error).__name__}: {error}"]
-                verdicts[check] = failures[0][:100] if failures else None
+                verdicts[check] = failures[0].splitlines()[0][:100] if failures else None
             matrix[name] = verdicts
     print("planted bug x check (FAILED: the check caught it):")
     for name, verdicts in matrix.items():
