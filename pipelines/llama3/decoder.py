@@ -16,7 +16,8 @@ One place for the choice that `Llama3Engine.generate` and the serving engine
   grammar), every token outside the language gets logit -inf before the choice (greedy or
   sampled: the distribution restricted and renormalized), end-of-sequence ids only where the
   text is a member; the matcher takes each fed token (a forced one too, which must be in the
-  language); `allowed` keeps each step's allowed ids;
+  language); with `record_allowed`, `allowed` keeps each step's allowed ids (a numpy array
+  of up to the vocabulary's size a step: for checks, not for serving);
 - **stop conditions**: `max_new_tokens` steps (`finish_reason` "length"), a choice among
   `eos_ids` (the checkpoint's: `Llama3Engine.eos_ids`), or a choice after which the generated
   text (`detokenize` of the tokens so far) contains one of `stop_strings` (both "stop"); the
@@ -49,7 +50,8 @@ class Decoder:
     detokenize: Callable[[list[int]], str] | None = None  # tokens -> text, for stop_strings
     finish_reason: str | None = None  # once stopped: "length" or "stop"
     constraint: constrained.Matcher | None = None  # the request's language, if any
-    allowed: list = dataclasses.field(default_factory=list)  # constrained: each step's ids
+    record_allowed: bool = False  # constrained: keep each step's allowed ids in `allowed`
+    allowed: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.stop_strings and self.detokenize is None:
@@ -108,7 +110,8 @@ class Decoder:
         step = len(self.tokens) - 1
         if self.constraint is not None:
             fed = token if self.forced_tokens is None else self.forced_tokens[step]
-            self.allowed.append(self.constraint.allowed())
+            if self.record_allowed:
+                self.allowed.append(self.constraint.allowed())
             self.constraint.consume(fed)
         if self.forced_tokens is not None:
             if step == self.max_new_tokens - 1:

@@ -41,7 +41,8 @@ class GenerationOutput:
     # prompt positions asked for (row j after input_ids[: prompt_positions[j] + 1])
     prompt_logits: torch.Tensor | None = None
     speculation: speculative.Stats | None = None  # with speculation: proposals and acceptances
-    allowed: list | None = None  # with a constraint: each step's allowed ids (np.ndarray)
+    # with a constraint and record_allowed: each step's allowed ids (np.ndarray)
+    allowed: list | None = None
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -281,6 +282,7 @@ class Llama3Engine:
         speculation: speculative.Speculation | None = None,
         stop: Sequence[str] = (),
         constraint: constrained.Constraint | None = None,
+        record_allowed: bool = False,
     ) -> GenerationOutput:
         """Prefill, then decode, each step reading the keys and values of the KV cache; the
         next token and the stop are the decoder's (decoder.Decoder: greedy, end-of-sequence ids;
@@ -300,8 +302,9 @@ class Llama3Engine:
         `forced_tokens` too, the forced tokens are the proposals, K + 1 rows per forward.
         `stop` (strings): the generation ends after the token whose text completes one.
         `constraint` (constrained.Constraint: JSON schema, regex, choice, grammar): each step
-        chooses among the tokens its language allows (`allowed`: each step's ids), and ends
-        with an end-of-sequence id once the text is a member.
+        chooses among the tokens its language allows, and ends with an end-of-sequence id
+        once the text is a member; `record_allowed` returns each step's allowed ids
+        (`allowed`).
         """
         if forced_tokens is not None:
             bad = [t for t in forced_tokens if not 0 <= t < self.config.vocab_size]
@@ -316,6 +319,7 @@ class Llama3Engine:
             stop_strings=tuple(stop),
             detokenize=None if self.tokenizer is None else self.tokenizer.decode,
             constraint=constrained.matcher(constraint, self.tokenizer),
+            record_allowed=record_allowed,
         )
         max_new_tokens = decoder.max_new_tokens
         prompt = self._tensor(input_ids)
@@ -360,7 +364,7 @@ class Llama3Engine:
             decode_seconds,
             prefill[:-1].cpu() if positions else None,
             stats,
-            decoder.allowed if constraint is not None else None,
+            decoder.allowed if constraint is not None and record_allowed else None,
         )
 
 

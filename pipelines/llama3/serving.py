@@ -89,6 +89,7 @@ class Request:
     # constrained decoding: the output held to a JSON schema, regex, choice or grammar, with
     # its own matcher (constrained.py) in the request's decoder
     constraint: constrained.Constraint | None = None
+    record_allowed: bool = False  # constrained: return each step's allowed ids (checks only)
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -381,6 +382,7 @@ class ServingEngine:
             stop_strings=request.stop,
             detokenize=None if tokenizer is None else tokenizer.decode,
             constraint=constrained.matcher(request.constraint, tokenizer),
+            record_allowed=request.record_allowed,
         )
 
     def _check(self, requests: Sequence[Request]) -> None:
@@ -633,7 +635,7 @@ class ServingEngine:
             0.0,
             prompt_logits,
             speculation=seq.stats,
-            allowed=seq.decoder.allowed if seq.request.constraint is not None else None,
+            allowed=seq.decoder.allowed if seq.request.record_allowed else None,
         )
         reason = seq.decoder.finish_reason or "cancelled"
         return Served(output, positions, seq.cached_prefix, seq.preemptions, reason)

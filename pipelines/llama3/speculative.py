@@ -40,6 +40,12 @@ checkpoint's first layers and its head, loaded as a model of its own). Teacher-f
 (`forced_tokens`), the forced sequence is the draft: the decoder feeds every forced token, so
 every proposal is accepted and each block is a verification forward over the sequence being
 checked, which is how the golden lanes hold speculation to the goldens (test_llama_speculative).
+
+With a constraint (constrained.py) the decoder's rows are masked as without speculation; a
+model draft chooses each proposal from its own logits masked after the proposals before it
+(its matcher advanced, then rolled back), and `proposals` cuts any draft's proposals at the
+first the language refuses (checked the same way): the matcher only ever holds verified
+tokens (test_constrained).
 """
 
 from __future__ import annotations

@@ -251,6 +251,7 @@ def _run(engine, case: Case, sampled: bool, steps: int = STEPS, **kwargs):
         _prompt(engine, case),
         steps,
         constraint=case.constraint,
+        record_allowed=True,
         sampling=SAMPLER if sampled else None,
         **kwargs,
     )
@@ -436,8 +437,14 @@ def _serving_failures(engine, scenarios=tuple(SCENARIOS)) -> list[str]:
         case = CASES.get(name)
         words = "choice" if name and name.startswith("choice") else (name or "anything")
         prompt = engine.tokenizer.encode(f"{PREAMBLE}Answer with {words}: ")
-        requests.append(Request(f"r{i}", prompt, STEPS, constraint=case and case.constraint))
-    solo = {r.id: engine.generate(r.prompt, STEPS, constraint=r.constraint) for r in requests}
+        constraint = case and case.constraint
+        requests.append(
+            Request(f"r{i}", prompt, STEPS, constraint=constraint, record_allowed=bool(case))
+        )
+    solo = {
+        r.id: engine.generate(r.prompt, STEPS, constraint=r.constraint, record_allowed=True)
+        for r in requests
+    }
     failures = []
     for scenario in scenarios:
         serving = ServingEngine(engine, **SCENARIOS[scenario])
@@ -659,3 +666,15 @@ def test_the_generate_command_constrains_and_names_a_bad_constraint(tiny, capsys
         assert exit_.value.code == 2
         error = capsys.readouterr().err
         assert option in error and message in error, error
+
+
+def test_masks_are_kept_only_when_asked(tiny) -> None:
+    """A step's allowed ids are up to the vocabulary's size (about 1 MB inside a JSON string on
+    128k tokens): a generation or a served request keeps them only with record_allowed."""
+    case = CASES["any_json"]
+    assert _run(tiny, case, False).allowed is not None  # _run asks
+    plain = tiny.generate(_prompt(tiny, case), STEPS, constraint=case.constraint)
+    assert plain.allowed is None
+    request = Request("r", _prompt(tiny, case), STEPS, constraint=case.constraint)
+    served = ServingEngine(tiny, block_size=4).serve([request])["r"].output
+    assert served.allowed is None and served.tokens == plain.tokens
