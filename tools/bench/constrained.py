@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, constrained
 from pipelines.llama3.constrained import Constraint
 from tools.bench.record import json_output
-from tools.bench.sampled import LlamaServerSide
+from tools.bench.sampled import LlamaServerSide, llama_server_missing
 
 TINY = "max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf"
 PROMPT = "A list of numbers as a JSON array: "
@@ -252,17 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     input_ids = engine.tokenizer.encode(PROMPT)
     rows = [engine_row(engine, schema, input_ids, args) for schema in (False, True)]
-    skipped = ""
-    if args.no_llama_server:
-        skipped = "llama-server: not run (--no-llama-server)"
-    elif shutil.which("llama-server") is None:
-        skipped = "llama-server: not on the PATH (tools/llama_cpp/install.sh installs Debian's)"
-    else:
-        peer, skipped = llama_rows(gguf, engine, input_ids, args)
+    peer_line = llama_server_missing(args.no_llama_server)  # or the peer's conformance
+    if not peer_line:
+        peer, peer_line = llama_rows(gguf, engine, input_ids, args)
         rows += peer
-    lines = _lines(masks, rows, args)
-    if skipped:
-        lines.append(skipped)
+    lines = [*_lines(masks, rows, args), peer_line]
     print("\n".join(lines))
     if json_path:
         record = {

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import urllib.request
 from collections.abc import Mapping, Sequence
 
@@ -34,6 +35,16 @@ class Row:
 def engine_decode_tps(engine, input_ids: Sequence[int], new_tokens: int, sampling=None) -> float:
     out = engine.generate(list(input_ids), new_tokens, stop_on_eos=False, sampling=sampling)
     return (len(out.tokens) - 1) / out.decode_seconds
+
+
+def llama_server_missing(not_wanted: bool) -> str:
+    """Why a bench runs no llama-server ('' when it does): --no-llama-server, or none on the
+    PATH."""
+    if not_wanted:
+        return "llama-server: not run (--no-llama-server)"
+    if shutil.which("llama-server") is None:
+        return "llama-server: not on the PATH (tools/llama_cpp/install.sh installs Debian's)"
+    return ""
 
 
 class LlamaServerSide:

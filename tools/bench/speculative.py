@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import math
-import shutil
 import sys
 
 import torch
@@ -38,7 +37,7 @@ from goldens.cli_files import write_atomically
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, speculative
 from tools.bench.record import json_output
-from tools.bench.sampled import LlamaServerSide
+from tools.bench.sampled import LlamaServerSide, llama_server_missing
 
 PROMPT = (
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
@@ -189,12 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         _engine_row(engine, draft, "model", input_ids, args),
     ]
     rows[2].note = f"{layers}-layer self-draft"
-    skipped = ""
-    if args.no_llama_server:
-        skipped = "llama-server: not run (--no-llama-server)"
-    elif shutil.which(LLAMA_SERVER) is None:
-        skipped = "llama-server: not on the PATH (tools/llama_cpp/install.sh installs Debian's)"
-    else:
+    skipped = llama_server_missing(args.no_llama_server)
+    if not skipped:
         k = ("--spec-draft-n-max", str(args.k))
         for name, extra in (
             ("none", ()),
