@@ -6,7 +6,8 @@ fields, tokens or cases differ. `file_class`/`worst_class` name the worst class 
 against the file's tolerance entry, worst first: cases changed, tokens changed, over
 tolerance, moved, noise, identical (docs/goldens.md, "Changing a golden"); a case's sampling
 goldens count too (`sampling_class`: samplers added or reset, a kept set or a seeded
-continuation changed). Golden files are
+continuation changed), and its constrained goldens (`constrained_class`: constraints added or
+changed, a mask or a constrained continuation changed). Golden files are
 read leniently (`parse_golden`: any schema_version, any provenance fields), so two schema
 versions compare. tools/golden_diff renders the result; the numbers' rules are in its
 docstring.
@@ -188,14 +189,62 @@ def case_class(diff: CaseDiff, tol: Tolerance | None) -> tuple[str, str]:
     if before.token_ids != after.token_ids:
         return "tokens changed", f"from step {first_difference(before.token_ids, after.token_ids)}"
     logits = _logit_class(diff, tol)
-    sampled = sampling_class(before, after)
-    if sampled is None:
-        return logits
-    klass, why = sampled
-    if klass == "moved" and logits[0] != "identical":  # the probabilities follow the logits
-        klass = logits[0]
-    worst = max(logits[0], klass, key=CLASSES.index)
-    return worst, "; ".join(w for w in (logits[1], why) if w)
+    worst, whys = logits[0], [logits[1]]
+    for changed in (sampling_class(before, after), constrained_class(before, after)):
+        if changed is None:
+            continue
+        klass, why = changed
+        if klass == "moved" and logits[0] != "identical":  # the probabilities follow the logits
+            klass = logits[0]
+        worst = max(worst, klass, key=CLASSES.index)
+        whys.append(why)
+    return worst, "; ".join(w for w in whys if w)
+
+
+def constrained_class(before: Case, after: Case) -> tuple[str, str] | None:
+    """(class, why) of the change in two cases' constrained goldens, None where they are
+    equal: constraints added, removed or changed change cases; a mask, a greedy or seeded
+    continuation or a kept set that differs changes tokens; probabilities alone moved,
+    described by the largest change of a restricted log-probability or a kept probability."""
+    if before.constrained == after.constrained:
+        return None
+    ours = {c.constraint: c for c in before.constrained}
+    theirs = {c.constraint: c for c in after.constrained}
+    added, removed = sorted(theirs.keys() - ours.keys()), sorted(ours.keys() - theirs.keys())
+    reset = sorted(
+        k
+        for k in ours.keys() & theirs.keys()
+        if (ours[k].kind, ours[k].text, ours[k].sampled.settings)
+        != (theirs[k].kind, theirs[k].text, theirs[k].sampled.settings)
+    )
+    if added or removed or reset:
+        parts = [
+            f"{what} {names}"
+            for what, names in (("added", added), ("removed", removed), ("changed", reset))
+            if names
+        ]
+        return "cases changed", "constraints " + ", ".join(parts)
+    worst = 0.0
+    for name, old in ours.items():
+        new = theirs[name]
+        if old.token_ids != new.token_ids:
+            step = first_difference(old.token_ids, new.token_ids)
+            return "tokens changed", f"constraint {name}'s greedy continuation from step {step}"
+        if old.allowed != new.allowed:
+            step = first_difference(old.allowed, new.allowed)
+            return "tokens changed", f"constraint {name}'s mask at step {step}"
+        klass = sampling_class(
+            dataclasses.replace(before, sampling=[old.sampled]),
+            dataclasses.replace(after, sampling=[new.sampled]),
+        )
+        if klass is not None and klass[0] != "moved":
+            return klass[0], f"constraint {name}: {klass[1]}"
+        for was, now in zip(old.steps, new.steps, strict=True):
+            if was.topk_ids != now.topk_ids:
+                continue  # a reordering within the tolerance: the logits' class says how far
+            change = np.abs(was.topk_log_probs() - now.topk_log_probs()).max(initial=0.0)
+            worst = max(worst, float(change))
+    return "moved", f"constrained: max |Δ restricted log-prob| {number(worst)}"
 
 
 def sampling_class(before: Case, after: Case) -> tuple[str, str] | None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import numpy as np
 import yaml
 
 from goldens import long_prompts
-from goldens.schema import Case, Sampled, Step, step_from_logits
+from goldens.schema import Case, Constrained, Sampled, Step, step_from_logits
 
 CASES_FILE = Path(__file__).with_name("cases.yaml")
 
@@ -107,6 +109,72 @@ def sampler_specs(path: Path = CASES_FILE) -> list[SamplerSpec]:
     return specs
 
 
+@dataclasses.dataclass(frozen=True)
+class ConstraintSpec:
+    """One row of cases.yaml's `constraints`: a language (`kind` and `text` as
+    pipelines.llama3.constrained.Constraint takes them), the short cases it constrains, the
+    sampler of its seeded continuation and the most tokens a continuation may take."""
+
+    id: str
+    kind: str  # json_schema | regex | choice
+    text: str  # the schema or the options as JSON text, the regex as written
+    cases: tuple[str, ...]
+    sampler: str
+    max_tokens: int
+
+    KINDS = ("json_schema", "regex", "choice")
+
+    @property
+    def value(self):
+        """The schema, the regex or the list of options."""
+        return self.text if self.kind == "regex" else json.loads(self.text)
+
+    def member(self, text: str) -> str | None:
+        """Why `text` is not a member of the language, or None: decided without the engine's
+        library (jsonschema, Python's `re`, the list)."""
+        if self.kind == "choice":
+            return None if text in self.value else f"{text!r} is none of {self.value}"
+        if self.kind == "regex":
+            return (
+                None if re.fullmatch(self.text, text) else f"{text!r} does not match {self.text!r}"
+            )
+        import jsonschema
+
+        try:
+            jsonschema.validate(json.loads(text), self.value)
+        except (json.JSONDecodeError, jsonschema.ValidationError) as error:
+            return f"{text!r} is not valid for the schema: {str(error).splitlines()[0]}"
+        return None
+
+
+def constraint_specs(path: Path = CASES_FILE) -> list[ConstraintSpec]:
+    """cases.yaml's constraint table: each row names exactly one of ConstraintSpec.KINDS, a
+    sampler of the `samplers` table and short cases."""
+    table = _cases_table(path)
+    samplers = {spec.id for spec in sampler_specs(path)}
+    specs = []
+    for row in table.get("constraints", []):
+        kinds = [kind for kind in ConstraintSpec.KINDS if kind in row]
+        if len(kinds) != 1 or row.get("sampler") not in samplers or not row.get("cases"):
+            raise ValueError(
+                f"{path}: constraint {row.get('id')!r} must give one of "
+                f"{', '.join(ConstraintSpec.KINDS)}, a sampler of the samplers table "
+                f"({', '.join(sorted(samplers))}) and its cases"
+            )
+        value = row[kinds[0]]
+        specs.append(
+            ConstraintSpec(
+                id=row["id"],
+                kind=kinds[0],
+                text=value if kinds[0] == "regex" else json.dumps(value),
+                cases=tuple(row["cases"]),
+                sampler=row["sampler"],
+                max_tokens=int(row.get("max_tokens", table["defaults"]["constrained_max_tokens"])),
+            )
+        )
+    return specs
+
+
 def record_case(
     spec: CaseSpec,
     input_ids: Sequence[int],
@@ -118,6 +186,7 @@ def record_case(
     positions: Sequence[int] = (),
     prompt_logits: np.ndarray | None = None,
     sampling: Sequence[Sampled] = (),
+    constrained: Sequence[Constrained] = (),
 ) -> Case:
     """`logits[i]` are the next-token logits that chose `tokens[i]`; `prompt_logits[j]` those
     at prompt position `positions[j]` of the same prefill (its token: their argmax)."""
@@ -141,6 +210,7 @@ def record_case(
         positions=[int(p) for p in positions],
         position_steps=[step(row, int(np.argmax(row))) for row in rows],
         sampling=list(sampling),
+        constrained=list(constrained),
     )
 
 

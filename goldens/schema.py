@@ -11,6 +11,7 @@ Files are written deterministically: sorted keys, floats rounded to float32 prec
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -28,8 +29,11 @@ from goldens.cli_files import write_atomically
 # 4: cases carry `sampling`: for each sampler of cases.yaml's table, the processed distribution
 #    at every teacher-forced step and a seeded sampled continuation (`Sampled`). Older files
 #    read with none.
-SCHEMA_VERSION = 4
-READABLE_SCHEMA_VERSIONS = (2, 3, 4)
+# 5: cases carry `constrained`: for each constraint of cases.yaml's table that names the case,
+#    the greedy continuation restricted to its language (`Constrained`: each step's logits
+#    restricted and renormalized, the step's mask) and a seeded one. Older files read with none.
+SCHEMA_VERSION = 5
+READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +72,10 @@ class Step:
 
     @property
     def top_gap(self) -> float:
-        """Top-1 minus top-2 logit: small means the greedy choice is a near-tie."""
+        """Top-1 minus top-2 logit: small means the greedy choice is a near-tie (infinite for
+        a constrained step whose language allows one token)."""
+        if len(self.topk_logits) < 2:
+            return math.inf
         return self.topk_logits[0] - self.topk_logits[1]
 
     def topk_log_probs(self) -> np.ndarray:
@@ -110,6 +117,77 @@ class Sampled:
 
 
 @dataclasses.dataclass(frozen=True)
+class Allowed:
+    """One constrained step's mask: how many ids the language allows there, the sha256 of
+    those ids (ascending, little-endian int32: `allowed_digest`), and the ids themselves when
+    there are at most MAX_LISTED (a step inside a JSON string allows most of a 128k vocabulary)."""
+
+    count: int
+    sha256: str
+    ids: list[int] | None = None
+
+    MAX_LISTED = 64
+
+
+def allowed_from(ids) -> Allowed:
+    """An `Allowed` from a step's allowed ids (any order)."""
+    ids = np.unique(np.asarray(ids, dtype=np.int64))
+    listed = [int(i) for i in ids] if len(ids) <= Allowed.MAX_LISTED else None
+    return Allowed(len(ids), allowed_digest(ids), listed)
+
+
+def allowed_digest(ids: np.ndarray) -> str:
+    """The sha256 of ascending ids as little-endian int32."""
+    return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Constrained:
+    """One constraint of cases.yaml's `constraints` table on one case.
+
+    `steps[i]` is the greedy continuation's step i with the logits restricted to the language
+    (every id outside it at -inf): its top-k among the allowed ids, its logsumexp over them
+    (so the log-probabilities are renormalized to the language), and the constrained greedy
+    choice; `allowed[i]` is that step's mask. The history of step i is the prompt and the first
+    i tokens. `stopped_on_eos`: the continuation ended on an end-of-sequence id (its text a
+    member of the language). `sampled` is the constraint's sampler on the same language: the
+    processed distribution of each teacher-forced step and its seeded continuation.
+    `kind` and `text` are pipelines.llama3.constrained.Constraint's fields.
+    """
+
+    constraint: str  # the table's id
+    kind: str  # json_schema | regex | choice | grammar
+    text: str
+    steps: list[Step]
+    allowed: list[Allowed]
+    stopped_on_eos: bool
+    sampled: Sampled
+
+    def __post_init__(self) -> None:
+        if not (len(self.steps) == len(self.allowed) == len(self.sampled.forced)):
+            raise ValueError(
+                f"constraint {self.constraint!r}: {len(self.steps)} steps, {len(self.allowed)} "
+                f"masks and {len(self.sampled.forced)} teacher-forced distributions"
+            )
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [s.token_id for s in self.steps]
+
+    def as_case(self, case: Case) -> Case:
+        """This continuation as a case of its own (id `CASE/CONSTRAINT`): what compare.py and
+        the sampling checks read, its rows being the restricted logits."""
+        return Case(
+            id=f"{case.id}/{self.constraint}",
+            prompt=case.prompt,
+            input_ids=list(case.input_ids),
+            steps=list(self.steps),
+            stopped_on_eos=self.stopped_on_eos,
+            sampling=[self.sampled],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     """One prompt: its generated steps, and the prompt positions recorded from its prefill.
 
@@ -128,6 +206,7 @@ class Case:
     positions: list[int] = dataclasses.field(default_factory=list)
     position_steps: list[Step] = dataclasses.field(default_factory=list)
     sampling: list[Sampled] = dataclasses.field(default_factory=list)
+    constrained: list[Constrained] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         for sampled in self.sampling:
@@ -260,9 +339,14 @@ def step_from_logits(
     logits = np.asarray(logits, dtype=np.float64)
     if logits.ndim != 1:
         raise ValueError(f"expected 1-D logits, got shape {logits.shape}")
+    # A constrained row: -inf outside its language; the top-k and the statistics are the
+    # allowed ids' (their log-probabilities renormalized to the language by the logsumexp).
+    finite = logits[np.isfinite(logits)]
+    top_k = min(top_k, len(finite))
     # Stable ordering: by logit descending, then by id, so ties never reorder between runs.
     order = top_k_ids(logits, top_k)
     lse = logsumexp(logits)
+    logits_stats = finite if len(finite) < len(logits) else logits
     return Step(
         token_id=int(token_id),
         token_text=token_text,
@@ -270,10 +354,10 @@ def step_from_logits(
         topk_logits=[_f32(logits[i]) for i in order],
         logsumexp=round(float(lse), 9),  # float64: KL estimates divide by exp of it
         stats={
-            "mean": _f32(logits.mean()),
-            "std": _f32(logits.std()),
-            "min": _f32(logits.min()),
-            "max": _f32(logits.max()),
+            "mean": _f32(logits_stats.mean()),
+            "std": _f32(logits_stats.std()),
+            "min": _f32(logits_stats.min()),
+            "max": _f32(logits_stats.max()),
         },
         logits=[_f32(v) for v in logits] if full else None,
     )
@@ -330,6 +414,19 @@ def case_from_json(body: dict) -> Case:
         positions=body.get("positions", []),
         position_steps=[Step(**s) for s in body.get("position_steps", [])],
         sampling=[_sampled_from_json(s) for s in body.get("sampling", [])],
+        constrained=[_constrained_from_json(c) for c in body.get("constrained", [])],
+    )
+
+
+def _constrained_from_json(body: dict) -> Constrained:
+    return Constrained(
+        constraint=body["constraint"],
+        kind=body["kind"],
+        text=body["text"],
+        steps=[Step(**s) for s in body["steps"]],
+        allowed=[Allowed(**a) for a in body["allowed"]],
+        stopped_on_eos=body["stopped_on_eos"],
+        sampled=_sampled_from_json(body["sampled"]),
     )
 
 

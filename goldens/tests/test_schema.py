@@ -69,6 +69,38 @@ def test_sampling_goldens_round_trip_and_must_cover_every_step(tmp_path):
         dataclasses.replace(sampled, drawn=[])
 
 
+def test_constrained_goldens_round_trip_and_restrict_the_step(tmp_path):
+    """A constrained step is the row restricted to its language: top-k, statistics and
+    logsumexp over the allowed ids only, a single allowed id a step with no near-tie."""
+    golden = _golden(vocab=50, cases=1, steps=2)
+    row = np.linspace(-2.0, 3.0, 50).astype(np.float32)
+    restricted = np.full_like(row, -np.inf)
+    restricted[[4, 9, 30]] = row[[4, 9, 30]]
+    step = schema.step_from_logits(restricted, 30, "x", top_k=20)
+    assert step.topk_ids == [30, 9, 4]
+    assert step.stats["min"] == pytest.approx(row[4])
+    assert np.exp(step.topk_log_probs()).sum() == pytest.approx(1.0)
+    only = np.full_like(row, -np.inf)
+    only[7] = 1.0
+    single = schema.step_from_logits(only, 7, "y", top_k=20)
+    assert single.topk_ids == [7] and single.top_gap == np.inf
+    allowed = [schema.allowed_from([30, 4, 9]), schema.allowed_from(range(100))]
+    assert allowed[0].ids == [4, 9, 30] and allowed[1].ids is None
+    assert allowed[1] == schema.Allowed(100, schema.allowed_digest(np.arange(100)))
+    kept = schema.kept_from(np.array([30, 9]), np.array([0.8, 0.2]))
+    sampled = schema.Sampled(
+        "hot", {"temperature": 2.0, "top_k": 2, "seed": 1}, [kept] * 2, [30], [kept]
+    )
+    entry = schema.Constrained("c", "regex", "[a-z]", [step, single], allowed, True, sampled)
+    case = dataclasses.replace(golden.cases[0], constrained=[entry])
+    golden = dataclasses.replace(golden, cases=[case])
+    schema.write(golden, tmp_path / "g.json")
+    assert schema.read(tmp_path / "g.json") == golden
+    assert entry.as_case(case).token_ids == [30, 7]
+    with pytest.raises(ValueError, match="2 steps, 1 masks"):
+        dataclasses.replace(entry, allowed=allowed[:1])
+
+
 def test_four_prompts_of_ten_steps_at_vocab_128256_stay_under_1_mb():
     text = schema.to_json(_golden(vocab=128256))
     assert len(text.encode()) < 1_000_000

@@ -12,7 +12,7 @@ from goldens import locate, schema
 from goldens.cli_files import output_directory, user_path
 from goldens.machine import cpu_model
 from goldens.record import case_specs, file_sha256, record_case
-from harness.llama3 import sampling_goldens
+from harness.llama3 import constrained_goldens, sampling_goldens
 from harness.llama3.engine_runs import Run
 from harness.llama3.variants import Variant
 from pipelines.llama3 import Llama3Engine
@@ -76,7 +76,9 @@ def engine_golden(
     """The engine's golden (eager), the ggml mode's (producer `engine-ggml`, the goldens of
     reference "ggml"), or another mode's run in the same format (producer `engine-MODE`,
     never published as a golden); each short case with its sampling goldens
-    (sampling_goldens.record: the engine samples each of cases.yaml's samplers)."""
+    (sampling_goldens.record: the engine samples each of cases.yaml's samplers) and its
+    constrained goldens (constrained_goldens.record: each of cases.yaml's constraints that
+    names the case)."""
     tokenizer = engine.tokenizer
     # cases.yaml's long cases record no sampling; a rerun of a golden's cases (a failing
     # test's run, write_run_golden) has specs made from the golden, which do not say `long`
@@ -94,13 +96,16 @@ def engine_golden(
             full_logits=full_logits,
             positions=r.positions,
             prompt_logits=r.prompt_logits,
-            sampling=[]
-            if r.spec.long or r.spec.id in long_ids
-            else sampling_goldens.record(engine, r),
+            sampling=[] if _long(r, long_ids) else sampling_goldens.record(engine, r),
+            constrained=[] if _long(r, long_ids) else constrained_goldens.record(engine, r),
         )
         for r in runs
     ]
     return schema.Golden(provenance=prov, cases=cases)
+
+
+def _long(run: Run, long_ids: set[str]) -> bool:
+    return run.spec.long or run.spec.id in long_ids
 
 
 def golden_file_name(reference: str, variant: Variant, hardware: str = "all") -> str:

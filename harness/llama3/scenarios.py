@@ -40,6 +40,7 @@ import torch
 from goldens import schema
 from goldens.engines.base import forced_inputs
 from goldens.record import CaseSpec
+from harness.llama3 import constrained_goldens
 from harness.llama3.engine_runs import Run
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.engine import GenerationOutput
@@ -319,19 +320,43 @@ def sampled_served(
     serving: Serving,
     serving_class: type[ServingEngine] = ServingEngine,
 ) -> dict[tuple[str, str], GenerationOutput]:
-    """Each case's seeded continuation under each of its samplers (its sampling goldens), all
-    served together as `serving` says (prefix: one at a time over one pool, so that the
-    samplers of a case read its prompt's blocks from the cache), keyed (case, sampler)."""
-    requests, keys = [], {}
+    """Each case's seeded continuation under each of its samplers (its sampling goldens), and
+    each of its constrained continuations (greedy and seeded: its constrained goldens, with
+    every step's allowed ids), all served together as `serving` says (prefix: one at a time
+    over one pool, so that a case's requests read its prompt's blocks from the cache), keyed
+    (case, sampler) and as constrained_goldens.keys says."""
+    keyed = {}
     for case in golden.cases:
         for sampled in case.sampling:
             settings = SamplerSettings(**sampled.settings)
             request_id = f"{case.id}/{sampled.sampler}"
-            keys[request_id] = (case.id, sampled.sampler)
             prompt = list(case.input_ids)
-            requests.append(Request(request_id, prompt, len(sampled.tokens), sampling=settings))
-    if not requests:
+            keyed[(case.id, sampled.sampler)] = Request(
+                request_id, prompt, len(sampled.tokens), sampling=settings
+            )
+    for key, case, entry, seeded in constrained_goldens.requests(golden):
+        keyed[key] = Request(
+            "/".join(key),
+            list(case.input_ids),
+            len(entry.sampled.tokens if seeded else entry.steps),
+            sampling=SamplerSettings(**entry.sampled.settings) if seeded else None,
+            constraint=constrained_goldens.constraint_of(entry),
+            record_allowed=True,
+        )
+    if not keyed:
         return {}
+    keys = {request.id: key for key, request in keyed.items()}
+    results = served_outputs(engine, list(keyed.values()), serving, serving_class)
+    return {keys[request_id]: output for request_id, output in results.items()}
+
+
+def served_outputs(
+    engine: Llama3Engine,
+    requests: list[Request],
+    serving: Serving,
+    serving_class: type[ServingEngine] = ServingEngine,
+) -> dict[str, GenerationOutput]:
+    """`requests` served together as `serving` says, their outputs by request id."""
     config = dict(
         block_size=serving.block_size,
         chunk_size=serving.chunk_size,
@@ -355,7 +380,7 @@ def sampled_served(
     else:
         server = serving_engine(engine, serving_class, **config)
         results = _serve(server, requests[::-1] if serving.order == "reversed" else requests)
-    return {keys[request_id]: served.output for request_id, served in results.items()}
+    return {request_id: served.output for request_id, served in results.items()}
 
 
 def _request(engine: Llama3Engine, case: schema.Case) -> Request:

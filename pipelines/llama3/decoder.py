@@ -111,7 +111,8 @@ class Decoder:
         if self.constraint is not None:
             fed = token if self.forced_tokens is None else self.forced_tokens[step]
             if self.record_allowed:
-                self.allowed.append(self.constraint.allowed())
+                # the ids this step's mask allowed (masked(): the same seam)
+                self.allowed.append(constrained.allowed_ids(self.constraint))
             self.constraint.consume(fed)
         if self.forced_tokens is not None:
             if step == self.max_new_tokens - 1:

@@ -182,6 +182,15 @@ def _ranked(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return ids[order], values[order]
 
 
+def _possible(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, logits) of the tokens a step can draw: every one, but those at -inf (outside a
+    constraint's language: constrained.apply_mask), which no truncation counts or keeps."""
+    if not np.isneginf(values.min()):
+        return np.arange(len(values), dtype=np.int64), values
+    ids = np.flatnonzero(~np.isneginf(values))
+    return ids, values[ids]
+
+
 def _ranked_for(values: np.ndarray, settings: SamplerSettings) -> tuple[np.ndarray, np.ndarray]:
     """The tokens the chain's truncations see, ranked where they need the ranking.
 
@@ -189,7 +198,7 @@ def _ranked_for(values: np.ndarray, settings: SamplerSettings) -> tuple[np.ndarr
     and every step before top-k (temperature) is elementwise: those are ranked, not the whole
     vocabulary. Without truncation there is nothing to rank (the draw walks id order).
     """
-    ids = np.arange(len(values), dtype=np.int64)
+    ids, values = _possible(values)
     s = settings
     if 0 < s.top_k < len(values):
         kth = kth_largest(values, s.top_k)
@@ -343,7 +352,7 @@ def kept_bounds(
     s = settings
     r = s.repetition_penalty
     slack = 2.0 * logprob_atol * max(r, 1.0 / r)  # any two penalized logits' difference
-    ids = np.arange(len(values), dtype=np.int64)
+    ids, values = _possible(values)
     if 0 < s.top_k < len(values):
         kth = kth_largest(values, s.top_k)
         candidates = np.flatnonzero(values >= kth - slack * (1 + 1e-9) - 1e-12)

@@ -16,9 +16,11 @@ from goldens.diff import (
     GoldenSet,
     StepDelta,
     case_rows,
+    constrained_class,
     file_class,
     first_difference,
     number,
+    sampling_class,
     worst_class,
 )
 from goldens.report import CaseView
@@ -49,9 +51,17 @@ def changed_parts(diff: CaseDiff, before: Case, after: Case) -> list[str]:
     positions = position_parts(diff, before, after)
     step = first_difference(before.steps, after.steps)
     if step is None:
-        if positions:
-            return ["steps identical", *positions]
-        return [f"stopped_on_eos {before.stopped_on_eos} -> {after.stopped_on_eos}"]
+        # the steps are equal: what else changed (prompt positions, sampling or constrained
+        # goldens, the end of sequence)
+        others = [
+            why
+            for changed in (sampling_class(before, after), constrained_class(before, after))
+            if changed is not None
+            for why in [changed[1]]
+        ]
+        if before.stopped_on_eos != after.stopped_on_eos:
+            others.append(f"stopped_on_eos {before.stopped_on_eos} -> {after.stopped_on_eos}")
+        return ["steps identical", *positions, *others]
     divergence = first_difference(before.token_ids, after.token_ids)
     parts = [f"first changed step {step}: {token_change(before, after, step)}"]
     if deltas:

@@ -13,7 +13,8 @@ from goldens.sanity import degeneracy_problems
 from goldens.tolerances import entries, tolerance
 from harness.llama3 import judge
 from harness.llama3.engine_runs import Run
-from harness.llama3.variants import Variant, variants
+from harness.llama3.variants import GGML_ENCODINGS, Variant, variants
+from pipelines.llama3.tokenizer import Tokenizer
 
 VARIANTS = [v for v in variants() if v.path is not None]
 REFERENCES = ["own", "torch"]
@@ -118,3 +119,47 @@ def test_an_entrys_long_thresholds_judge_its_long_cases_and_no_other(goldens) ->
         assert {r.case_id: r.tolerance.key for r in verdict.reports} == {
             c.id: long_key if long_key and c.id in long_ids else entry.key for c in golden.cases
         }
+
+
+def _engine_goldens() -> list:
+    """(variant, reference) of every engine golden: the eager mode's and the ggml mode's."""
+    return [
+        pytest.param(v, reference, id=f"{v.test_id}-{reference}")
+        for v in VARIANTS
+        for reference in ("own", "ggml")
+        if reference == "own" or v.encoding in GGML_ENCODINGS
+    ]
+
+
+@pytest.mark.parametrize(("variant", "reference"), _engine_goldens())
+def test_every_constrained_continuation_is_a_short_member(variant, reference, goldens) -> None:
+    """Every constrained continuation of a published golden (greedy and seeded) ends on an
+    end-of-sequence id before its max tokens, and its text is a member of its language,
+    decided without the engine's library (goldens.record.ConstraintSpec.member: jsonschema,
+    Python's `re`, the list of choices); every constraint of cases.yaml is recorded on each
+    case it names."""
+    golden, name = goldens.load(reference, variant)
+    tokenizer = Tokenizer.from_gguf(variant.path)
+    specs = {spec.id: spec for spec in record.constraint_specs()}
+    recorded = set()
+    problems = []
+    for case in golden.cases:
+        for entry in case.constrained:
+            spec = specs[entry.constraint]
+            assert (entry.kind, entry.text) == (spec.kind, spec.text), f"{name}: {entry.constraint}"
+            recorded.add((case.id, entry.constraint))
+            for what, tokens in (("greedy", entry.token_ids), ("seeded", entry.sampled.tokens)):
+                where = f"{case.id}/{entry.constraint} {what}"
+                if not tokens or tokens[-1] not in tokenizer.eos_ids:
+                    problems.append(f"{where}: no end of sequence in {len(tokens)} tokens")
+                elif len(tokens) >= spec.max_tokens:
+                    problems.append(f"{where}: ran to max tokens ({spec.max_tokens})")
+                else:
+                    reason = spec.member(tokenizer.decode(tokens[:-1]))
+                    if reason:
+                        problems.append(f"{where}: {reason}")
+    expected = {(case, spec.id) for spec in specs.values() for case in spec.cases}
+    assert recorded == expected, (
+        f"{name}: recorded {sorted(recorded)}, cases.yaml {sorted(expected)}"
+    )
+    assert not problems, f"{name}:\n  " + "\n  ".join(problems)

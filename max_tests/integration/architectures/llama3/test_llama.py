@@ -16,6 +16,9 @@ test_llama_long, `all` by default; the same -k ids select one variant in either 
 Each short case's sampling goldens are checked at every teacher-forced step from the same runs
 (the kept-set rule, harness/llama3/sampling_goldens.check_forced), in every mode, speculative
 ones included; test_llama_sampling checks the seeded continuations on the serving paths.
+So are its constrained goldens (harness/llama3/constrained_goldens.check_forced): the engine
+fed each constrained continuation under its constraint, every step's mask equal to the
+golden's and its restricted, renormalized row compared by the same rules.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from goldens.tolerances import tolerance
-from harness.llama3 import diagnosis, engine_runs, failure_report, judge
+from harness.llama3 import constrained_goldens, diagnosis, engine_runs, failure_report, judge
 from harness.llama3 import variants as variants_module
 from harness.llama3.sampling_goldens import SamplingReport, check_forced
 from harness.llama3.variants import LLAMA3_1_ENV, Variant, variants
@@ -103,6 +106,14 @@ def test_llama(
         runs = engine_runs.forced_runs(engine, dataclasses.replace(golden, cases=cases), memo)
         for case, run in zip(cases, runs, strict=True):
             sampled.add(check_forced(case, run, tol, f"{reference} golden"))
+    # The constrained goldens: the engine fed each constrained continuation
+    restricted = constrained_goldens.ConstrainedReport()
+    for golden, _, reference in references:
+        tol = tolerance(reference, variant.encoding, "cpu")
+        for case in judge.in_lane(golden, variant.model, lane).cases:
+            restricted.add(
+                constrained_goldens.check_forced(case, engine, tol, f"{reference} golden")
+            )
     model_seconds = time.perf_counter() - loaded
     record_property("load_seconds", round(loaded - start, 4))
     record_property("model_seconds", round(model_seconds, 4))
@@ -110,6 +121,7 @@ def test_llama(
     # entries closest to their thresholds (bazel/test_summary.py).
     record_property("ambiguous_steps", sum(v.ambiguous_steps for v in verdicts))
     checks = sum(v.steps + v.prompt_positions for v in verdicts) + sampled.checks
+    checks += restricted.checks
     record_property("golden_checks", checks)
     for verdict in verdicts:
         share, metric, where = verdict.headroom()
@@ -124,6 +136,8 @@ def test_llama(
         print("  " + verdict.summary())
     if sampled.checks:
         print("  " + sampled.summary())
+    if restricted.checks:
+        print("  " + restricted.summary())
     reports = failure_report.report_directory(tmp_path)
     failures = [
         failure
@@ -138,7 +152,8 @@ def test_llama(
             run_of=(variant, engine, mode),
         )
     ]
-    assert not failures + sampled.failures, "\n\n".join(failures + sampled.failures)
+    failures += sampled.failures + restricted.failures
+    assert not failures, "\n\n".join(failures)
 
 
 def test_checkpoint_override_env_reaches_this_test() -> None:

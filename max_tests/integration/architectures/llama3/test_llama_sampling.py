@@ -12,6 +12,9 @@ its own runs):
   (one serving per scenario; all samplers of all cases served together), against the golden's
   by the draw rule (a differing draw is AMBIGUOUS, counted, only where the uniform lies within
   the tolerance's TV of a cumulative boundary; anything else FAILs);
+- the constrained goldens' continuations (harness/llama3/constrained_goldens.py), greedy and
+  seeded, solo and served beside them (each request its own matcher): the greedy one equal
+  to the golden's up to a near-tie of its restricted row, the seeded one by the draw rule;
 - in the quantized and ggml modes the continuations are also identical across every scenario
   (the same tokens as solo; ggml's logits are bitwise on every path).
 
@@ -19,7 +22,14 @@ Id `{size}-{encoding}-{arch}[-{mode}]` as in test_llama; one alone:
   ./bazelw test //max_tests/integration/architectures/llama3:test_llama_sampling \\
       --test_arg=-k --test_arg='test_llama_sampling[tiny-float32-llama3_1]'
 Each test records the JUnit property `sampling` per path
-(`PATH|CHECKS|BOUNDARY_STEPS|AMBIGUOUS_DRAWS|MAX_TV`): the matrix of ambiguous draws.
+(`PATH|CHECKS|BOUNDARY_STEPS|AMBIGUOUS_DRAWS|MAX_TV`): the matrix of ambiguous draws; and
+`constrained` (`PATH|CHECKS|AMBIGUOUS_GREEDY|AMBIGUOUS_DRAWS|MAX_TV`) for the constrained
+continuations.
+
+test_planted_constraint_bugs_fail_the_constrained_goldens: each planted constrained-decoding
+bug (pipelines/llama3/tests/constrained_mutations.py) that a golden can see fails the tiny
+float32 constrained goldens, teacher-forced, solo or served (CONSTRAINT_PLANTS says which two
+are test_constrained's alone, and why).
 
 test_planted_sampler_bugs_fail_the_sampling_goldens: each planted sampler bug
 (pipelines/llama3/tests/sampler_mutations.py) fails the tiny float32 goldens in the eager mode,
@@ -33,7 +43,8 @@ import numpy as np
 import pytest
 
 from goldens.tolerances import tolerance
-from harness.llama3 import engine_runs, judge, scenarios
+from harness.llama3 import constrained_goldens, engine_runs, judge, scenarios
+from harness.llama3.constrained_goldens import ConstrainedReport
 from harness.llama3.sampling_goldens import (
     SamplingReport,
     check_forced,
@@ -43,6 +54,8 @@ from harness.llama3.sampling_goldens import (
 )
 from harness.llama3.variants import GGML_ENCODINGS, Variant, variants
 from pipelines.llama3 import sampling
+from pipelines.llama3.speculative import Speculation
+from pipelines.llama3.tests.constrained_mutations import MUTATIONS as CONSTRAINED_MUTATIONS
 from pipelines.llama3.tests.sampler_mutations import DRAW_MUTATIONS, MUTATIONS
 
 VARIANTS = variants()
@@ -86,6 +99,14 @@ def _golden(goldens, variant: Variant, mode: str):
     )
 
 
+def _checked(golden, outputs: dict, tol, where: str) -> tuple[SamplingReport, ConstrainedReport]:
+    """The sampling and the constrained goldens' continuations among `outputs`."""
+    return (
+        check_outputs(golden, outputs, tol, where),
+        constrained_goldens.check_outputs(golden, outputs, tol, where),
+    )
+
+
 def _tokens(outputs: dict) -> dict:
     return {key: list(out.tokens) for key, out in outputs.items()}
 
@@ -99,13 +120,16 @@ def test_llama_sampling(variant: Variant, mode: str, goldens, record_property) -
     assert any(case.sampling for case in golden.cases), (
         f"{variant.test_id}: its golden records no sampling (schema 4 or later)"
     )
-    solo = solo_outputs(engine, golden)
-    reports = {"solo": check_outputs(golden, solo, tol, "solo")}
+    assert any(case.constrained for case in golden.cases), (
+        f"{variant.test_id}: its golden records no constrained continuations (schema 5 or later)"
+    )
+    solo = {**solo_outputs(engine, golden), **constrained_goldens.solo_outputs(engine, golden)}
+    reports = {"solo": _checked(golden, solo, tol, "solo")}
     differing = []
     for scenario in SERVINGS:
         serving = _serving(scenario)
         served = scenarios.sampled_served(engine, golden, serving)
-        reports[serving.name] = check_outputs(golden, served, tol, serving.name)
+        reports[serving.name] = _checked(golden, served, tol, serving.name)
         if mode in IDENTICAL_MODES:
             solo_tokens, served_tokens = _tokens(solo), _tokens(served)
             differing += [
@@ -116,15 +140,21 @@ def test_llama_sampling(variant: Variant, mode: str, goldens, record_property) -
                 if served_tokens[key] != solo_tokens[key]
             ]
     failures = []
-    for path, report in reports.items():
+    for path, (report, restricted) in reports.items():
         record_property(
             "sampling",
             f"{path}|{report.checks}|{report.boundary_steps}|{report.ambiguous_draws}|"
             f"{report.max_tv:.3g}",
         )
-        print(f"  {path}: {report.summary()}")
-        failures += report.failures
-    record_property("golden_checks", sum(r.checks for r in reports.values()))
+        record_property(
+            "constrained",
+            f"{path}|{restricted.checks}|{restricted.ambiguous_greedy}|"
+            f"{restricted.ambiguous_draws}|{restricted.max_tv:.3g}",
+        )
+        print(f"  {path}: {report.summary()}\n  {path}: {restricted.summary()}")
+        failures += report.failures + restricted.failures
+    checks = sum(r.checks + c.checks for r, c in reports.values())
+    record_property("golden_checks", checks)
     if differing:
         failures.append(
             f"the seeded continuations of the {mode} mode differ across serving paths:\n  "
@@ -194,3 +224,76 @@ def test_planted_sampler_bugs_fail_the_sampling_goldens(goldens, monkeypatch, ca
         print("\nplanted sampler bugs against the sampling goldens:\n" + "\n".join(lines))
     assert not missed, f"planted sampler bugs the sampling goldens miss: {missed}"
     assert equivalent == list(EQUIVALENT_ON_GOLDENS), equivalent
+
+
+# Planted constrained-decoding bugs the constrained goldens must catch, and where: the
+# teacher-forced masks and rows (plain and through speculative verification), the solo
+# continuations, and a ragged batch of every continuation (each request its own matcher).
+# Two are test_constrained's alone: draft_unmasked (an n-gram draft has no distribution to
+# mask) and state_not_rolled_back (measured: the n-gram draft proposes nothing that these
+# short continuations refuse, so no state is rolled back; test_constrained's speculation
+# check feeds refused proposals on purpose).
+CONSTRAINT_PLANTS = (
+    "eos_before_complete",
+    "eos_never",
+    "one_id_off",
+    "mask_after_sampling",
+    "another_requests_mask",
+)
+
+
+def test_planted_constraint_bugs_fail_the_constrained_goldens(goldens, monkeypatch, capsys) -> None:
+    """Each planted constrained-decoding bug of CONSTRAINT_PLANTS
+    (pipelines/llama3/tests/constrained_mutations.py) fails the tiny float32 constrained
+    goldens (eager); the unmutated engine passes. The
+    matrix printed: each plant's verdict on each check."""
+    (variant,) = [v for v in VARIANTS if v.size == "tiny" and v.encoding == "float32"]
+    engine = engine_runs.load_engine(variant, "cpu")
+    speculating = engine_runs.Speculating(engine, Speculation(k=4))
+    golden, tol = _golden(goldens, variant, "eager")
+    cases = [case for case in golden.cases if case.constrained]
+    checks = {
+        "forced": lambda: [
+            f for c in cases for f in constrained_goldens.check_forced(c, engine, tol, "").failures
+        ],
+        "spec4": lambda: [
+            f
+            for c in cases
+            for f in constrained_goldens.check_forced(c, speculating, tol, "spec4").failures
+        ],
+        "solo": lambda: (
+            constrained_goldens.check_outputs(
+                golden, constrained_goldens.solo_outputs(engine, golden), tol, "solo"
+            ).failures
+        ),
+        "batch": lambda: (
+            constrained_goldens.check_outputs(
+                golden, scenarios.sampled_served(engine, golden, _serving("batch")), tol, "batch"
+            ).failures
+        ),
+    }
+
+    def verdicts() -> dict[str, str | None]:
+        found = {}
+        for check, run in checks.items():
+            try:
+                failures = run()
+            except Exception as error:  # a planted bug may also break the engine outright
+                failures = [f"{type(error).__name__}: {error}"]
+            found[check] = failures[0].strip(": ")[:110] if failures else None
+        return found
+
+    assert verdicts() == dict.fromkeys(checks), "the unmutated engine fails its goldens"
+    lines, missed = [], []
+    for name in CONSTRAINT_PLANTS:
+        with monkeypatch.context() as patch:
+            CONSTRAINED_MUTATIONS[name](patch)
+            found = verdicts()
+        cells = ", ".join(f"{check} {'FAILED' if v else 'passed'}" for check, v in found.items())
+        first = next((v for v in found.values() if v), None)
+        lines.append(f"  {name:<22} {cells}" + (f"\n      first: {first}" if first else ""))
+        if first is None:
+            missed.append(name)
+    with capsys.disabled():
+        print("\nplanted constraint bugs against the constrained goldens:\n" + "\n".join(lines))
+    assert not missed, f"planted constraint bugs the constrained goldens miss: {missed}"
