@@ -263,18 +263,25 @@ def keys(case: schema.Case, entry: schema.Constrained) -> tuple[tuple, tuple]:
     return (case.id, entry.constraint), (case.id, f"{entry.constraint}/{entry.sampled.sampler}")
 
 
-def requests(golden: schema.Golden) -> list[tuple[tuple, schema.Case, schema.Constrained, bool]]:
-    """Every constrained continuation of `golden`: (key, case, entry, seeded)."""
+def requests(
+    golden: schema.Golden, greedy_only: bool = False
+) -> list[tuple[tuple, schema.Case, schema.Constrained, bool]]:
+    """Every constrained continuation of `golden` (the greedy ones only, with `greedy_only`):
+    (key, case, entry, seeded)."""
     found = []
     for case in golden.cases:
         for entry in case.constrained:
             greedy, seeded = keys(case, entry)
-            found += [(greedy, case, entry, False), (seeded, case, entry, True)]
+            found.append((greedy, case, entry, False))
+            if not greedy_only:
+                found.append((seeded, case, entry, True))
     return found
 
 
-def solo_outputs(engine, golden: schema.Golden) -> dict:
-    """`engine.generate` of every constrained continuation, keyed as `keys` says."""
+def solo_outputs(engine, golden: schema.Golden, greedy_only: bool = False) -> dict:
+    """`engine.generate` of every constrained continuation (the greedy ones only, with
+    `greedy_only`: a speculative engine's seeded draws are not the golden's), keyed as `keys`
+    says."""
     return {
         key: _generate(
             engine,
@@ -283,18 +290,22 @@ def solo_outputs(engine, golden: schema.Golden) -> dict:
             len(entry.sampled.tokens if seeded else entry.steps),
             sampling=settings_of(entry.sampled) if seeded else None,
         )
-        for key, case, entry, seeded in requests(golden)
+        for key, case, entry, seeded in requests(golden, greedy_only)
     }
 
 
 def check_outputs(
-    golden: schema.Golden, outputs: dict, tolerance: Tolerance, where: str
+    golden: schema.Golden,
+    outputs: dict,
+    tolerance: Tolerance,
+    where: str,
+    greedy_only: bool = False,
 ) -> ConstrainedReport:
     """Each constrained continuation (`outputs`: GenerationOutputs with their allowed ids,
-    keyed as `keys` says) against its golden: the greedy ones by check_greedy, the seeded
-    ones by the draw rule."""
+    keyed as `keys` says; the greedy ones only, with `greedy_only`) against its golden: the
+    greedy ones by check_greedy, the seeded ones by the draw rule."""
     report = ConstrainedReport()
-    for key, case, entry, seeded in requests(golden):
+    for key, case, entry, seeded in requests(golden, greedy_only):
         out = outputs[key]
         rows = restricted(out.logits.float().numpy(), out.allowed)
         tokens = list(out.tokens)

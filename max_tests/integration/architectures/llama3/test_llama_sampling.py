@@ -15,6 +15,8 @@ its own runs):
 - the constrained goldens' continuations (harness/llama3/constrained_goldens.py), greedy and
   seeded, solo and served beside them (each request its own matcher): the greedy one equal
   to the golden's up to a near-tie of its restricted row, the seeded one by the draw rule;
+  and the greedy ones again decoded speculatively with a model draft (`draft4`: each
+  proposal masked, the matcher rolled back);
 - in the quantized and ggml modes the continuations are also identical across every scenario
   (the same tokens as solo; ggml's logits are bitwise on every path).
 
@@ -28,8 +30,8 @@ continuations.
 
 test_planted_constraint_bugs_fail_the_constrained_goldens: each planted constrained-decoding
 bug (pipelines/llama3/tests/constrained_mutations.py) that a golden can see fails the tiny
-float32 constrained goldens, teacher-forced, solo or served (CONSTRAINT_PLANTS says which two
-are test_constrained's alone, and why).
+float32 constrained goldens, teacher-forced, solo, drafted or served (CONSTRAINT_PLANTS says
+which one is test_constrained's alone, and why).
 
 test_planted_sampler_bugs_fail_the_sampling_goldens: each planted sampler bug
 (pipelines/llama3/tests/sampler_mutations.py) fails the tiny float32 goldens in the eager mode,
@@ -54,7 +56,7 @@ from harness.llama3.sampling_goldens import (
 )
 from harness.llama3.variants import GGML_ENCODINGS, Variant, variants
 from pipelines.llama3 import sampling
-from pipelines.llama3.speculative import Speculation
+from pipelines.llama3.speculative import Speculation, self_draft
 from pipelines.llama3.tests.constrained_mutations import MUTATIONS as CONSTRAINED_MUTATIONS
 from pipelines.llama3.tests.sampler_mutations import DRAW_MUTATIONS, MUTATIONS
 
@@ -107,6 +109,12 @@ def _checked(golden, outputs: dict, tol, where: str) -> tuple[SamplingReport, Co
     )
 
 
+def _drafting(engine, variant: Variant) -> engine_runs.Speculating:
+    """`engine` decoding speculatively, K 4, drafted by the checkpoint's embedding straight
+    into its head (self_draft with no layer, eager: a draft the target often rejects)."""
+    return engine_runs.Speculating(engine, Speculation(self_draft(variant.path, 0), k=4))
+
+
 def _tokens(outputs: dict) -> dict:
     return {key: list(out.tokens) for key, out in outputs.items()}
 
@@ -125,6 +133,15 @@ def test_llama_sampling(variant: Variant, mode: str, goldens, record_property) -
     )
     solo = {**solo_outputs(engine, golden), **constrained_goldens.solo_outputs(engine, golden)}
     reports = {"solo": _checked(golden, solo, tol, "solo")}
+    # the greedy constrained continuations decoded speculatively by a model draft, which
+    # masks each of its proposals and rolls its matcher back (a seeded one under speculation
+    # draws other tokens than the golden's: the draw rule does not apply)
+    drafting = _drafting(engine, variant)
+    drafted = constrained_goldens.solo_outputs(drafting, golden, greedy_only=True)
+    reports["draft4"] = (
+        SamplingReport(),
+        constrained_goldens.check_outputs(golden, drafted, tol, "draft4", greedy_only=True),
+    )
     differing = []
     for scenario in SERVINGS:
         serving = _serving(scenario)
@@ -141,17 +158,19 @@ def test_llama_sampling(variant: Variant, mode: str, goldens, record_property) -
             ]
     failures = []
     for path, (report, restricted) in reports.items():
-        record_property(
-            "sampling",
-            f"{path}|{report.checks}|{report.boundary_steps}|{report.ambiguous_draws}|"
-            f"{report.max_tv:.3g}",
-        )
+        if report.checks:  # draft4 has constrained continuations only
+            record_property(
+                "sampling",
+                f"{path}|{report.checks}|{report.boundary_steps}|{report.ambiguous_draws}|"
+                f"{report.max_tv:.3g}",
+            )
+            print(f"  {path}: {report.summary()}")
         record_property(
             "constrained",
             f"{path}|{restricted.checks}|{restricted.ambiguous_greedy}|"
             f"{restricted.ambiguous_draws}|{restricted.max_tv:.3g}",
         )
-        print(f"  {path}: {report.summary()}\n  {path}: {restricted.summary()}")
+        print(f"  {path}: {restricted.summary()}")
         failures += report.failures + restricted.failures
     checks = sum(r.checks + c.checks for r, c in reports.values())
     record_property("golden_checks", checks)
@@ -228,17 +247,18 @@ def test_planted_sampler_bugs_fail_the_sampling_goldens(goldens, monkeypatch, ca
 
 # Planted constrained-decoding bugs the constrained goldens must catch, and where: the
 # teacher-forced masks and rows (plain and through speculative verification), the solo
-# continuations, and a ragged batch of every continuation (each request its own matcher).
-# Two are test_constrained's alone: draft_unmasked (an n-gram draft has no distribution to
-# mask) and state_not_rolled_back (measured: the n-gram draft proposes nothing that these
-# short continuations refuse, so no state is rolled back; test_constrained's speculation
-# check feeds refused proposals on purpose).
+# continuations, a ragged batch of every continuation (each request its own matcher),
+# and the greedy continuations drafted by a model (each proposal masked, the matcher rolled
+# back). One is test_constrained's alone: draft_unmasked, a greedy draft proposing from its
+# unmasked logits, whose refused proposals the verification cuts (the same tokens: only a
+# sampling draft's distribution shows it, which its G-test checks).
 CONSTRAINT_PLANTS = (
     "eos_before_complete",
     "eos_never",
     "one_id_off",
     "mask_after_sampling",
     "another_requests_mask",
+    "state_not_rolled_back",
 )
 
 
@@ -250,6 +270,7 @@ def test_planted_constraint_bugs_fail_the_constrained_goldens(goldens, monkeypat
     (variant,) = [v for v in VARIANTS if v.size == "tiny" and v.encoding == "float32"]
     engine = engine_runs.load_engine(variant, "cpu")
     speculating = engine_runs.Speculating(engine, Speculation(k=4))
+    drafting = _drafting(engine, variant)
     golden, tol = _golden(goldens, variant, "eager")
     cases = [case for case in golden.cases if case.constrained]
     checks = {
@@ -264,6 +285,15 @@ def test_planted_constraint_bugs_fail_the_constrained_goldens(goldens, monkeypat
         "solo": lambda: (
             constrained_goldens.check_outputs(
                 golden, constrained_goldens.solo_outputs(engine, golden), tol, "solo"
+            ).failures
+        ),
+        "draft4": lambda: (
+            constrained_goldens.check_outputs(
+                golden,
+                constrained_goldens.solo_outputs(drafting, golden, greedy_only=True),
+                tol,
+                "draft4",
+                greedy_only=True,
             ).failures
         ),
         "batch": lambda: (
