@@ -105,15 +105,18 @@ class Constraint:
         except Exception as error:  # the converter raises plain exceptions
             raise ConstraintError(f"grammar: not Lark or GBNF: {error}") from None
 
-    def check(self) -> None:
-        """Compile the constraint without a vocabulary: ConstraintError naming what is wrong
-        (before a checkpoint loads)."""
+    def check(self, vocabulary: Vocabulary | None = None) -> str:
+        """The constraint compiled for llguidance (against `vocabulary`'s tokens, or without
+        any before a checkpoint loads): ConstraintError naming what is wrong."""
         import llguidance
 
         grammar = llguidance.LLMatcher.grammar_from_lark(self.lark())
-        error = llguidance.LLMatcher.validate_grammar(grammar, None)
+        error = llguidance.LLMatcher.validate_grammar(
+            grammar, None if vocabulary is None else vocabulary.llg
+        )
         if error:
             raise ConstraintError(f"{self.kind}: {error}")
+        return grammar
 
 
 def _loads(text: str, kind: str):
@@ -174,10 +177,7 @@ class Matcher:
         self.constraint, self.vocabulary = constraint, vocabulary
         self.consumed: list[int] = []  # the tokens taken, in order
         self._allowed: np.ndarray | None = None  # this state's mask, once computed
-        grammar = llguidance.LLMatcher.grammar_from_lark(constraint.lark())
-        error = llguidance.LLMatcher.validate_grammar(grammar, vocabulary.llg)
-        if error:
-            raise ConstraintError(f"{constraint.kind}: {error}")
+        grammar = constraint.check(vocabulary)
         self._matcher = llguidance.LLMatcher(vocabulary.llg, grammar, log_level=0)
         self._raise_on_error(constraint.kind)
 
@@ -223,7 +223,6 @@ class Matcher:
     def viable(self, tokens: list[int]) -> int:
         """How many leading `tokens` the language allows from here (the state is kept):
         consumed up to the first the language refuses, then rolled back."""
-        self._allowed = None
         taken = self._matcher.try_consume_tokens([int(t) for t in tokens])
         self._raise_on_error(f"{self.constraint.kind} proposals")
         self.consumed.extend(int(t) for t in tokens[:taken])

@@ -103,6 +103,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _option(kind: str) -> str:
+    """The command-line option of a constraint kind: json_schema -> --json-schema."""
+    return "--" + kind.replace("_", "-")
+
+
 def _constraint(args, parser) -> Constraint | None:
     """The constraint the options give, its text read from @FILE where one is named."""
 
@@ -118,12 +123,12 @@ def _constraint(args, parser) -> Constraint | None:
     for kind in ("json_schema", "regex", "grammar"):
         value = getattr(args, kind)
         if value is not None:
-            constraint = Constraint(kind, text("--" + kind.replace("_", "-"), value))
+            constraint = Constraint(kind, text(_option(kind), value))
     if constraint is not None:
         try:
             constraint.check()  # before the checkpoint loads
         except ConstraintError as error:
-            parser.error(f"--{constraint.kind.replace('_', '-')}: {error}")
+            parser.error(f"{_option(constraint.kind)}: {error}")
     return constraint
 
 
@@ -205,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             constraint=constraint,
         )
     except ConstraintError as error:
-        option = "--" + constraint.kind.replace("_", "-")
-        print(f"error: {option}: {error}", file=sys.stderr)
+        print(f"error: {_option(constraint.kind)}: {error}", file=sys.stderr)
         return 2
     print(args.prompt + engine.tokenizer.decode(out.tokens))
     prefill_rate = len(input_ids) / out.prefill_seconds

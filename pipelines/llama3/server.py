@@ -406,8 +406,8 @@ class Server:
         constraint = Constraint(kind, text)
         if self.engine.tokenizer is None:
             raise BadRequest(f'"{name}" needs the checkpoint\'s tokenizer, and it has none', name)
-        try:
-            constrained.matcher(constraint, self.engine.tokenizer)
+        try:  # compiled against the vocabulary; the request's matcher is built at admission
+            constraint.check(constrained.Vocabulary.of(self.engine.tokenizer))
         except ConstraintError as error:
             raise BadRequest(f'"{name}": {error}', name) from None
         return constraint
