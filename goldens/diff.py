@@ -233,10 +233,7 @@ def constrained_class(before: Case, after: Case) -> tuple[str, str] | None:
         if old.allowed != new.allowed:
             step = first_difference(old.allowed, new.allowed)
             return "tokens changed", f"constraint {name}'s mask at step {step}"
-        klass = sampling_class(
-            dataclasses.replace(before, sampling=[old.sampled]),
-            dataclasses.replace(after, sampling=[new.sampled]),
-        )
+        klass = sampling_class(old.as_case(before), new.as_case(after))
         if klass is not None and klass[0] != "moved":
             return klass[0], f"constraint {name}: {klass[1]}"
         for was, now in zip(old.steps, new.steps, strict=True):

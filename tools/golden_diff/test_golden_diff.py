@@ -16,7 +16,7 @@ from goldens import diff, schema
 from goldens.artifacts import archive, stanza
 from goldens.artifacts.store import ArchiveRef, LocalStore
 from goldens.diff import step_delta
-from tools.golden_diff import inputs
+from tools.golden_diff import inputs, render
 from tools.golden_diff.golden_diff import main
 
 VOCAB, STEPS, TOP_K = 64, 4, 20
@@ -535,3 +535,55 @@ def test_a_changed_sampling_golden_is_classed_by_what_changed() -> None:
     moved = dataclasses.replace(plain, sampling=[_sampled([1, 4], [0.5, 0.5])])
     klass_moved, why = klass(with_hot, moved)
     assert (klass_moved, why.split("; ")[-1]) == ("moved", "sampling: max |Δ probability| 0.1")
+
+
+def _constrained(tokens: list[int], shift: float = 0.0, drawn: list[int] | None = None):
+    """A constrained record of three restricted steps over ids 1, 4 and 7."""
+    row = np.full(16, -np.inf, dtype=np.float32)
+    row[[1, 4, 7]] = [0.5 + shift, 2.0, -1.0]
+    steps = [schema.step_from_logits(row, t, str(t), 20) for t in tokens]
+    allowed = [schema.allowed_from([1, 4, 7])] * len(tokens)
+    kept = schema.Kept([4, 1], [0.8, 0.2])
+    drawn = drawn or [4]
+    sampled = schema.Sampled(
+        "hot", {"temperature": 2.0, "top_k": 2, "seed": 12}, [kept] * len(tokens), drawn, [kept]
+    )
+    return schema.Constrained("c", "regex", "[a-z]", steps, allowed, True, sampled)
+
+
+def test_a_changed_constrained_golden_is_classed_by_what_changed() -> None:
+    """Constrained goldens in a case's class (their steps longer than the case's, as a
+    continuation may be): an added constraint changes cases, a different greedy or seeded
+    continuation or mask changes tokens, restricted log-probabilities alone (logits equal)
+    moved; and the text names what changed where the case's own steps are equal."""
+    plain = _case("prose", BASE["prose"])
+    tokens = [4] * (STEPS + 3)
+    with_c = dataclasses.replace(plain, constrained=[_constrained(tokens)])
+
+    def klass(before, after) -> tuple[str, str]:
+        return diff.case_class(diff.diff_case(before, after), None)
+
+    assert klass(with_c, with_c) == ("identical", "")
+    assert klass(plain, with_c) == ("cases changed", "constraints added ['c']")
+    greedy = dataclasses.replace(plain, constrained=[_constrained([1, *tokens[1:]])])
+    assert klass(with_c, greedy) == (
+        "tokens changed",
+        "constraint c's greedy continuation from step 0",
+    )
+    seeded = dataclasses.replace(plain, constrained=[_constrained(tokens, drawn=[1])])
+    assert klass(with_c, seeded) == (
+        "tokens changed",
+        "constraint c: sampler hot's seeded continuation from draw 0",
+    )
+    entry = _constrained(tokens)
+    masked = dataclasses.replace(entry, allowed=[schema.allowed_from([1, 4]), *entry.allowed[1:]])
+    assert klass(with_c, dataclasses.replace(plain, constrained=[masked])) == (
+        "tokens changed",
+        "constraint c's mask at step 0",
+    )
+    moved = dataclasses.replace(plain, constrained=[_constrained(tokens, shift=0.25)])
+    klass_moved, why = klass(with_c, moved)
+    assert klass_moved == "moved" and why.startswith("constrained: max |Δ restricted log-prob|")
+    assert render.case_line(diff.diff_case(plain, with_c)) == (
+        "case prose: steps identical; constraints added ['c']"
+    )
