@@ -121,6 +121,7 @@ class ConstraintSpec:
     cases: tuple[str, ...]
     sampler: str
     max_tokens: int
+    gbnf: str | None = None  # a regex's language in llama.cpp's GBNF, where the row gives it
 
     KINDS = ("json_schema", "regex", "choice")
 
@@ -128,6 +129,26 @@ class ConstraintSpec:
     def value(self):
         """The schema, the regex or the list of options."""
         return self.text if self.kind == "regex" else json.loads(self.text)
+
+    def llama_cpp_grammar(self, prefix: str = "") -> str | None:
+        """The language in llama.cpp's GBNF after the text `prefix` (a choice's options that
+        start with it, the rest of each; an empty rest made optional), or None where there is
+        no such spelling here: a regex without the row's `gbnf` (whose language only from its
+        start: `prefix` must be empty), a JSON schema (llama.cpp's converter admits
+        whitespace, another language). Raises ValueError for a prefix no option has."""
+        if self.kind == "regex":
+            if prefix:
+                raise ValueError(f"constraint {self.id!r}: a regex's GBNF has no prefix form")
+            return self.gbnf
+        if self.kind != "choice":
+            return None
+        rests = [o[len(prefix) :] for o in self.value if o.startswith(prefix)]
+        if not rests:
+            raise ValueError(f"constraint {self.id!r}: no option starts with {prefix!r}")
+        options = " | ".join(json.dumps(r) for r in sorted(set(rests)) if r)
+        if not options:
+            return None  # only the end of the text is left
+        return f"root ::= ({options})" + ("?" if "" in rests else "")
 
     def member(self, text: str) -> str | None:
         """Why `text` is not a member of the language, or None: decided without the engine's
@@ -170,6 +191,7 @@ def constraint_specs(path: Path = CASES_FILE) -> list[ConstraintSpec]:
                 cases=tuple(row["cases"]),
                 sampler=row["sampler"],
                 max_tokens=int(row.get("max_tokens", table["defaults"]["constrained_max_tokens"])),
+                gbnf=row.get("gbnf"),
             )
         )
     return specs

@@ -306,6 +306,20 @@ class LlamaCppEngine(OpenAIEngine):
             chain = list(answer.get("generation_settings", {}).get("samplers", chain))
         return tokens, chain
 
+    def completion(self, prompt: Sequence[int], n_predict: int, **fields) -> dict:
+        """llama-server's own `/completion` of token ids, its answer whole (tokens returned,
+        no prompt cache: each answer its own computation); `fields` are its request fields
+        (grammar, json_schema, n_probs, post_sampling_probs, samplers, temperature, ...)."""
+        body = {
+            "prompt": [int(i) for i in prompt],
+            "n_predict": int(n_predict),
+            "cache_prompt": False,
+            "return_tokens": True,
+            **NEUTRAL_SAMPLERS,
+            **fields,
+        }
+        return self._at_root("/completion", body)
+
     def _at_root(self, path: str, body: dict) -> dict:
         saved, self.url = self.url, self.root
         try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import numpy as np
 
@@ -325,3 +326,147 @@ def check_outputs(
         else:
             report.add(check_greedy(case, entry, tokens, rows, tolerance, where))
     return report
+
+
+# --- another engine: llama-server's grammar-constrained completions -----------------------
+
+# The post-sampling probabilities asked of llama-server per step: above every golden's top-k,
+# and above the mask of every step that lists its ids (the whole language at that step).
+LLAMA_SERVER_PROBS = 64
+
+
+def check_llama_server(
+    server,
+    case: schema.Case,
+    entry: schema.Constrained,
+    spec: ConstraintSpec,
+    tokenizer,
+    tolerance: Tolerance,
+    grammar=None,
+) -> ConstrainedReport:
+    """llama-server (goldens.engines.openai.LlamaCppEngine) under `entry`'s constraint,
+    against the golden: its greedy continuation must end on an end of generation and be a
+    member (a JSON schema sent as its `json_schema`, whose language admits whitespace: that
+    alone); where its GBNF spells this language (spec.llama_cpp_grammar), its tokens must be
+    the golden's up to a near-tie of the golden's restricted row, and its restricted
+    distribution (post-sampling probabilities under the grammar, teacher-forced by the
+    golden's tokens: every step of a choice, whose rest after a prefix is a grammar too, the
+    first step of a regex) must allow the golden's ids where the golden lists them and pass
+    the golden's restricted steps by compare.py's rules for a top-k.
+
+    llama.cpp ends a generation on any control token it names an end (Llama 3's
+    <|end_of_text|> and <|eom_id|> besides the checkpoint's <|eot_id|>), which would make its
+    language's end other ids than the golden's: every control token but the checkpoint's
+    end-of-sequence ids is banned by `logit_bias`. `grammar(prefix)` replaces
+    spec.llama_cpp_grammar (a planted bug)."""
+    grammar = grammar or spec.llama_cpp_grammar
+    report = ConstrainedReport()
+    label = f"llama-server: case {case.id!r}, constraint {entry.constraint!r}"
+    spelled = grammar()
+    fields = {"grammar": spelled} if spelled else {"json_schema": json.loads(spec.text)}
+    _, special = tokenizer.token_bytes()
+    fields["logit_bias"] = [[i, False] for i in sorted(special - tokenizer.eos_ids)]
+    answer = server.completion(case.input_ids, spec.max_tokens, temperature=0.0, **fields)
+    tokens, text = [int(t) for t in answer.get("tokens", [])], answer.get("content", "")
+    if answer.get("stop_type") != "eos":
+        report.failures.append(
+            f"{label}: greedy continuation stopped by {answer.get('stop_type')!r}, not an end of "
+            f"generation, after {len(tokens)} tokens ({text!r})"
+        )
+        return report
+    reason = spec.member(text)
+    if reason:
+        report.failures.append(f"{label}: greedy continuation is no member: {reason}")
+        return report
+    if not spelled:
+        return report
+    report.add(_greedy_against(label, entry, entry.token_ids, tokens, tolerance.near_tie_margin))
+    rows = []
+    for i in range(len(entry.steps)):
+        try:
+            rest = grammar(tokenizer.decode(entry.token_ids[:i]))
+        except ValueError:  # a regex: its rest has no spelling here past the first step
+            break
+        if rest is None:  # only the end is left
+            break
+        answer = server.completion(
+            [*case.input_ids, *entry.token_ids[:i]],
+            1,
+            grammar=rest,
+            n_probs=LLAMA_SERVER_PROBS,
+            post_sampling_probs=True,
+            samplers=["temperature"],
+            temperature=1.0,
+            seed=0,
+            logit_bias=fields["logit_bias"],
+        )
+        row = _restricted_row(answer, label, i)
+        # where the golden lists its mask and llama-server's top holds all of it: the same ids
+        allowed = entry.allowed[i]
+        report.masks += allowed.ids is not None and allowed.count <= LLAMA_SERVER_PROBS
+        if report.masks and allowed.ids is not None and set(row.ids) != set(allowed.ids):
+            report.failures.append(
+                f"{label}, teacher-forced step {i}: llama-server's grammar allows "
+                f"{sorted(row.ids)}, the golden's language {allowed.ids}"
+            )
+            return report
+        rows.append(row)
+    if rows:
+        as_case = dataclasses.replace(
+            entry.as_case(case), steps=entry.steps[: len(rows)], sampling=[]
+        )
+        verdict = compare.compare_case(as_case, None, [row.token for row in rows], rows, tolerance)
+        report.steps += len(verdict.steps)
+        report.ambiguous_steps += len(verdict.ambiguous_steps)
+        report.max_logprob_diff = max(report.max_logprob_diff, verdict.max_logprob_diff)
+        failing = verdict.first_failing
+        if failing is not None:
+            report.failures.append(
+                f"{label}, restricted {failing.where}: {failing.metric}: {failing.detail}"
+            )
+    return report
+
+
+def _greedy_against(
+    label: str, entry: schema.Constrained, golden: list[int], run: list[int], margin: float
+) -> ConstrainedReport:
+    """Another engine's greedy tokens against the golden's, by the golden's restricted rows
+    alone (the engine's own rows are not known): a first difference is AMBIGUOUS only where
+    the golden ranks the engine's token within the near-tie margin of its own."""
+    report = ConstrainedReport()
+    for i, (want, got) in enumerate(zip(golden, run, strict=False)):
+        report.greedy += 1
+        if want == got:
+            continue
+        step = entry.steps[i]
+        golden_lp = dict(zip(step.topk_ids, step.topk_log_probs(), strict=True))
+        gap = golden_lp[want] - golden_lp.get(got, -np.inf)
+        if gap < margin:
+            report.ambiguous_greedy += 1
+        else:
+            report.failures.append(
+                f"{label}, greedy step {i}: llama-server chose {got}, the golden {want} (which "
+                f"it prefers by {gap:.3g}; near-tie margin {margin:g})"
+            )
+        return report
+    if len(golden) != len(run):
+        report.failures.append(
+            f"{label}: llama-server's greedy continuation ended after {len(run)} tokens, the "
+            f"golden's after {len(golden)}"
+        )
+    return report
+
+
+def _restricted_row(answer: dict, label: str, step: int) -> compare.TopLogprobs:
+    """The post-sampling top probabilities llama-server answered, as a top-k row."""
+    try:
+        (probs,) = answer["completion_probabilities"]
+        top = probs["top_probs"]
+        ids = tuple(int(t["id"]) for t in top)
+        logprobs = tuple(float(np.log(max(float(t["prob"]), 1e-45))) for t in top)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"{label}, step {step}: llama-server answered no post-sampling probabilities "
+            f"({error!r}): {str(answer)[:200]}"
+        ) from None
+    return compare.TopLogprobs(ids, logprobs)

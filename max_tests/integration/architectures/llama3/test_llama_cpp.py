@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import tempfile
 
@@ -27,11 +28,15 @@ import pytest
 from goldens.engines import llama_server
 from goldens.engines.base import EngineError, forced_run
 from goldens.engines.openai import LlamaCppEngine
-from goldens.record import case_specs
+from goldens.record import case_specs, constraint_specs
 from goldens.tolerances import NotJudged, tolerance
 from harness.llama3 import checkpoint_mutations, judge, sampler_check
+from harness.llama3.constrained_goldens import ConstrainedReport, check_llama_server
 from harness.llama3.engine_adapters import ThisEngine, judge_engine
 from harness.llama3.variants import variants
+from pipelines.llama3 import constrained
+from pipelines.llama3.constrained import Constraint
+from pipelines.llama3.tokenizer import Tokenizer
 from tools.golden_check import golden_check
 
 REQUIRE_ENV = "CI_REQUIRE_LLAMA_CPP"
@@ -249,3 +254,64 @@ def test_no_server_is_left_running() -> None:
     for pid in STOPPED:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def _dropped_option(spec):
+    """A planted grammar: a choice's GBNF without the golden's own first option."""
+
+    def grammar(prefix: str = "") -> str | None:
+        kept = [o for o in spec.value if o != spec.value[0]]
+        return dataclasses.replace(spec, text=json.dumps(kept)).llama_cpp_grammar(prefix)
+
+    return grammar
+
+
+def test_llama_cpp_meets_the_constrained_goldens(goldens, capsys) -> None:
+    """llama-server under each constrained golden's language on the tiny float32 file
+    (constrained_goldens.check_llama_server): its greedy continuation ends and is a member
+    (the JSON schema through its `json_schema` field: conformance alone, its language admits
+    whitespace); with the regex and the choice spelled in GBNF (the same languages: their
+    masks in this engine equal the golden's own constraint's along every recorded
+    continuation), its tokens are the golden's and its restricted distribution (post-sampling
+    top log-probabilities) passes the golden's restricted steps under the llama_cpp column.
+    Planted: a choice grammar without one option FAILs."""
+    variant = TINY["float32"]
+    golden, _ = goldens.load("own", variant)
+    specs = {spec.id: spec for spec in constraint_specs()}
+    tokenizer = Tokenizer.from_gguf(variant.path)
+    tol = tolerance("own", variant.encoding, "llama_cpp")
+    entries = [
+        (case, entry, specs[entry.constraint])
+        for case in golden.cases
+        for entry in case.constrained
+    ]
+    # the GBNF spelling and the golden's constraint give the same masks along each recorded
+    # continuation (greedy and seeded), in this engine's matcher
+    for case, entry, spec in entries:
+        if spec.llama_cpp_grammar() is None:
+            continue
+        for tokens in (entry.token_ids, entry.sampled.tokens):
+            ours = constrained.matcher(Constraint(spec.kind, spec.text), tokenizer)
+            theirs = constrained.matcher(Constraint.grammar(spec.llama_cpp_grammar()), tokenizer)
+            for step, token in enumerate(tokens):
+                assert np.array_equal(ours.allowed(), theirs.allowed()), (
+                    f"{case.id}/{spec.id}: the GBNF's mask differs at step {step}"
+                )
+                ours.consume(token)
+                theirs.consume(token)
+    report = ConstrainedReport()
+    planted = ConstrainedReport()
+    with _served(variant.path) as engine:
+        for case, entry, spec in entries:
+            report.add(check_llama_server(engine, case, entry, spec, tokenizer, tol))
+            if spec.kind == "choice":
+                bad = _dropped_option(spec)
+                planted.add(check_llama_server(engine, case, entry, spec, tokenizer, tol, bad))
+    with capsys.disabled():
+        print(f"\nllama-server, constrained: {report.summary()}")
+        print(f"planted, a choice grammar without its first option: {planted.summary()}")
+        for failure in planted.failures:
+            print(f"  {failure}")
+    assert not report.failures, "\n".join(report.failures)
+    assert report.steps and report.greedy
+    assert planted.failures, "a grammar of another language passed the constrained goldens"
