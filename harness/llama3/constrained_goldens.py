@@ -182,6 +182,22 @@ def _mask_failure(golden: schema.Allowed, ids: np.ndarray) -> str | None:
     return detail
 
 
+def _compare_restricted(
+    report: ConstrainedReport, as_case: schema.Case, tokens, rows, tolerance: Tolerance, label: str
+) -> None:
+    """A run's restricted rows (full, or top-k) against a constrained golden's steps by
+    compare.py's rules, counted into `report`, its first failing step a failure."""
+    verdict = compare.compare_case(as_case, None, tokens, rows, tolerance)
+    report.steps += len(verdict.steps)
+    report.ambiguous_steps += len(verdict.ambiguous_steps)
+    report.max_logprob_diff = max(report.max_logprob_diff, verdict.max_logprob_diff)
+    failing = verdict.first_failing
+    if failing is not None:
+        report.failures.append(
+            f"{label}, restricted {failing.where}: {failing.metric}: {failing.detail}"
+        )
+
+
 def check_forced(case: schema.Case, engine, tolerance: Tolerance, where: str) -> ConstrainedReport:
     """The engine fed each of the case's constrained continuations, against its golden."""
     report = ConstrainedReport()
@@ -198,15 +214,7 @@ def check_forced(case: schema.Case, engine, tolerance: Tolerance, where: str) ->
                 break
         rows = restricted(logits, out.allowed)
         as_case = entry.as_case(case)
-        verdict = compare.compare_case(as_case, None, list(out.tokens), rows, tolerance)
-        report.steps += len(verdict.steps)
-        report.ambiguous_steps += len(verdict.ambiguous_steps)
-        report.max_logprob_diff = max(report.max_logprob_diff, verdict.max_logprob_diff)
-        failing = verdict.first_failing
-        if failing is not None:
-            report.failures.append(
-                f"{label}, restricted {failing.where}: {failing.metric}: {failing.detail}"
-            )
+        _compare_restricted(report, as_case, list(out.tokens), rows, tolerance, label)
         run = Run(None, list(case.input_ids), list(out.tokens), rows, 0.0)
         report.add(sampling_goldens.check_forced(as_case, run, tolerance, label))
     return report
@@ -415,15 +423,7 @@ def check_llama_server(
         as_case = dataclasses.replace(
             entry.as_case(case), steps=entry.steps[: len(rows)], sampling=[]
         )
-        verdict = compare.compare_case(as_case, None, [row.token for row in rows], rows, tolerance)
-        report.steps += len(verdict.steps)
-        report.ambiguous_steps += len(verdict.ambiguous_steps)
-        report.max_logprob_diff = max(report.max_logprob_diff, verdict.max_logprob_diff)
-        failing = verdict.first_failing
-        if failing is not None:
-            report.failures.append(
-                f"{label}, restricted {failing.where}: {failing.metric}: {failing.detail}"
-            )
+        _compare_restricted(report, as_case, [row.token for row in rows], rows, tolerance, label)
     return report
 
 
