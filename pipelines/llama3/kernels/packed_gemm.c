@@ -16,6 +16,13 @@
  * term is offset * sum_j x_j. `*_dequantize` writes W exactly as the dense path computes it
  * (fma above; for every GGUF scale the product is exact, so it is also d * q + m rounded
  * once), which is how the tests prove the packing loses nothing.
+ *
+ * The vector builds take the outputs in blocks of 16 (AVX-512) or 8 (AVX2): each output's
+ * dot products as alone, then the block's horizontal sums and offset terms together, in each
+ * output's own order and roundings (vec_sums, offset_terms): the same bits as one output at
+ * a time, at up to half the cost where K is small (SmolLM2's 576: the per-output scalar tail
+ * cost about as much as the dot products). test_packed.py holds every output of a block to
+ * its bits alone.
  */
 #include <stdint.h>
 #include <string.h>
@@ -114,6 +121,139 @@ static inline float offset_term(const float *so_, const float *sums, int64_t G) 
   return (part[0] + part[1]) + (part[2] + part[3]);
 }
 
+#if PACKED_SIMD == 512
+typedef __m512 vec_t;
+#define N_BLOCK 16 /* outputs whose horizontal sums and offset terms are computed together */
+static inline vec_t vec_zero(void) { return _mm512_setzero_ps(); }
+static inline vec_t vec_add(vec_t a, vec_t b) { return _mm512_add_ps(a, b); }
+static inline vec_t vec_mul(vec_t a, vec_t b) { return _mm512_mul_ps(a, b); }
+static inline vec_t vec_set1(float v) { return _mm512_set1_ps(v); }
+static inline vec_t vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vec_store(float *p, vec_t v) { _mm512_storeu_ps(p, v); }
+static inline float vec_sum(vec_t v) { return _mm512_reduce_add_ps(v); }
+
+/* out[j] = vec_sum(v[j]) for 16 vectors, each lane summed in _mm512_reduce_add_ps's order
+ * (lane i + lane i + 8, then + 4, then [0] + [2] and [1] + [3], then the two): the same bits,
+ * the pairs of every level added in one instruction for 16 outputs (a transposing tree). */
+static inline vec_t vec_sums(const vec_t v[N_BLOCK]) {
+  vec_t w[8], x[4], y[2];
+  for (int k = 0; k < 8; k++) /* [v[2k] lo256 + hi256 | v[2k+1] lo256 + hi256] */
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 4; k++) /* quarter q: v[4k + q]'s four sums of lanes i and i + 4 */
+    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; k++) /* quarter q: [0] + [2], [1] + [3] of v[8k + q], v[8k + 4 + q] */
+    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  /* lane 4q + p: the sum of v[4p + q]; put it in lane 4p + q */
+  const vec_t r = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+#elif PACKED_SIMD == 256
+typedef __m256 vec_t;
+#define N_BLOCK 8
+static inline vec_t vec_zero(void) { return _mm256_setzero_ps(); }
+static inline vec_t vec_add(vec_t a, vec_t b) { return _mm256_add_ps(a, b); }
+static inline vec_t vec_mul(vec_t a, vec_t b) { return _mm256_mul_ps(a, b); }
+static inline vec_t vec_set1(float v) { return _mm256_set1_ps(v); }
+static inline vec_t vec_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vec_store(float *p, vec_t v) { _mm256_storeu_ps(p, v); }
+static inline float vec_sum(vec_t v) { return hsum256(v); }
+
+/* out[j] = hsum256(v[j]) for 8 vectors, in hsum256's order (lane i + lane i + 4, then
+ * [0] + [2] and [1] + [3], then the two), pairs of every level added together. */
+static inline vec_t vec_sums(const vec_t v[N_BLOCK]) {
+  vec_t w[4], y[2];
+  for (int k = 0; k < 4; k++) /* [v[2k] lo128 + hi128 | v[2k+1] lo128 + hi128] */
+    w[k] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x31));
+  for (int k = 0; k < 2; k++) /* half h: [0] + [2], [1] + [3] of v[4k + h], v[4k + 2 + h] */
+    y[k] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  /* lane 4h + p: the sum of v[2p + h]; put it in lane 2p + h */
+  const vec_t r = _mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm256_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
+#if PACKED_SIMD
+/* The vector partial sums of rows m0 .. m0 + mt of output n, before the horizontal sum: each
+ * group's dot product scaled into one of two accumulators (even and odd groups, halving the
+ * dependency chain), which are then added. The weight group is unpacked once for the rows. */
+static inline void q4_vectors(const float *x, int64_t K, const uint8_t *qrow, const float *sorow,
+                              int64_t m0, int mt, vec_t out[M_TILE]) {
+  const int64_t G = K / GROUP;
+  vec_t acc[M_TILE][2];
+  for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = vec_zero();
+  for (int64_t g = 0; g < G; g++) {
+#if PACKED_SIMD == 512
+    __m512 lo, hi;
+    unpack_q4_512(qrow + g * (GROUP / 2), &lo, &hi);
+    const __m512 scale = _mm512_set1_ps(sorow[2 * g]);
+    for (int i = 0; i < mt; i++) {
+      const float *xm = x + (m0 + i) * K + g * GROUP;
+      acc[i][g & 1] = _mm512_fmadd_ps(scale, group_dot_512(xm, lo, hi), acc[i][g & 1]);
+    }
+#else
+    __m256 w[4];
+    unpack_q4(qrow + g * (GROUP / 2), w);
+    const __m256 scale = _mm256_set1_ps(sorow[2 * g]);
+    for (int i = 0; i < mt; i++) {
+      const float *xm = x + (m0 + i) * K + g * GROUP;
+      acc[i][g & 1] = _mm256_fmadd_ps(scale, group_dot(xm, w), acc[i][g & 1]);
+    }
+#endif
+  }
+  for (int i = 0; i < mt; i++) out[i] = vec_add(acc[i][0], acc[i][1]);
+}
+
+static inline void q8_vectors(const float *x, int64_t K, const int8_t *qrow, const float *srow,
+                              int64_t m0, int mt, vec_t out[M_TILE]) {
+  const int64_t G = K / GROUP;
+#if PACKED_SIMD == 512
+  __m512 acc[M_TILE][2];
+  for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m512 lo, hi;
+    unpack_q8_512(qrow + g * GROUP, &lo, &hi);
+    const __m512 s = _mm512_set1_ps(srow[g]);
+    for (int i = 0; i < mt; i++)
+      acc[i][g & 1] =
+          _mm512_fmadd_ps(s, group_dot_512(x + (m0 + i) * K + g * GROUP, lo, hi), acc[i][g & 1]);
+  }
+  for (int i = 0; i < mt; i++) out[i] = _mm512_add_ps(acc[i][0], acc[i][1]);
+#else
+  for (int i = 0; i < mt; i++) out[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m256 w[4];
+    unpack_q8(qrow + g * GROUP, w);
+    const __m256 s = _mm256_set1_ps(srow[g]);
+    for (int i = 0; i < mt; i++)
+      out[i] = _mm256_fmadd_ps(s, group_dot(x + (m0 + i) * K + g * GROUP, w), out[i]);
+  }
+#endif
+}
+
+/* offset_term of one row for N_BLOCK outputs at once, lane j in output j's order and
+ * roundings (each product rounded, then added): offt holds the outputs' offsets [g][j]. */
+static inline vec_t offset_terms(const float *offt, const float *sums, int64_t G) {
+  vec_t part[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4)
+    for (int j = 0; j < 4; j++)
+      part[j] = vec_add(part[j], vec_mul(vec_load(offt + (g + j) * N_BLOCK), vec_set1(sums[g + j])));
+  for (; g < G; g++)
+    part[0] = vec_add(part[0], vec_mul(vec_load(offt + g * N_BLOCK), vec_set1(sums[g])));
+  return vec_add(vec_add(part[0], part[1]), vec_add(part[2], part[3]));
+}
+#endif
+
+/* y[m, n] for every row m of one output n: the kernels' arithmetic, one output at a time
+ * (the portable build's only path; the vector builds' for outputs past the last whole block). */
 static void q4_rows(const float *x, const float *sums, int64_t M, int64_t K, const uint8_t *q4,
                     const float *so_, int64_t n, float *y, int64_t N) {
   const int64_t G = K / GROUP;
@@ -121,37 +261,11 @@ static void q4_rows(const float *x, const float *sums, int64_t M, int64_t K, con
   const float *sorow = so_ + n * G * 2;
   for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
     const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
-#if PACKED_SIMD == 512
-    /* Two accumulators per row (even and odd groups) halve the dependency chain. */
-    __m512 acc[M_TILE][2];
-    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-      __m512 lo, hi;
-      unpack_q4_512(qrow + g * (GROUP / 2), &lo, &hi);
-      const __m512 scale = _mm512_set1_ps(sorow[2 * g]);
-      for (int i = 0; i < mt; i++) {
-        const float *xm = x + (m0 + i) * K + g * GROUP;
-        acc[i][g & 1] = _mm512_fmadd_ps(scale, group_dot_512(xm, lo, hi), acc[i][g & 1]);
-      }
-    }
+#if PACKED_SIMD
+    vec_t v[M_TILE];
+    q4_vectors(x, K, qrow, sorow, m0, mt, v);
     for (int i = 0; i < mt; i++)
-      y[(m0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
-                            offset_term(sorow, sums + (m0 + i) * G, G);
-#elif PACKED_SIMD == 256
-    __m256 acc[M_TILE][2];
-    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-      __m256 w[4];
-      unpack_q4(qrow + g * (GROUP / 2), w);
-      const __m256 scale = _mm256_set1_ps(sorow[2 * g]);
-      for (int i = 0; i < mt; i++) {
-        const float *xm = x + (m0 + i) * K + g * GROUP;
-        acc[i][g & 1] = _mm256_fmadd_ps(scale, group_dot(xm, w), acc[i][g & 1]);
-      }
-    }
-    for (int i = 0; i < mt; i++)
-      y[(m0 + i) * N + n] = hsum256(_mm256_add_ps(acc[i][0], acc[i][1])) +
-                            offset_term(sorow, sums + (m0 + i) * G, G);
+      y[(m0 + i) * N + n] = vec_sum(v[i]) + offset_term(sorow, sums + (m0 + i) * G, G);
 #else
     for (int i = 0; i < mt; i++) {
       const float *xm = x + (m0 + i) * K;
@@ -177,30 +291,10 @@ static void q8_rows(const float *x, int64_t M, int64_t K, const int8_t *q8, cons
   const float *srow = scale + n * G;
   for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
     const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
-#if PACKED_SIMD == 512
-    __m512 acc[M_TILE][2];
-    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-      __m512 lo, hi;
-      unpack_q8_512(qrow + g * GROUP, &lo, &hi);
-      const __m512 s = _mm512_set1_ps(srow[g]);
-      for (int i = 0; i < mt; i++)
-        acc[i][g & 1] = _mm512_fmadd_ps(
-            s, group_dot_512(x + (m0 + i) * K + g * GROUP, lo, hi), acc[i][g & 1]);
-    }
-    for (int i = 0; i < mt; i++)
-      y[(m0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
-#elif PACKED_SIMD == 256
-    __m256 acc[M_TILE];
-    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-      __m256 w[4];
-      unpack_q8(qrow + g * GROUP, w);
-      const __m256 s = _mm256_set1_ps(srow[g]);
-      for (int i = 0; i < mt; i++)
-        acc[i] = _mm256_fmadd_ps(s, group_dot(x + (m0 + i) * K + g * GROUP, w), acc[i]);
-    }
-    for (int i = 0; i < mt; i++) y[(m0 + i) * N + n] = hsum256(acc[i]);
+#if PACKED_SIMD
+    vec_t v[M_TILE];
+    q8_vectors(x, K, qrow, srow, m0, mt, v);
+    for (int i = 0; i < mt; i++) y[(m0 + i) * N + n] = vec_sum(v[i]);
 #else
     for (int i = 0; i < mt; i++) {
       const float *xm = x + (m0 + i) * K;
@@ -216,18 +310,74 @@ static void q8_rows(const float *x, int64_t M, int64_t K, const int8_t *q8, cons
   }
 }
 
+#if PACKED_SIMD
+/* Outputs n0 .. n0 + N_BLOCK of every row: q4_rows' numbers, bit for bit, with each row's
+ * horizontal sums and offset terms computed for the block's outputs together (at SmolLM2's
+ * K of 576 those per-output scalar tails cost as much as the dot products). */
+static void q4_block(const float *x, const float *sums, int64_t M, int64_t K, const uint8_t *q4,
+                     const float *so_, int64_t n0, float *y, int64_t N) {
+  const int64_t G = K / GROUP;
+  float offt[G * N_BLOCK];
+  for (int j = 0; j < N_BLOCK; j++)
+    for (int64_t g = 0; g < G; g++) offt[g * N_BLOCK + j] = so_[((n0 + j) * G + g) * 2 + 1];
+  for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
+    const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
+    vec_t v[M_TILE][N_BLOCK];
+    for (int j = 0; j < N_BLOCK; j++) {
+      vec_t out[M_TILE];
+      const int64_t n = n0 + j;
+      q4_vectors(x, K, q4 + n * G * (GROUP / 2), so_ + n * G * 2, m0, mt, out);
+      for (int i = 0; i < mt; i++) v[i][j] = out[i];
+    }
+    for (int i = 0; i < mt; i++)
+      vec_store(y + (m0 + i) * N + n0,
+                vec_add(vec_sums(v[i]), offset_terms(offt, sums + (m0 + i) * G, G)));
+  }
+}
+
+static void q8_block(const float *x, int64_t M, int64_t K, const int8_t *q8, const float *scale,
+                     int64_t n0, float *y, int64_t N) {
+  const int64_t G = K / GROUP;
+  for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
+    const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
+    vec_t v[M_TILE][N_BLOCK];
+    for (int j = 0; j < N_BLOCK; j++) {
+      vec_t out[M_TILE];
+      const int64_t n = n0 + j;
+      q8_vectors(x, K, q8 + n * K, scale + n * G, m0, mt, out);
+      for (int i = 0; i < mt; i++) v[i][j] = out[i];
+    }
+    for (int i = 0; i < mt; i++) vec_store(y + (m0 + i) * N + n0, vec_sums(v[i]));
+  }
+}
+#endif
+
 /* y[M, N] = x[M, K] . W^T for int4 weights; sums: scratch of M * K / 32 floats. */
 void q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const float *so_, int64_t N,
              float *y, float *sums, int threads) {
   group_sums(x, M, K, sums);
+#if PACKED_SIMD
+  const int64_t blocks = N / N_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < blocks; b++) q4_block(x, sums, M, K, q4, so_, b * N_BLOCK, y, N);
+  for (int64_t n = blocks * N_BLOCK; n < N; n++) q4_rows(x, sums, M, K, q4, so_, n, y, N);
+#else
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < N; n++) q4_rows(x, sums, M, K, q4, so_, n, y, N);
+#endif
 }
 
 void q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q8, const float *scale,
              int64_t N, float *y, int threads) {
+#if PACKED_SIMD
+  const int64_t blocks = N / N_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < blocks; b++) q8_block(x, M, K, q8, scale, b * N_BLOCK, y, N);
+  for (int64_t n = blocks * N_BLOCK; n < N; n++) q8_rows(x, M, K, q8, scale, n, y, N);
+#else
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < N; n++) q8_rows(x, M, K, q8, scale, n, y, N);
+#endif
 }
 
 /* --- packing GGUF blocks ------------------------------------------------------------------

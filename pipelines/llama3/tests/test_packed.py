@@ -107,6 +107,31 @@ def test_every_code_path_of_the_kernels_agrees(isa, simd, monkeypatch) -> None:
         assert (y - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "vnni", "portable"])
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+def test_an_output_has_the_same_bits_in_a_block_of_outputs_and_alone(isa, qtype, monkeypatch):
+    """The vector builds finish 16 (AVX-512) or 8 (AVX2) outputs together: their horizontal
+    sums in one transposing tree, their offset terms in vector lanes. Each output must keep
+    the bits it has when computed alone (a one-row weight: the per-output path, the same
+    reduction as the vector's own horizontal sum), in every row of x, past the row tile of 4
+    and the last whole block of outputs."""
+    if not kernel_library.runnable(isa):
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
+    outputs, cols = 37, 320
+    raw = _gguf_py_tensor(qtype, outputs, cols, 11)
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(12))
+    together = packed.PackedLinear(packing.pack(raw, qtype, (outputs, cols)))(x)
+    alone = torch.cat(
+        [
+            packed.PackedLinear(packing.pack(raw[n : n + 1], qtype, (1, cols)))(x)
+            for n in range(outputs)
+        ],
+        dim=1,
+    )
+    assert torch.equal(together, alone)
+
+
 def test_avx2_is_the_default_where_the_cpu_has_it(monkeypatch) -> None:
     monkeypatch.delenv(kernel_library.KERNELS_ENV, raising=False)
     flags = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
