@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipelines.llama3 import constrained, ggml_mode, packed, speculative
+from pipelines.llama3 import constrained, ggml_mode, packed, profiling, speculative
 from pipelines.llama3.compiled import CompiledTransformer, compile_blocks
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.decoder import Decoder
@@ -335,7 +335,8 @@ class Llama3Engine:
 
         _synchronize(self.device)
         start = time.perf_counter()
-        prefill = self.model(prompt, 0, outputs=[*positions, len(input_ids) - 1])[0]
+        with profiling.region("prefill"):
+            prefill = self.model(prompt, 0, outputs=[*positions, len(input_ids) - 1])[0]
         logits = prefill[-1]  # [vocab]
         _synchronize(self.device)
         prefill_seconds = time.perf_counter() - start
@@ -343,17 +344,25 @@ class Llama3Engine:
         start = time.perf_counter()
         stats = None
         if speculation is not None:
-            stats = speculative.decode(
-                self.model, decoder, logits, len(input_ids), speculation, step_logits, self.device
-            )
+            with profiling.region("speculative decode"):
+                stats = speculative.decode(
+                    self.model,
+                    decoder,
+                    logits,
+                    len(input_ids),
+                    speculation,
+                    step_logits,
+                    self.device,
+                )
         else:
             for step in range(max_new_tokens):
-                step_logits[step] = logits
-                token = decoder.step(logits)
-                if token is None:
-                    break
-                next_token.fill_(token)  # one preallocated [1, 1] input for every step
-                logits = self.model(next_token, len(input_ids) + step)[0, -1]
+                with profiling.region("decode step"):
+                    step_logits[step] = logits
+                    token = decoder.step(logits)
+                    if token is None:
+                        break
+                    next_token.fill_(token)  # one preallocated [1, 1] input for every step
+                    logits = self.model(next_token, len(input_ids) + step)[0, -1]
         _synchronize(self.device)
         decode_seconds = time.perf_counter() - start
         tokens = decoder.tokens

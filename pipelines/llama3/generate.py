@@ -12,9 +12,17 @@ Example:
         --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --prompt "A user record as JSON: " --json-schema '{"type": "object", \\
         "properties": {"name": {"type": "string"}}, "required": ["name"]}'
+    bazel run //pipelines/llama3:generate -- \\
+        --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --prompt "The capital of France is" --mode=quantized --profile=$PWD/trace.json
+
+--profile writes a Chrome trace-event file of the generation (pipelines/llama3/profiling.py):
+torch's operators, the quantized and ggml modes' C kernel calls, the prefill and each decode
+step as named ranges. Open it in Perfetto's UI or chrome://tracing.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -22,6 +30,7 @@ import sys
 
 import torch
 
+from pipelines.llama3 import profiling
 from pipelines.llama3.constrained import Constraint, ConstraintError
 from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
@@ -58,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
+    )
+    parser.add_argument(
+        "--profile",
+        type=user_path,
+        metavar="FILE",
+        help="write a Chrome trace-event file of the generation: torch's operators, the C "
+        "kernels, the prefill and each decode step (Perfetto's UI, chrome://tracing)",
     )
     sampling = parser.add_argument_group("sampling (without --temperature: greedy)")
     sampling.add_argument("--temperature", type=float, default=None, help="> 0: sample")
@@ -165,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device={args.device}: this torch has no CUDA device; use --device=cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.profile is not None:
+        try:  # before the checkpoint loads: a profile asked for is not lost at the end
+            profiling.check_writable(args.profile)
+        except profiling.TraceError as error:
+            parser.error(f"--profile={args.profile}: {error}")
     sampling = _sampling(args, parser)
     constraint = _constraint(args, parser)
     speculation = None
@@ -201,14 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     input_ids = engine.tokenizer.encode(args.prompt)
+    profile = contextlib.nullcontext() if args.profile is None else profiling.trace(args.profile)
     try:
-        out = engine.generate(
-            input_ids,
-            args.max_new_tokens,
-            sampling=sampling,
-            speculation=speculation,
-            constraint=constraint,
-        )
+        with profile:
+            out = engine.generate(
+                input_ids,
+                args.max_new_tokens,
+                sampling=sampling,
+                speculation=speculation,
+                constraint=constraint,
+            )
     except ConstraintError as error:
         print(f"error: {_option(constraint.kind)}: {error}", file=sys.stderr)
         return 2
@@ -222,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         name = "n-gram" if args.draft_layers is None else f"{args.draft_layers}-layer self"
         name += ", sampling" if args.draft_samples else ""
         print(f"speculation ({name} draft, k={args.speculate}): {out.speculation.summary()}")
+    if args.profile is not None:
+        count = len(profiling.events(args.profile))
+        print(f"profile: {args.profile} ({count} trace events; Perfetto's UI, chrome://tracing)")
     return 0
 
 

@@ -38,7 +38,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from pipelines.llama3 import packed
+from pipelines.llama3 import packed, profiling
 from pipelines.llama3.kernel_library import GGML_ORDER, library
 from pipelines.llama3.model import Transformer, causal_mask, rope_inverse_frequencies
 from pipelines.llama3.packing import RawMatrix
@@ -111,17 +111,18 @@ class GgmlLinear(packed.RowProduct):
         if self._act.numel() < rows * self._row_bytes:
             self._act = torch.empty(rows * self._row_bytes, dtype=torch.uint8)
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        self._lib.ggml_gemm(
-            self.weight.code,
-            x.data_ptr(),
-            rows,
-            self.in_features,
-            self._w,
-            self.out_features,
-            y.data_ptr(),
-            self._act.data_ptr(),
-            self._threads(rows),
-        )
+        with profiling.region("ggml_gemm"):
+            self._lib.ggml_gemm(
+                self.weight.code,
+                x.data_ptr(),
+                rows,
+                self.in_features,
+                self._w,
+                self.out_features,
+                y.data_ptr(),
+                self._act.data_ptr(),
+                self._threads(rows),
+            )
         return y
 
 
@@ -151,9 +152,10 @@ class GgmlFeedForward(packed.PackedFeedForward):
         hidden = self.w13.splits[0]
         leading = gate_up.shape[:-1]
         out = torch.empty(*leading, hidden, dtype=torch.float32)
-        self._lib.ggml_swiglu_rows(
-            gate_up.data_ptr(), gate_up.numel() // (2 * hidden), hidden, out.data_ptr()
-        )
+        with profiling.region("ggml_swiglu_rows"):
+            self._lib.ggml_swiglu_rows(
+                gate_up.data_ptr(), gate_up.numel() // (2 * hidden), hidden, out.data_ptr()
+            )
         return self.w2(out)
 
 
@@ -216,22 +218,23 @@ class GgmlAttention(packed.PackedAttention):
         qkv = self.wqkv(x).contiguous()  # [1, seq, (n_heads + 2 n_kv_heads) * head_dim]
         out = torch.empty(1, seqlen, self.n_heads * self.head_dim, dtype=torch.float32)
         work = seqlen * (start_pos + seqlen) * self.n_heads * self.head_dim
-        self._lib.ggml_attention(
-            qkv.data_ptr(),
-            seqlen,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            self.cache_k.data_ptr(),
-            self.cache_v.data_ptr(),
-            self.n_heads,
-            self.n_kv_heads,
-            self.head_dim,
-            self.cache_k.shape[2],
-            start_pos,
-            self.scale,
-            out.data_ptr(),
-            torch.get_num_threads() if work >= PARALLEL_ATTENTION else 1,
-        )
+        with profiling.region("ggml_attention"):
+            self._lib.ggml_attention(
+                qkv.data_ptr(),
+                seqlen,
+                cos.data_ptr(),
+                sin.data_ptr(),
+                self.cache_k.data_ptr(),
+                self.cache_v.data_ptr(),
+                self.n_heads,
+                self.n_kv_heads,
+                self.head_dim,
+                self.cache_k.shape[2],
+                start_pos,
+                self.scale,
+                out.data_ptr(),
+                torch.get_num_threads() if work >= PARALLEL_ATTENTION else 1,
+            )
         return self.wo(out)
 
     def forward_paged(self, x, cos, sin, cache_k, cache_v, batch):
@@ -253,22 +256,23 @@ class GgmlAttention(packed.PackedAttention):
             piece = qkv[:, rows].contiguous()
             work = count * len(context) * self.n_heads * self.head_dim
             result = torch.empty(1, count, self.n_heads * self.head_dim, dtype=torch.float32)
-            self._lib.ggml_attention(
-                piece.data_ptr(),
-                count,
-                cos[rows].contiguous().data_ptr(),
-                sin[rows].contiguous().data_ptr(),
-                keys.data_ptr(),
-                values.data_ptr(),
-                self.n_heads,
-                self.n_kv_heads,
-                self.head_dim,
-                len(context),
-                past,
-                self.scale,
-                result.data_ptr(),
-                torch.get_num_threads() if work >= PARALLEL_ATTENTION else 1,
-            )
+            with profiling.region("ggml_attention"):
+                self._lib.ggml_attention(
+                    piece.data_ptr(),
+                    count,
+                    cos[rows].contiguous().data_ptr(),
+                    sin[rows].contiguous().data_ptr(),
+                    keys.data_ptr(),
+                    values.data_ptr(),
+                    self.n_heads,
+                    self.n_kv_heads,
+                    self.head_dim,
+                    len(context),
+                    past,
+                    self.scale,
+                    result.data_ptr(),
+                    torch.get_num_threads() if work >= PARALLEL_ATTENTION else 1,
+                )
             out[:, rows] = result
             fresh = batch.fresh[rows]
             slots = batch.write[rows][fresh]
@@ -350,12 +354,13 @@ class FusedDecode:
         layers, max_seq = self._table()
         h = h.float().contiguous().clone()  # [1, 1, dim], updated in place
         threads = torch.get_num_threads()
-        self._lib.ggml_decode_layers(
-            layers, len(model.layers), h.data_ptr(), config.dim, config.n_heads,
-            config.n_kv_heads, config.head_dim, config.ffn_dim, max_seq, start_pos,
-            cos.data_ptr(), sin.data_ptr(), config.rms_norm_eps, model.layers[0].attention.scale,
-            threads,
-        )  # fmt: skip
+        with profiling.region("ggml_decode_layers"):
+            self._lib.ggml_decode_layers(
+                layers, len(model.layers), h.data_ptr(), config.dim, config.n_heads,
+                config.n_kv_heads, config.head_dim, config.ffn_dim, max_seq, start_pos,
+                cos.data_ptr(), sin.data_ptr(), config.rms_norm_eps,
+                model.layers[0].attention.scale, threads,
+            )  # fmt: skip
         return h
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipelines.llama3 import profiling
 from pipelines.llama3.config import LlamaConfig
 from pipelines.llama3.kernel_library import library
 from pipelines.llama3.model import (
@@ -99,6 +100,7 @@ class PackedLinear(RowProduct):
         self._q = weight.q.data_ptr()
         self._scales = weight.scales.data_ptr()
         self._sums = torch.empty(0, dtype=torch.float32)  # the kernel's scratch, kept
+        self._kernel = "q4_gemm" if weight.kind == "int4" else "q8_gemm"  # its profile region
 
     def _scratch(self, size: int) -> torch.Tensor:
         """The kernel's per-call scratch (group sums of x), allocated once per largest size."""
@@ -115,30 +117,31 @@ class PackedLinear(RowProduct):
             return F.linear(x, dequantize(self.weight))
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         threads = self._threads(rows)
-        if self.weight.kind == "int4":
-            sums = self._scratch(rows * (self.in_features // GROUP))
-            self._lib.q4_gemm(
-                x.data_ptr(),
-                rows,
-                self.in_features,
-                self._q,
-                self._scales,
-                self.out_features,
-                y.data_ptr(),
-                sums.data_ptr(),
-                threads,
-            )
-        else:
-            self._lib.q8_gemm(
-                x.data_ptr(),
-                rows,
-                self.in_features,
-                self._q,
-                self._scales,
-                self.out_features,
-                y.data_ptr(),
-                threads,
-            )
+        with profiling.region(self._kernel):  # "q4_gemm" or "q8_gemm"
+            if self.weight.kind == "int4":
+                sums = self._scratch(rows * (self.in_features // GROUP))
+                self._lib.q4_gemm(
+                    x.data_ptr(),
+                    rows,
+                    self.in_features,
+                    self._q,
+                    self._scales,
+                    self.out_features,
+                    y.data_ptr(),
+                    sums.data_ptr(),
+                    threads,
+                )
+            else:
+                self._lib.q8_gemm(
+                    x.data_ptr(),
+                    rows,
+                    self.in_features,
+                    self._q,
+                    self._scales,
+                    self.out_features,
+                    y.data_ptr(),
+                    threads,
+                )
         return y
 
 
@@ -302,21 +305,22 @@ class PackedAttention(Attention):
         if self._scores.numel() < pos + 1:
             self._scores = torch.empty(max(pos + 1, 2 * self._scores.numel()), dtype=torch.float32)
         out = torch.empty(self.n_heads * self.head_dim, dtype=torch.float32)
-        self._lib.decode_attention_paged(
-            qkv.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            cache_k.data_ptr(),
-            cache_v.data_ptr(),
-            self.n_heads,
-            self.n_kv_heads,
-            self.head_dim,
-            slots.data_ptr(),
-            pos,
-            self.scale,
-            self._scores.data_ptr(),
-            out.data_ptr(),
-        )
+        with profiling.region("decode_attention_paged"):
+            self._lib.decode_attention_paged(
+                qkv.data_ptr(),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                cache_k.data_ptr(),
+                cache_v.data_ptr(),
+                self.n_heads,
+                self.n_kv_heads,
+                self.head_dim,
+                slots.data_ptr(),
+                pos,
+                self.scale,
+                self._scores.data_ptr(),
+                out.data_ptr(),
+            )
         return out
 
     def _decode_applies(self, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -335,21 +339,22 @@ class PackedAttention(Attention):
         if self._scores.numel() < start_pos + 1:
             self._scores = torch.empty(cache_k.shape[2], dtype=torch.float32)
         out = torch.empty(1, 1, self.n_heads * self.head_dim, dtype=torch.float32)
-        self._lib.decode_attention(
-            qkv.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            cache_k.data_ptr(),
-            cache_v.data_ptr(),
-            self.n_heads,
-            self.n_kv_heads,
-            self.head_dim,
-            cache_k.shape[2],
-            start_pos,
-            self.scale,
-            self._scores.data_ptr(),
-            out.data_ptr(),
-        )
+        with profiling.region("decode_attention"):
+            self._lib.decode_attention(
+                qkv.data_ptr(),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                cache_k.data_ptr(),
+                cache_v.data_ptr(),
+                self.n_heads,
+                self.n_kv_heads,
+                self.head_dim,
+                cache_k.shape[2],
+                start_pos,
+                self.scale,
+                self._scores.data_ptr(),
+                out.data_ptr(),
+            )
         return out
 
 

@@ -53,7 +53,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipelines.llama3 import constrained, speculative
+from pipelines.llama3 import constrained, profiling, speculative
 from pipelines.llama3.decoder import Decoder
 from pipelines.llama3.engine import GenerationOutput, Llama3Engine
 from pipelines.llama3.model import PagedBatch
@@ -277,7 +277,9 @@ class ServingEngine:
         finished: dict[str, _Sequence] = {}
         try:
             while self.waiting or self.running:
-                finished.update((seq.request.id, seq) for seq in self._step_sequences())
+                with profiling.region("serving step"):
+                    stepped = self._step_sequences()
+                finished.update((seq.request.id, seq) for seq in stepped)
         except BaseException:
             for seq in [*self.running, *self.waiting]:  # nothing left behind for a next call
                 self._release(seq)
@@ -311,9 +313,11 @@ class ServingEngine:
     def step(self) -> dict[str, Served]:
         """One scheduler step (admissions, one forward over every running sequence's piece);
         the requests it finished, by id. Nothing pending: nothing done."""
+        with profiling.region("serving step"):
+            stepped = self._step_sequences()
         return {
             seq.request.id: self._output(seq, time.perf_counter() - seq.submitted)
-            for seq in self._step_sequences()
+            for seq in stepped
         }
 
     def cancel(self, request_id: str) -> Served:
@@ -362,7 +366,8 @@ class ServingEngine:
             )
         pieces = self._schedule(running, waiting)
         if pieces:
-            self._forward(pieces)
+            with profiling.region("serving forward"):
+                self._forward(pieces)
         done = [s for s in running if s.done]
         for seq in done:
             running.remove(seq)

@@ -1,0 +1,89 @@
+"""Profiles of the engine as Chrome trace-event files (Perfetto's UI, chrome://tracing).
+
+`trace(path)` profiles what runs inside it with torch.profiler (every ATen operator on the
+CPU; on CUDA its kernels too) and writes the Chrome trace-event JSON to `path` at the end.
+The engine names its own parts in that trace with `region(name)`:
+
+    prefill, decode step        Llama3Engine.generate: the prompt's forward; each new token
+                                (the decoder's choice and the next forward)
+    speculative decode          generate's decode under speculation (drafts and verification)
+    serving step                ServingEngine.step: admission, block tables, the decoder...
+    serving forward             ...and the step's one forward over every running piece
+    q4_gemm, q8_gemm            the quantized mode's C kernels (packed.py), and its fused
+    decode_attention[_paged]    one-position attention
+    ggml_gemm, ggml_attention,  the ggml mode's C kernels (ggml_mode.py); the last is one
+    ggml_swiglu_rows,           decode step through every layer
+    ggml_decode_layers
+
+so that time spent in a C kernel (which torch.profiler does not see: ctypes calls) is
+attributed, and a serving step's scheduler cost is its range less its forward's.
+
+A region costs nothing worth measuring while no trace is being taken: it is a shared no-op
+context then (a decode step makes a few hundred kernel calls, and torch's record_function
+costs about a microsecond each even with no profiler listening).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+from collections.abc import Iterator
+
+import torch
+
+_NO_OP = contextlib.nullcontext()
+_taking = 0  # traces being taken (nested traces each record everything)
+
+
+def region(name: str):
+    """A named range in the trace being taken; a no-op context when none is."""
+    return torch.profiler.record_function(name) if _taking else _NO_OP
+
+
+class TraceError(ValueError):
+    """A trace that cannot be written where asked."""
+
+
+def check_writable(path: str | os.PathLike) -> pathlib.Path:
+    """`path` as a file a trace can be written to, or TraceError saying why not (before any
+    work is done: a profile asked for is not lost at the end of a long run)."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        raise TraceError(f"{path} is a folder; name a file, e.g. {path / 'trace.json'}")
+    if not path.parent.is_dir():
+        raise TraceError(f"{path.parent} does not exist; create it or name a file in another")
+    if not os.access(path.parent, os.W_OK):
+        raise TraceError(f"{path.parent} is not writable")
+    return path
+
+
+@contextlib.contextmanager
+def trace(path: str | os.PathLike) -> Iterator[None]:
+    """Profile the block; write its Chrome trace-event file to `path` (through a temporary
+    file, renamed into place: a trace is whole or absent)."""
+    global _taking
+    path = check_writable(path)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        _taking += 1
+        try:
+            yield
+        finally:
+            _taking -= 1
+    partial = path.with_name(f".{path.name}.partial")
+    profile.export_chrome_trace(str(partial))
+    os.replace(partial, path)
+
+
+def events(path: str | os.PathLike) -> list[dict]:
+    """The trace-event records of a trace file (its `traceEvents`)."""
+    with open(path, encoding="utf-8") as file:
+        document = json.load(file)
+    return document["traceEvents"] if isinstance(document, dict) else document
+
+
+__all__ = ["TraceError", "check_writable", "events", "region", "trace"]

@@ -1,0 +1,197 @@
+"""Profiles as Chrome trace-event files (pipelines/llama3/profiling.py, `generate --profile`).
+
+A trace must hold what a person opens it for: the prefill and every decode step as ranges,
+the C kernels of the quantized and ggml modes (which torch.profiler alone does not see:
+ctypes calls) inside those steps, and for the serving engine each scheduler step with its
+forward inside. Every event must be one a trace viewer takes (the Trace Event Format: a name,
+a phase, a timestamp, a process and a thread; a complete event's duration), and the file must
+parse in a browser's JSON parser, which is stricter than Python's (no NaN, no Infinity): the
+one Perfetto's UI and chrome://tracing both run. That browser check is headless chromium
+(the golden report's browser test's), skipping without it unless CI_REQUIRE_BROWSER=1.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+
+import gguf
+import pytest
+
+from pipelines.llama3 import Llama3Engine, generate, profiling
+from pipelines.llama3.serving import Request, ServingEngine
+from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+
+NEW_TOKENS = 5
+WEIGHT_TYPES = {
+    "eager": gguf.GGMLQuantizationType.F32,
+    "quantized": gguf.GGMLQuantizationType.Q4_0,
+    "ggml": gguf.GGMLQuantizationType.Q4_0,
+}
+# What each mode's decode steps must contain (the C kernels by their region names).
+KERNELS = {
+    "eager": ("aten::linear",),
+    "quantized": ("q4_gemm", "decode_attention"),
+    "ggml": ("ggml_decode_layers",),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
+    folder = tmp_path_factory.mktemp("profiling")
+    files = {}
+    for mode, weight_type in WEIGHT_TYPES.items():
+        files[mode] = folder / f"tiny_{weight_type.name}.gguf"
+        if not files[mode].exists():
+            write_tiny_llama(files[mode], dim=64, weight_type=weight_type)
+    return files
+
+
+def _ranges(events: list[dict], name: str) -> list[tuple[float, float]]:
+    return [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name]
+
+
+def _inside(inner: tuple[float, float], outers: list[tuple[float, float]]) -> bool:
+    return any(start <= inner[0] and inner[1] <= end for start, end in outers)
+
+
+def check_trace_events(events: list[dict]) -> None:
+    """The Trace Event Format's rules a viewer needs, for every event."""
+    assert events, "a trace without events"
+    for event in events:
+        assert isinstance(event.get("name"), str) and isinstance(event.get("ph"), str), event
+        if event["ph"] == "M":  # metadata: process and thread names
+            continue
+        assert isinstance(event.get("ts"), (int, float)), event
+        assert "pid" in event and "tid" in event, event
+        if event["ph"] == "X":
+            assert isinstance(event.get("dur"), (int, float)) and event["dur"] >= 0, event
+
+
+@pytest.mark.parametrize("mode", list(WEIGHT_TYPES))
+def test_generate_profile_holds_the_prefill_each_decode_step_and_the_kernels(
+    mode, checkpoints, tmp_path, capsys
+) -> None:
+    trace = tmp_path / "trace.json"
+    argv = [f"--gguf={checkpoints[mode]}", "--prompt=the cap", f"--mode={mode}"]
+    argv += [f"--max-new-tokens={NEW_TOKENS}", f"--profile={trace}"]
+    assert generate.main(argv) == 0
+    assert f"profile: {trace}" in capsys.readouterr().out
+    events = profiling.events(trace)
+    check_trace_events(events)
+    prefill, steps = _ranges(events, "prefill"), _ranges(events, "decode step")
+    assert len(prefill) == 1
+    assert len(steps) == NEW_TOKENS
+    for kernel in KERNELS[mode]:
+        calls = _ranges(events, kernel)
+        assert calls, f"{mode}: no {kernel!r} in the trace"
+        assert all(_inside(call, prefill + steps) for call in calls), kernel
+        assert any(_inside(call, steps) for call in calls), f"{kernel}: in no decode step"
+
+
+def test_the_serving_engine_traces_each_scheduler_step_with_its_forward(checkpoints, tmp_path):
+    engine = Llama3Engine.from_gguf(checkpoints["quantized"], mode="quantized")
+    serving = ServingEngine(engine, block_size=4)
+    requests = [Request(f"r{i}", [1, 2, 3 + i, 4], max_new_tokens=3 + i) for i in range(3)]
+    trace = tmp_path / "serving.json"
+    with profiling.trace(trace):
+        serving.serve(requests)
+    events = profiling.events(trace)
+    check_trace_events(events)
+    steps, forwards = _ranges(events, "serving step"), _ranges(events, "serving forward")
+    assert len(steps) == 3 + 2  # prefill with the first token, then decode to the longest
+    assert len(forwards) == len(steps)
+    assert all(_inside(forward, steps) for forward in forwards)
+    assert all(_inside(call, forwards) for call in _ranges(events, "q4_gemm"))
+
+
+def test_without_a_trace_a_region_records_nothing(checkpoints, tmp_path) -> None:
+    """Outside `trace`, a region is the shared no-op context (no record_function per kernel
+    call on the hot path); inside, a range of its own."""
+    assert profiling.region("q4_gemm") is profiling.region("decode step")
+    with profiling.trace(tmp_path / "t.json"):
+        assert profiling.region("q4_gemm") is not profiling.region("decode step")
+    assert profiling.region("q4_gemm") is profiling.region("decode step")
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [("missing/trace.json", "does not exist"), (".", "is a folder")],
+)
+def test_a_profile_that_cannot_be_written_exits_2_before_loading(
+    where, message, tmp_path, capsys
+) -> None:
+    target = tmp_path / where
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(["--gguf=/nonexistent.gguf", "--prompt=x", f"--profile={target}"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--profile={target}" in error and message in error
+    assert "loading" not in error  # refused before the checkpoint is read
+
+
+REQUIRE_ENV = "CI_REQUIRE_BROWSER"
+INSTALL = "tools/chromium/install.sh (as root; it runs: apt-get install -y chromium)"
+
+
+def _browser_verdict(chromium: str, text: str, work: pathlib.Path) -> str:
+    """What the browser's JSON.parse makes of a trace file's text: the page parses it and
+    writes the count of events and the engine's ranges it found into the DOM, which headless
+    chromium dumps."""
+    script = """
+      let verdict;
+      try {
+        const trace = JSON.parse(document.getElementById('trace').textContent);
+        const events = Array.isArray(trace) ? trace : trace.traceEvents;
+        const names = new Set(events.map(e => e.name));
+        verdict = 'parsed ' + events.length + ' events; ' +
+          ['prefill', 'decode step', 'q4_gemm'].filter(n => names.has(n)).join(',');
+      } catch (error) { verdict = 'error: ' + error.message; }
+      document.getElementById('verdict').textContent = verdict;
+    """
+    # A script element's text is not HTML-decoded: only "</" must not appear in it ("<\\/" is
+    # JSON's own escape of the same characters).
+    payload = text.replace("</", "<\\/")
+    page = work / "page.html"
+    page.write_text(
+        "<!doctype html><html><body>"
+        f'<script type="application/json" id="trace">{payload}</script>'
+        f'<p id="verdict">not run</p><script>{script}</script></body></html>'
+    )
+    command = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu"]
+    command += ["--disable-dev-shm-usage", f"--user-data-dir={work / 'profile'}"]
+    done = subprocess.run(
+        [*command, "--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOME": str(work)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    start = done.stdout.index('<p id="verdict">') + len('<p id="verdict">')
+    return html.unescape(done.stdout[start : done.stdout.index("</p>", start)])
+
+
+def test_the_trace_parses_in_a_browser(checkpoints, tmp_path) -> None:
+    """A generate trace parses in the browser, all its events and ranges there; the same trace
+    with one NaN duration (which Python's json writes and reads) does not."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        message = f"chromium is not installed; install it with {INSTALL}"
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{message} (${REQUIRE_ENV}=1: the browser tests must run)")
+        pytest.skip(message)
+    trace = tmp_path / "trace.json"
+    argv = [f"--gguf={checkpoints['quantized']}", "--prompt=the", "--mode=quantized"]
+    assert generate.main([*argv, "--max-new-tokens=2", f"--profile={trace}"]) == 0
+    events = profiling.events(trace)
+    verdict = _browser_verdict(chromium, trace.read_text(), tmp_path)
+    assert verdict == f"parsed {len(events)} events; prefill,decode step,q4_gemm"
+    planted = [{**events[-1], "dur": float("nan")}, *events[:-1]]
+    planted_text = json.dumps({"traceEvents": planted})
+    assert len(json.loads(planted_text)["traceEvents"]) == len(events)  # Python's json takes it
+    assert _browser_verdict(chromium, planted_text, tmp_path).startswith("error: ")
