@@ -1,0 +1,97 @@
+"""trace_tokens: where two runs' top tokens flip, and by how much (tools/trace_tokens)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import gguf
+import pytest
+import torch
+
+from pipelines.llama3 import Llama3Engine
+from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+from tools.trace_tokens import trace_tokens
+
+TINY_128K = pathlib.Path("max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf")
+PROMPT = "the cap the"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, pathlib.Path]:
+    folder = tmp_path_factory.mktemp("trace_tokens")
+    paths = {
+        "f32": folder / "f32.gguf",
+        "other_seed": folder / "other_seed.gguf",
+        "q4_0": folder / "q4_0.gguf",
+    }
+    write_tiny_llama(paths["f32"], seed=0)
+    write_tiny_llama(paths["other_seed"], seed=1)
+    write_tiny_llama(paths["q4_0"], seed=0, weight_type=gguf.GGMLQuantizationType.Q4_0)
+    return paths
+
+
+def test_compare_reports_the_flip_the_margins_the_change_and_the_kl() -> None:
+    a = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+    b = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    same, flipped = trace_tokens.compare(a, b, [0, 1])
+    assert not same.flipped and same.delta == 0 and same.kl == pytest.approx(0, abs=1e-15)
+    assert same.margin == pytest.approx(1.0) and same.against_margin == pytest.approx(1.0)
+    assert flipped.flipped and (flipped.token, flipped.against_top) == (1, 0)
+    log_a = torch.log_softmax(a[1].double(), 0)
+    log_b = torch.log_softmax(b[1].double(), 0)
+    assert flipped.margin == pytest.approx(2.0)
+    assert flipped.delta == pytest.approx(float(log_b[1] - log_a[1]))  # B less sure of A's token
+    assert flipped.delta < 0
+    assert flipped.kl == pytest.approx(float((log_a.exp() * (log_a - log_b)).sum()))
+
+
+def test_a_run_against_itself_moves_nothing(files, capsys) -> None:
+    assert trace_tokens.main([f"--gguf={files['f32']}", f"--prompt={PROMPT}"]) == 0
+    out = capsys.readouterr().out
+    assert "0 flipped; max |Δ log-p| 0 at step 0, max KL 0" in out
+
+
+def test_another_checkpoint_flips_where_its_own_greedy_choice_differs(files, tmp_path) -> None:
+    record = tmp_path / "steps.json"
+    argv = [f"--gguf={files['f32']}", f"--prompt={PROMPT}", f"--json={record}"]
+    assert trace_tokens.main([*argv, f"--against-gguf={files['other_seed']}"]) == 1
+    steps = json.loads(record.read_text())["steps"]
+    # independently: A's greedy tokens, and B's own greedy choice fed A's tokens
+    a = Llama3Engine.from_gguf(files["f32"])
+    b = Llama3Engine.from_gguf(files["other_seed"])
+    prompt = a.tokenizer.encode(PROMPT)
+    tokens = list(a.generate(prompt, 32).tokens)
+    fed = b.generate(prompt, len(tokens), stop_on_eos=False, forced_tokens=tokens)
+    b_choices = list(fed.tokens)
+    assert [s["token"] for s in steps] == tokens
+    assert [s["flipped"] for s in steps] == [x != y for x, y in zip(tokens, b_choices, strict=True)]
+    assert any(s["flipped"] for s in steps)
+    assert all(math.isfinite(s["kl"]) and s["kl"] >= 0 for s in steps)
+    assert max(abs(s["delta"]) for s in steps) > 0.1
+
+
+def test_the_quantized_kernels_against_eager_move_only_by_summation_order(files, tmp_path):
+    record = tmp_path / "steps.json"
+    argv = [f"--gguf={files['q4_0']}", f"--prompt={PROMPT}", "--against-mode=quantized"]
+    assert trace_tokens.main([*argv, f"--json={record}"]) == 0
+    steps = json.loads(record.read_text())["steps"]
+    assert 0 < max(abs(s["delta"]) for s in steps) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gguf=/nonexistent.gguf"], "--gguf=/nonexistent.gguf: no such file"),
+        ([f"--gguf={TINY_128K}", "--against-gguf=F32"], "not --gguf's 128256"),
+        (["--gguf=F32", "--max-new-tokens=0"], "must be at least 1"),
+        (["--gguf=F32", "--json=/nonexistent/steps.json"], "/nonexistent does not exist"),
+    ],
+)
+def test_bad_input_exits_2_naming_it(args, message, files, capsys) -> None:
+    args = [a.replace("F32", str(files["f32"])) for a in args]
+    with pytest.raises(SystemExit) as exit_:
+        trace_tokens.main([*args, f"--prompt={PROMPT}"])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
