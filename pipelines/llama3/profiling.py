@@ -18,9 +18,10 @@ The engine names its own parts in that trace with `region(name)`:
 so that time spent in a C kernel (which torch.profiler does not see: ctypes calls) is
 attributed, and a serving step's scheduler cost is its range less its forward's.
 
-A region costs nothing worth measuring while no trace is being taken: it is a shared no-op
-context then (a decode step makes a few hundred kernel calls, and torch's record_function
-costs about a microsecond each even with no profiler listening).
+While no trace is being taken a region is a shared no-op context: about 0.4 us a `with`
+(measured on the Intel Xeon), so a quantized SmolLM2 decode step's ~150 kernel calls pay about
+60 us of its ~15 ms (0.4%); torch's record_function costs tens of times that per call even
+with no profiler listening (15 us measured here, beside a busy core).
 """
 
 from __future__ import annotations
