@@ -140,6 +140,10 @@ class BlockPool:
         self.refs[block] = 1
         return block
 
+    def peek(self, key: bytes) -> int | None:
+        """The cached block of this prefix hash, or None: nothing referenced or counted."""
+        return self.cached.get(key)
+
     def lookup(self, key: bytes) -> int | None:
         """The cached block of this prefix hash, now referenced once more; None if absent."""
         block = self.cached.get(key)
@@ -424,28 +428,29 @@ class ServingEngine:
         `reserve` blocks the running sequences take this step, has no room for its first
         piece (None: nothing is running, one block will do)."""
         recompute = self._resume_from(seq) if seq.preemptions else None
-        hits: list[int] = []
         pool = self.pool
-        counters = (pool.hits, pool.shared_hits, pool.refound)  # a refused admission read none
+        missed = None  # the first prefix block's key that is not cached
         if self.prefix_caching and not seq.preemptions:
             # At least the last prompt token is computed: its logits are the first step's.
             for b in range((len(seq.fed) - 1) // self.block_size):
-                key = self._key_of_block(seq, b)
-                block = self.pool.lookup(key)
-                if block is None:
+                key = self._key_of_block(seq, b)  # chained on seq.hashes[b - 1]
+                if pool.peek(key) is None:
+                    missed = key
                     break
-                hits.append(block)
                 seq.hashes.append(key)
-        seq.table = hits
-        seq.computed = len(hits) * self.block_size
-        room = self.pool.available() - (reserve or 0)
+        # Decided before anything is taken: a refused admission references and counts nothing.
+        # A cached block nobody holds leaves the evictable ones when it is taken.
+        peeked = [pool.peek(key) for key in seq.hashes]
+        taken = sum(pool.refs[block] == 0 for block in set(peeked))
+        seq.table, seq.computed = peeked, len(peeked) * self.block_size
+        room = pool.available() - taken - (reserve or 0)
         if room < (1 if reserve is None else max(1, self._blocks_wanted(seq))):
-            for block in hits:
-                pool.release(block)
-            pool.hits, pool.shared_hits, pool.refound = counters
             seq.hashes.clear()
             seq.table, seq.computed = [], 0
             return False
+        seq.table = [pool.lookup(key) for key in seq.hashes]
+        if missed is not None:
+            pool.lookup(missed)  # a miss, counted (an evicted hash looked up again)
         seq.cached_prefix = seq.computed
         if recompute is not None:
             seq.skip = set(range(len(seq.fed))) - set(recompute)
