@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import sys
 
 import torch
 
+from goldens.cli_files import user_path, write_atomically
 from pipelines.llama3.engine import MODES, Llama3Engine
 from pipelines.llama3.gguf_loader import CheckpointError
 
@@ -69,13 +69,6 @@ def compare(a_logits: torch.Tensor, b_logits: torch.Tensor, tokens: list[int]) -
         )
         for i, token in enumerate(tokens)
     ]
-
-
-def user_path(path: str) -> pathlib.Path:
-    """`path` as the user meant it (`bazel run` starts in the runfiles; the user's folder is
-    $BUILD_WORKING_DIRECTORY)."""
-    base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
-    return pathlib.Path(base, os.path.expanduser(path))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt": args.prompt,
             "steps": [{**dataclasses.asdict(s), "flipped": s.flipped} for s in steps],
         }
-        partial = args.json.with_name(f".{args.json.name}.partial")
-        partial.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(partial, args.json)
+        write_atomically(args.json, json.dumps(record, indent=1) + "\n")
     return 1 if flips else 0
 
 
