@@ -3,8 +3,8 @@
 Weights come in as float32 in Hugging Face layout and are stored in llama.cpp's: wq and wk
 rows permuted into its interleaved rotary order (`permute_qk`, which the loader's
 `unpermute_qk` undoes), matrices in the chosen type, 1-D tensors (norms, rope_freqs) in
-float32. tools/gen_tiny_model writes the committed tiny checkpoints with it, and the tests
-their random ones (pipelines/llama3/tests/tiny_checkpoint.py).
+float32. tools/gen_tiny_model/tiny_llama.py writes every tiny checkpoint with it: the
+committed ones and the tests' small random ones.
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ import argparse
 import functools
 import json
 import sys
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer, processors
 
 from goldens.cli_files import PathError, output_directory, user_path, write_atomically
+from pipelines.llama3.gguf_writer import Vocabulary
 
 # The pre-tokenizer split of Llama 3 (llama_models.llama3.tokenizer.Tokenizer.pat_str).
 LLAMA3_PATTERN = (
@@ -102,19 +102,8 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-@dataclass(frozen=True)
-class GGUFVocab:
+def gguf_vocab(tokenizer: Tokenizer) -> Vocabulary:
     """The tokenizer as llama.cpp's `gpt2` vocabulary stores it in GGUF metadata."""
-
-    tokens: list[str]
-    token_types: list[int]  # gguf.TokenType: NORMAL for BPE tokens, CONTROL for special ones
-    merges: list[str]  # "left right", in rank order
-    bos_token_id: int
-    eos_token_id: int
-    chat_template: str
-
-
-def gguf_vocab(tokenizer: Tokenizer) -> GGUFVocab:
     from gguf import TokenType
 
     vocab = tokenizer.get_vocab(with_added_tokens=True)
@@ -124,7 +113,7 @@ def gguf_vocab(tokenizer: Tokenizer) -> GGUFVocab:
     special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
     model = json.loads(tokenizer.to_str())["model"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    return GGUFVocab(
+    return Vocabulary(
         tokens=[token for token, _ in by_id],
         token_types=[
             int(TokenType.CONTROL if token in special else TokenType.NORMAL) for token, _ in by_id

@@ -1,4 +1,10 @@
-"""A tiny random Llama 3.1 checkpoint: its shape, its weights, and its GGUF file.
+"""Tiny random Llama checkpoints: their shape, their weights, and their GGUF files.
+
+The one tiny-checkpoint writer of the repository: `gen_tiny_model` writes the committed
+checkpoints with `write_gguf` (the full Llama 3.1 tokenizer, tied output, Llama 3.1 rope
+scaling), and the engine's and tools' tests write their small random ones with
+`write_tiny_llama` (the 263-token byte vocabulary of `byte_vocab`, an output matrix of its own,
+any GGML type): the same weight recipe (`hf_weights`), the same file writer.
 
 The weights are drawn so the model is a useful golden subject rather than a constant
 predictor: the embedding is tied to the output and kept small next to what the blocks add, so
@@ -19,6 +25,7 @@ interleaved rotary layout on the way out; the Llama 3.1 rope scaling is carried 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +36,9 @@ from gguf.quants import quantize as gguf_quantize
 
 from pipelines.llama3 import gguf_writer
 from pipelines.llama3.config import LlamaConfig
+from pipelines.llama3.gguf_loader import ARCHITECTURE
 from tools.gen_tiny_model import counter_rng, nvfp4, q4_k
-from tools.gen_tiny_model.llama3_tokenizer import GGUFVocab
 
-ARCHITECTURE = "llama"
 ENCODINGS = ("float32", "bfloat16", "q4_k", "nvfp4")
 
 # The 2-D weights' storage type and the general.file_type written for each encoding. 1-D norms
@@ -80,6 +86,11 @@ class TinyLlamaConfig:
     rope_original_context: int = 8192
     bos_token_id: int = 128000
     eos_token_id: int = 128009
+    # The output projection: token_embd.weight (as the committed checkpoints have it) or an
+    # output.weight of its own.
+    tied: bool = True
+    # Llama 3.1 rope scaling (the rope_freqs tensor from the factors above), or plain RoPE.
+    rope_scaling: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -98,16 +109,23 @@ class TinyLlamaConfig:
             rope_theta=self.rope_theta,
             rms_norm_eps=self.rms_norm_eps,
             context_length=self.context_length,
-            tie_word_embeddings=True,
-            rope_scaling_type="llama3",
-            rope_scaling_factor=self.rope_factor,
-            rope_low_freq_factor=self.rope_low_freq_factor,
-            rope_high_freq_factor=self.rope_high_freq_factor,
-            rope_original_context_length=self.rope_original_context,
-            rope_freq_factors=tuple(float(f) for f in rope_freq_factors(self)),
+            tie_word_embeddings=self.tied,
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
+            **self._rope_scaling(),
         )
+
+    def _rope_scaling(self) -> dict[str, object]:
+        if not self.rope_scaling:
+            return {}
+        return {
+            "rope_scaling_type": "llama3",
+            "rope_scaling_factor": self.rope_factor,
+            "rope_low_freq_factor": self.rope_low_freq_factor,
+            "rope_high_freq_factor": self.rope_high_freq_factor,
+            "rope_original_context_length": self.rope_original_context,
+            "rope_freq_factors": tuple(float(f) for f in rope_freq_factors(self)),
+        }
 
     def hf_config(self) -> dict[str, object]:
         """The Hugging Face LlamaConfig (config.json) of the same model."""
@@ -193,7 +211,8 @@ def hf_weights(config: TinyLlamaConfig, seed: int) -> Iterator[tuple[str, np.nda
 
     h, hd, ffn = config.hidden_dim, config.head_dim, config.intermediate_dim
     q_dim, kv_dim = config.n_heads * hd, config.n_kv_heads * hd
-    yield "rope_freqs.weight", rope_freq_factors(config)
+    if config.rope_scaling:
+        yield "rope_freqs.weight", rope_freq_factors(config)
     yield "token_embd.weight", unit_rows(draw("token_embd.weight", (config.vocab_size, h), 1.0))
     for layer in range(config.n_layers):
         blk = f"blk.{layer}"
@@ -214,18 +233,21 @@ def hf_weights(config: TinyLlamaConfig, seed: int) -> Iterator[tuple[str, np.nda
             draw(f"{blk}.ffn_down.weight", (h, ffn), 2 / math.sqrt(ffn)),
         )
     # Tied output: logits = token_embd @ (output_norm * normalized h); the embedding rows have
-    # norm ~1, so the gain is the logit standard deviation.
+    # norm ~1, so the gain is the logit standard deviation. An untied output's rows have norm 1
+    # too, for the same spread.
     yield "output_norm.weight", gain("output_norm.weight", h, LOGIT_STD)
+    if not config.tied:
+        yield "output.weight", unit_rows(draw("output.weight", (config.vocab_size, h), 1.0))
 
 
 def tensor_shapes(config: TinyLlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the file and its numpy shape, in file order, without drawing weights."""
     h, ffn = config.hidden_dim, config.intermediate_dim
     q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "rope_freqs.weight": (config.head_dim // 2,),
-        "token_embd.weight": (config.vocab_size, h),
-    }
+    shapes: dict[str, tuple[int, ...]] = {}
+    if config.rope_scaling:
+        shapes["rope_freqs.weight"] = (config.head_dim // 2,)
+    shapes["token_embd.weight"] = (config.vocab_size, h)
     for layer in range(config.n_layers):
         blk = f"blk.{layer}"
         shapes |= {
@@ -240,6 +262,8 @@ def tensor_shapes(config: TinyLlamaConfig) -> dict[str, tuple[int, ...]]:
             f"{blk}.ffn_down.weight": (h, ffn),
         }
     shapes["output_norm.weight"] = (h,)
+    if not config.tied:
+        shapes["output.weight"] = (config.vocab_size, h)
     return shapes
 
 
@@ -297,24 +321,126 @@ def quantize(weight: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 
 def write_gguf(
-    path: Path, config: TinyLlamaConfig, encoding: str, seed: int, vocab: GGUFVocab
+    path: Path, config: TinyLlamaConfig, encoding: str, seed: int, vocab: gguf_writer.Vocabulary
 ) -> None:
-    """Write the checkpoint to `path` (the caller makes it atomic)."""
-    gguf_writer.write_gguf(
+    """Write a committed-style checkpoint (`gen_tiny_model`) to `path` (the caller makes it
+    atomic): `encoding`'s weight type, general.name and file type, the quantization version."""
+    write_checkpoint(
         path,
-        config.llama_config(),
-        hf_weights(config, seed),
+        config,
+        seed,
         WEIGHT_TYPE[encoding],
-        vocab=gguf_writer.Vocabulary(
-            tokens=vocab.tokens,
-            token_types=vocab.token_types,
-            merges=vocab.merges,
-            bos_token_id=vocab.bos_token_id,
-            eos_token_id=vocab.eos_token_id,
-            chat_template=vocab.chat_template,
-        ),
-        quantize=quantize,
+        vocab=vocab,
         name=f"tiny-llama-3.1-{encoding}",
         file_type=FILE_TYPE[encoding],
         quantization_version=2,  # GGML_QNT_VERSION, as llama.cpp's converter writes it
+    )
+
+
+def write_checkpoint(
+    path: str | os.PathLike,
+    config: TinyLlamaConfig,
+    seed: int,
+    weight_type: GGMLQuantizationType,
+    *,
+    vocab: gguf_writer.Vocabulary | None,
+    rope_freqs: np.ndarray | None = None,
+    architecture: str = ARCHITECTURE,
+    **metadata: object,
+) -> dict[str, np.ndarray]:
+    """Write `config`'s model drawn from `seed` (`hf_weights`) to `path`, its 2-D weights as
+    `weight_type`; returns the weights (float32, Hugging Face layout) by GGUF tensor name.
+
+    `rope_freqs` replaces the rope scaling's factors with others (written as the rope_freqs
+    tensor; the config needs `rope_scaling=False`), `architecture` the general.architecture
+    (a file the engine must refuse), `metadata` goes to gguf_writer.write_gguf.
+    """
+    weights = dict(hf_weights(config, seed))
+    if rope_freqs is not None:
+        if config.rope_scaling:
+            raise ValueError(
+                "rope_freqs replaces no factors: give a config with rope_scaling=False"
+            )
+        weights = {"rope_freqs.weight": np.asarray(rope_freqs, dtype=np.float32)} | weights
+    gguf_writer.write_gguf(
+        path,
+        config.llama_config(),
+        weights.items(),
+        weight_type,
+        vocab=vocab,
+        quantize=quantize,
+        architecture=architecture,
+        **metadata,
+    )
+    return weights
+
+
+# The special tokens of the byte vocabulary, after its 256 bytes and 5 merges.
+_BYTE_VOCAB_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>"]
+_BYTE_VOCAB_MERGES = ["Ġ t", "h e", "Ġt he", "Ġ c", "a p"]
+
+
+def byte_vocab(pre: str = "llama-bpe") -> gguf_writer.Vocabulary:
+    """A 263-token byte-level BPE vocabulary: the 256 byte characters, five merges ("Ġt", "he",
+    "Ġthe", "Ġc", "ap") and two control tokens, begin and end of text; `pre` is the
+    pre-tokenizer name written (llama.cpp's; the engine refuses the ones it does not know)."""
+    from pipelines.llama3.tokenizer import _byte_alphabet
+
+    tokens = list(_byte_alphabet().values())
+    tokens += [merge.replace(" ", "") for merge in _BYTE_VOCAB_MERGES] + _BYTE_VOCAB_SPECIAL
+    n_special = len(_BYTE_VOCAB_SPECIAL)
+    return gguf_writer.Vocabulary(
+        tokens=tokens,
+        token_types=[1] * (len(tokens) - n_special) + [3] * n_special,
+        merges=_BYTE_VOCAB_MERGES,
+        bos_token_id=tokens.index("<|begin_of_text|>"),
+        eos_token_id=tokens.index("<|end_of_text|>"),
+        pre=pre,
+    )
+
+
+def write_tiny_llama(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    dim: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    ffn_dim: int = 128,
+    tied: bool = False,
+    rope_theta: float = 10000.0,
+    context_length: int = 256,
+    rope_freqs: np.ndarray | None = None,
+    weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    architecture: str = ARCHITECTURE,
+    with_tokenizer: bool = True,
+    tokenizer_pre: str = "llama-bpe",
+) -> dict[str, np.ndarray]:
+    """A small random checkpoint for tests (seconds to write, milliseconds to load): the byte
+    vocabulary, an output matrix of its own unless `tied`, plain RoPE unless `rope_freqs`
+    are given. Returns the weights (float32, Hugging Face layout) by GGUF tensor name."""
+    vocab = byte_vocab(tokenizer_pre)
+    config = TinyLlamaConfig(
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        hidden_dim=dim,
+        intermediate_dim=ffn_dim,
+        vocab_size=len(vocab.tokens),
+        context_length=context_length,
+        rope_theta=rope_theta,
+        bos_token_id=vocab.bos_token_id,
+        eos_token_id=vocab.eos_token_id,
+        tied=tied,
+        rope_scaling=False,
+    )
+    return write_checkpoint(
+        path,
+        config,
+        seed,
+        weight_type,
+        vocab=vocab if with_tokenizer else None,
+        rope_freqs=rope_freqs,
+        architecture=architecture,
     )

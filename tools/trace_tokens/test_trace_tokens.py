@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipelines.llama3 import Llama3Engine
-from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 from tools.trace_tokens import trace_tokens
 
 TINY_128K = pathlib.Path("max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf")

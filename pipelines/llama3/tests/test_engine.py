@@ -13,7 +13,7 @@ from pipelines.llama3 import engine as engine_module
 from pipelines.llama3.gguf_loader import DequantizedCache
 from pipelines.llama3.model import rope_inverse_frequencies
 from pipelines.llama3.tests.recompute import greedy_decode_without_cache
-from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 PROMPT = [261, 83, 257, 259, 260, 5, 17, 99]
 

@@ -24,10 +24,10 @@ The `test_planted_*` tests prove each property can fail: each plants one bug wit
 and asserts the property raises, and that it found the bug within its FUZZ_EXAMPLES examples
 (not only while shrinking).
 
-Checkpoints are written with tiny_checkpoint.py's `write_tiny_llama` (random weights, its
-263-token byte-level vocabulary, tied embeddings as the committed tiny checkpoints have) through
-gguf_writer.write_gguf, the writer of the committed tiny checkpoints, with their GGUF
-conventions: Q/K permutation, a `rope_freqs` tensor. A file takes milliseconds. The properties
+Checkpoints are written by `write_tiny_llama` (tools/gen_tiny_model/tiny_llama.py, the writer
+and weight recipe of the committed tiny checkpoints: their GGUF conventions, Q/K permutation, a
+`rope_freqs` tensor; here its 263-token byte-level vocabulary, tied embeddings as the committed
+checkpoints have). A file takes milliseconds. The properties
 feed token ids directly; no text is tokenized. Each distinct model is written once per session.
 """
 
@@ -47,8 +47,8 @@ from pipelines.llama3 import Llama3Engine
 from pipelines.llama3 import model as model_module
 from pipelines.llama3.model import Transformer
 from pipelines.llama3.tests.recompute import greedy_decode_without_cache
-from pipelines.llama3.tests.tiny_checkpoint import tiny_vocab, write_tiny_llama
 from testing.fuzz import first_failure, fuzz_settings
+from tools.gen_tiny_model.tiny_llama import byte_vocab, write_tiny_llama
 
 FUZZ_EXAMPLES = 25
 
@@ -60,7 +60,7 @@ DECODE_ATOL = 1e-5
 # it; the planted bug below moves logits by whole units.
 FORWARD_RTOL_OF_MAX = 1e-5
 
-TOKENS, _, _ = tiny_vocab()
+TOKENS = byte_vocab().tokens
 # Config overrides that switch Llama 3.1 RoPE scaling off although the file has rope_freqs
 # (every file here has the tensor).
 NO_ROPE_SCALING = {"rope_freq_factors": None, "rope_scaling_type": None}

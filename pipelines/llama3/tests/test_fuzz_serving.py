@@ -3,7 +3,8 @@ served under them must compute its solo run's numbers.
 
 The golden lanes serve fixed batches through roomy pools: a replay of their scheduler counted
 no eviction and no block shared by two live sequences. Here hypothesis (derandomized,
-testing/fuzz.py) draws, on a random tiny model (tiny_checkpoint.py, 263 tokens):
+testing/fuzz.py) draws, on a random tiny model (`write_tiny_llama` of
+tools/gen_tiny_model/tiny_llama.py, 263 tokens):
 
 - 2 to 8 requests: prompts of 1 to 12 own tokens behind one preamble of up to 24 tokens (most
   behind all of it, so that blocks are shared, cached, evicted and found again), 1 to 5 new
@@ -46,8 +47,8 @@ from hypothesis import strategies as st
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.serving import Request, ServingEngine, blocks_for
 from pipelines.llama3.tests.pool_mutations import EvictionKeepsTheHash, UncountedHit, serving_with
-from pipelines.llama3.tests.tiny_checkpoint import tiny_vocab, write_tiny_llama
 from testing.fuzz import first_failure, fuzz_settings
+from tools.gen_tiny_model.tiny_llama import byte_vocab, write_tiny_llama
 
 FUZZ_EXAMPLES = 150
 ATOL = 1e-4  # of the solo run's largest |logit|
@@ -73,7 +74,7 @@ class Schedule:
 
 @st.composite
 def schedules(draw) -> Schedule:
-    vocab = len(tiny_vocab()[0])
+    vocab = len(byte_vocab().tokens)
     token = st.integers(0, vocab - 1)
     preamble = draw(st.lists(token, min_size=0, max_size=24))
     arrivals = []

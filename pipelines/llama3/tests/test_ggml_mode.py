@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pipelines.llama3 import Llama3Engine, ggml_activations, ggml_mode, kernel_library, quants
 from pipelines.llama3.packing import RawMatrix
-from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 TYPES = list(ggml_mode.WEIGHT_CODES)
 ISAS = [isa for isa in ("portable", "avx2", "avx512", "vnni") if kernel_library.runnable(isa)]
@@ -232,4 +232,7 @@ def test_the_models_logits_are_the_same_on_every_build(q8_checkpoint, monkeypatc
     quantized = Llama3Engine.from_gguf(q8_checkpoint, mode="quantized")
     plain = quantized.generate(ids, 3, forced_tokens=forced, prompt_positions=[1, 3])
     moved = (plain.logits - outputs[0].logits).abs().max().item()
-    assert 1e-4 < moved < 0.5  # the activations' 8 bits, and no more
+    spread = outputs[0].logits.std().item()
+    # the activations' 8 bits move a logit by a few hundredths of the logits' spread (0.07
+    # here), and no more: a wrong block scale or a lost block moves it by about the spread
+    assert 1e-5 * spread < moved < 0.15 * spread

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pipelines.llama3.gguf_file import CheckpointError, GGUFFile
-from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
 from testing import gguf_reader
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 # gguf-py's reader, the reference here, opened 4x faster (same parsing: testing/gguf_reader.py)
 gguf_reader.install()
@@ -121,6 +121,11 @@ def test_unusual_strings_and_every_value_type(tmp_path: pathlib.Path) -> None:
     assert [item.tolist() for item in ours.fields["test.nested"]] == [[1, 2], [3]]
 
 
+def _data_end(path: pathlib.Path) -> int:
+    """Where the last tensor's data ends (the file may go on with alignment padding)."""
+    return max(info.offset + info.n_bytes for info in GGUFFile(path).tensors.values())
+
+
 def _assert_one_line_error(path: pathlib.Path, match: str) -> None:
     with pytest.raises(CheckpointError, match=match) as error:
         GGUFFile(path)
@@ -133,7 +138,7 @@ def test_truncated_anywhere_is_a_one_line_error(
 ) -> None:
     data = tiny_gguf.read_bytes()
     metadata_end = GGUFFile(tiny_gguf).data_offset
-    cuts = sorted({*range(1, metadata_end, 97), metadata_end - 1, len(data) - 1, 0})
+    cuts = sorted({*range(1, metadata_end, 97), metadata_end - 1, _data_end(tiny_gguf) - 1, 0})
     for cut in cuts:
         path = tmp_path / f"cut_{cut}.gguf"
         path.write_bytes(data[:cut])
@@ -158,7 +163,7 @@ def test_tensor_data_past_the_end_is_reported(
 ) -> None:
     data = tiny_gguf.read_bytes()
     path = tmp_path / "short.gguf"
-    path.write_bytes(data[:-1])
+    path.write_bytes(data[: _data_end(tiny_gguf) - 1])
     _assert_one_line_error(path, r"tensor \S+ needs bytes .* \(truncated\?\)")
 
 

@@ -15,8 +15,8 @@ from pipelines.llama3.gguf_loader import (
     read_config,
     unpermute_qk,
 )
-from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
 from testing import gguf_reader
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 # gguf-py's reader, the reference here, opened 4x faster (same parsing: testing/gguf_reader.py)
 gguf_reader.install()

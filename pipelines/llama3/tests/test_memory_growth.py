@@ -31,7 +31,7 @@ import torch
 
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3 import engine as engine_module
-from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 TESTDATA = pathlib.Path("max_tests/integration/architectures/llama3/testdata")
 CYCLES = 5

@@ -21,7 +21,7 @@ from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, kernel_library, packed, packing, quants
 from pipelines.llama3.gguf_file import GGUFFile
 from pipelines.llama3.model import Attention
-from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 # Relative to the repository root, where pytest and Bazel's runfiles both start.
 Q4_K_FILE = pathlib.Path("max_tests/integration/architectures/llama3/testdata/tiny_llama_q4_k.gguf")

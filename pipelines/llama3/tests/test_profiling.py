@@ -24,7 +24,7 @@ import pytest
 
 from pipelines.llama3 import Llama3Engine, generate, profiling
 from pipelines.llama3.serving import Request, ServingEngine
-from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 NEW_TOKENS = 5
 WEIGHT_TYPES = {

@@ -1,7 +1,7 @@
 """The HTTP server (pipelines/llama3/server.py) under load on loopback, and its bad inputs.
 
-A random tiny model (tiny_checkpoint.py) is served on a free port with a small KV pool
-(blocks of 4 tokens, 64 blocks for 16 clients whose requests need up to 16 each, and
+A random tiny model (tools/gen_tiny_model/tiny_llama.py) is served on a free port with a
+small KV pool (blocks of 4 tokens, 64 blocks for 16 clients whose requests need up to 16 each, and
 the dropped streams' up to 60), so that
 requests wait, share prefix blocks, evict and preempt. 16 client threads each send three
 requests (one answer whole, one streamed, and either a stream the client drops after two
@@ -44,7 +44,7 @@ from pipelines.llama3.server import (
     build,
 )
 from pipelines.llama3.serving import ServingEngine
-from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 CLIENTS = 16
 DROPPING = 4  # clients whose third request is a stream they close after two events

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
 
 from pipelines.llama3 import CheckpointError, Tokenizer
-from pipelines.llama3.tests.tiny_checkpoint import write_tiny_llama
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 
 @pytest.fixture(scope="module")
