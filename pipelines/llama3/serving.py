@@ -430,17 +430,19 @@ class ServingEngine:
         recompute = self._resume_from(seq) if seq.preemptions else None
         pool = self.pool
         missed = None  # the first prefix block's key that is not cached
+        peeked = []  # the cached blocks of seq.hashes (empty on arrival and after preemption)
         if self.prefix_caching and not seq.preemptions:
             # At least the last prompt token is computed: its logits are the first step's.
             for b in range((len(seq.fed) - 1) // self.block_size):
                 key = self._key_of_block(seq, b)  # chained on seq.hashes[b - 1]
-                if pool.peek(key) is None:
+                block = pool.peek(key)
+                if block is None:
                     missed = key
                     break
                 seq.hashes.append(key)
+                peeked.append(block)
         # Decided before anything is taken: a refused admission references and counts nothing.
         # A cached block nobody holds leaves the evictable ones when it is taken.
-        peeked = [pool.peek(key) for key in seq.hashes]
         taken = sum(pool.refs[block] == 0 for block in set(peeked))
         seq.table, seq.computed = peeked, len(peeked) * self.block_size
         room = pool.available() - taken - (reserve or 0)
