@@ -10,7 +10,7 @@ for each one; that is three quarters of the time transformers takes to load a ti
 the same mapped bytes (same dtype and flags, writable in mode "r+"; `flush(reader)` writes
 back through the memmap underneath): measured on tiny_llama.gguf on the 2-core Xeon, 9.8 s ->
 2.5 s to open (an ndarray subclass keeps half the cost: 4.0 s), every field and tensor equal
-(testing/test_gguf_reader.py). Nothing in gguf-py's parsing changes.
+(testing/tests/test_gguf_reader.py). Nothing in gguf-py's parsing changes.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from goldens.artifacts import archive, stanza
 from goldens.artifacts.sample_module import SAMPLE_MODULE
 from tools.artifacts.upload_artifact import main
 
-SCRIPT = Path(__file__).resolve().parents[1] / "upload-public-bazel-artifact.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "upload-public-bazel-artifact.sh"
 
 
 def _repo_flags(repo: Path) -> list[str]:

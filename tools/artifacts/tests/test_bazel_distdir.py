@@ -4,7 +4,7 @@ Runs real Bazel in a throwaway workspace (batch mode, its own output base, no re
 cache, so nothing is shared with the repository's server).
 The HTTP case publishes to moto's S3 server on loopback, so it too runs offline. Needs `bazel`
 on PATH; skipped inside `bazel test`, where a nested Bazel has no business running. About 20 s:
-    python3 -m pytest tools/artifacts/test_bazel_distdir.py -m slow
+    python3 -m pytest tools/artifacts/tests/test_bazel_distdir.py -m slow
 """
 
 import os
@@ -17,7 +17,7 @@ import pytest
 from goldens.artifacts import archive, stanza
 from tools.artifacts.upload_artifact import main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STANDINS = REPO / "third_party" / "bazel_standins"
 
 pytestmark = [

@@ -19,7 +19,7 @@ import pytest
 from tools.bench import perf_regression, record
 from tools.bench.perf_regression import main
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tools/bench
 TESTDATA = HERE / "testdata"
 BASELINE_RUNS = sorted((TESTDATA / "baseline_runs").glob("run_*.json"))
 NORMAL_RUNS = sorted(TESTDATA.glob("normal_*.json"))

@@ -61,12 +61,12 @@ def test_installed_reader_opens_every_field_and_tensor_as_gguf_py(tmp_path):
     stock = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(f"""
             import pickle, sys
-            from testing.test_gguf_reader import _snapshot
+            from testing.tests.test_gguf_reader import _snapshot
             sys.stdout.buffer.write(pickle.dumps(_snapshot({str(path)!r})))
         """)],
         capture_output=True,
         check=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     import pickle
 
