@@ -25,6 +25,12 @@ Example:
     bazel run //tools/bench -- --modes=quantized --check   # exit 1 below the acceptance bars
     bazel run //tools/bench -- --threads 1 --json bench.json   # for perf_regression's baseline
     bazel run //tools/bench -- --sampler=temperature=0.8,top_k=40,top_p=0.95,min_p=0.05
+    bazel run //tools/bench -- --modes=quantized,ggml --no-sampling --profile=$PWD/bench.json
+
+`--profile FILE` then runs one more generation of each engine mode under torch.profiler and
+writes them as one Chrome trace-event file (pipelines/llama3/profiling.py; a range `bench
+MODE` around each, the engine's own ranges and kernel calls inside): after the timed rounds,
+so the profiler's cost touches no figure.
 
 After the greedy table, a sampled decode section (tools/bench/sampled.py): each mode's decode
 tokens/s greedy and sampled (--sampler, seed 0), beside llama-server doing both with the same
@@ -48,8 +54,9 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import torch
 
+from goldens.cli_files import user_path
 from pipelines.checkpoints import smollm2_gguf
-from pipelines.llama3 import CheckpointError, Llama3Engine, LlamaConfig
+from pipelines.llama3 import CheckpointError, Llama3Engine, LlamaConfig, profiling
 from pipelines.llama3.engine import MODES, freeze_imported_objects
 from pipelines.llama3.gguf_file import GGUFFile
 from pipelines.llama3.sampling import settings_from_text, settings_text
@@ -122,7 +129,35 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", metavar="FILE", help="also write the numbers as a record for perf_regression"
     )
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="after the timing, one generation of each engine mode under torch.profiler, "
+        "written as a Chrome trace-event file (Perfetto's UI, chrome://tracing)",
+    )
     return parser
+
+
+def _profile_output(value: str | None, parser: argparse.ArgumentParser) -> pathlib.Path | None:
+    """`--profile FILE` as the user meant it, checked before the minutes of timing."""
+    if not value:
+        return None
+    try:
+        return profiling.check_writable(user_path(value))
+    except profiling.TraceError as error:
+        parser.error(f"--profile={value}: {error}")
+
+
+def profile_engines(
+    path: pathlib.Path, engines: list["Side"], input_ids: list[int], new_tokens: int
+) -> int:
+    """One greedy generation of each engine side under the profiler, a range `bench MODE`
+    around each, written to `path`; returns the trace's event count."""
+    with profiling.trace(path):
+        for side in engines:
+            with profiling.region(f"bench {side.name}"):
+                side.greedy(input_ids, new_tokens)
+    return len(profiling.events(path))
 
 
 def _progress(message: str) -> None:
@@ -466,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     json_path = json_output(args.json, parser)
+    profile_path = _profile_output(args.profile, parser)
     torch.set_num_threads(args.threads)
     try:
         gguf_path = args.gguf or smollm2_gguf()
@@ -508,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: llama.cpp: {error}", file=sys.stderr)
         return 2
     read_gb_per_s, read_seconds = measure_read_bandwidth()
+    if profile_path:
+        _progress(f"profiling one generation of each mode into {profile_path}")
+        events = profile_engines(profile_path, engines, input_ids, args.new_tokens)
     llama_cpp_about = {s.name: s.peer.describe() for s in peers if s.name == LLAMA_CPP}
 
     print(f"checkpoint: {gguf_path.name}  threads: {args.threads}  float32 cpu")
@@ -546,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
             read_gb_per_s,
             llama_cpp_about,
         )
+    if profile_path:
+        print(f"profile: {profile_path} ({events} trace events; Perfetto's UI, chrome://tracing)")
     if args.check and any(v.startswith("FAIL") for v in verdicts):
         print("FAILED: below the acceptance bar", file=sys.stderr)
         return 1

@@ -45,13 +45,16 @@ per mode and build.
 Shapes: smollm2 (SmolLM2-135M: Q4_1 layers, its tied Q8_0 embedding as the head) and
 llama3_8b (Llama-3-8B, every matrix Q4_K; a Q4_K_M file's head is Q6_K, which neither
 packed mode computes); tiny is a few-second shape for tests. --json FILE also writes every
-row, each decode step's sum and the setup as a record (kind "hot_ops", keys sorted by
-tools/bench/record.py's writer) for perf_regression, which so far compares bench's records
-only, and for diffs.
+row, each decode step's sum, the setup, and each op's time in a packed mode and build over the
+eager mode's (same shape, op and rows, their timed batches alternating: `ratios`; the eager
+layer is kept for that while the packed modes run) as a record (kind
+"hot_ops", keys sorted by tools/bench/record.py's writer), which perf_regression compares
+with a baseline of such records (tools/bench/hot_ops_baseline.json), and for diffs.
 
 Example:
     bazel run //tools:bench_hot_ops
-    bazel run //tools:bench_hot_ops -- --shapes=smollm2 --modes=quantized --json hot_ops.json
+    bazel run //tools:bench_hot_ops -- --shapes=smollm2 --rows=1,64 --threads=1 --repeats=9 \
+        --json hot_ops.json
     bazel run //tools:bench_hot_ops -- --shapes=llama3_8b --builds=avx2 --rows=1 --context=4096
 """
 
@@ -88,7 +91,7 @@ BUILDS = tuple(kernel_library.REQUIRED_FLAGS)  # vnni, avx512, avx2, portable
 MIN_BATCH_SECONDS = 0.02  # each timed batch lasts at least this long
 SLOW_SECONDS = 1.0  # an op slower than this is timed once
 RECORD_KIND = "hot_ops"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: `ratios`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +160,9 @@ class Result:
     flops: int
     per_step: int  # how often a decode step runs it (0: not part of one)
     share: float | None = None
+    # the eager mode's seconds for the same op and rows, timed in alternation with this one
+    # (time_pair; None for the eager rows, and without the eager mode)
+    peer_seconds: float | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -378,21 +384,42 @@ def packed_layer(mode: str, shape: Shape, weights: dict[str, RawMatrix]) -> Laye
     return Layer(products, attention, given)
 
 
-def time_call(run: Callable[[], object], repeats: int) -> float:
-    """Seconds per call of `run`: the fastest of `repeats` batches of calls lasting at least
-    MIN_BATCH_SECONDS each, after one untimed call (first allocations, caches); one timed
-    call when that one took over SLOW_SECONDS."""
+def _calibrate(run: Callable[[], object]) -> tuple[int, bool]:
+    """One untimed call (first allocations, caches): how many calls make a batch of at least
+    MIN_BATCH_SECONDS, and whether the call is slow (over SLOW_SECONDS: one timed call)."""
     start = time.perf_counter()
     run()
     first = time.perf_counter() - start
-    calls = max(1, math.ceil(MIN_BATCH_SECONDS / max(first, 1e-7)))
-    fastest = math.inf
-    for _ in range(1 if first > SLOW_SECONDS else repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            run()
-        fastest = min(fastest, (time.perf_counter() - start) / calls)
-    return fastest
+    return max(1, math.ceil(MIN_BATCH_SECONDS / max(first, 1e-7))), first > SLOW_SECONDS
+
+
+def _batch(run: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - start) / calls
+
+
+def time_call(run: Callable[[], object], repeats: int) -> float:
+    """Seconds per call of `run`: the fastest of `repeats` batches of calls lasting at least
+    MIN_BATCH_SECONDS each, after one untimed call; one timed call when that one was slow."""
+    calls, slow = _calibrate(run)
+    return min(_batch(run, calls) for _ in range(1 if slow else repeats))
+
+
+def time_pair(
+    run: Callable[[], object], peer: Callable[[], object], repeats: int
+) -> tuple[float, float]:
+    """Seconds per call of `run` and of `peer`, timed as time_call does but their batches
+    alternating: a change of the machine's speed while they are measured (turbo, a noisy
+    neighbour) reaches both, so their ratio holds still where the times do not."""
+    calls, slow = _calibrate(run)
+    peer_calls, peer_slow = _calibrate(peer)
+    fastest, peer_fastest = math.inf, math.inf
+    for _ in range(1 if slow or peer_slow else repeats):
+        fastest = min(fastest, _batch(run, calls))
+        peer_fastest = min(peer_fastest, _batch(peer, peer_calls))
+    return fastest, peer_fastest
 
 
 class Bench:
@@ -427,30 +454,44 @@ class Bench:
 
         return ("decode_attn" if rows == 1 else "prefill_attn"), run
 
-    def measure(self, name: str, mode: str, build: str, layer: Layer) -> list[Result]:
-        """Every op at every rows count through `layer`'s modules."""
+    def measure(
+        self, name: str, mode: str, build: str, layer: Layer, peer: Layer | None = None
+    ) -> list[Result]:
+        """Every op at every rows count through `layer`'s modules; with `peer` (the eager
+        mode's), each timed in alternation with the peer's same op (Result.peer_seconds)."""
         s = self.shape
         results = []
 
-        def add(op: str, rows: int, context: int, seconds: float, size: int, flops: int) -> None:
+        def timed(run: Callable[[], object], peer_run: Callable[[], object] | None):
+            if peer_run is None:
+                return time_call(run, self.repeats), None
+            return time_pair(run, peer_run, self.repeats)
+
+        def add(op: str, rows: int, context: int, times, size: int, flops: int) -> None:
             per_step = 0 if rows > 1 else 1 if op == "head" else s.n_layers
+            seconds, peer_seconds = times
             row = Result(name, mode, build, op, rows, context, seconds, size, flops, per_step)
+            row.peer_seconds = peer_seconds
             results.append(row)
 
         for rows in self.rows:
             for op, (in_features, out_features) in product_sizes(s).items():
                 module, weight_bytes = layer.products[op]
                 x = torch.randn(1, rows, in_features)
-                seconds = time_call(lambda m=module, x=x: m(x), self.repeats)
+                peer_run = None
+                if peer is not None:
+                    peer_run = lambda m=peer.products[op][0], x=x: m(x)  # noqa: E731
+                times = timed(lambda m=module, x=x: m(x), peer_run)
                 flops = 2 * rows * in_features * out_features
-                add(op, rows, 0, seconds, weight_bytes + x.numel() * 4, flops)
+                add(op, rows, 0, times, weight_bytes + x.numel() * 4, flops)
             op, run = self._attention_call(layer, rows)
+            peer_run = None if peer is None else self._attention_call(peer, rows)[1]
             keys = self.context + 1 if rows == 1 else rows  # the positions attention reads
             seen = keys if rows == 1 else rows * (rows + 1) // 2  # keys summed over queries
             qkv_bytes = rows * (s.n_heads + 2 * s.n_kv_heads) * s.head_dim * 4
             kv_bytes = 2 * s.n_kv_heads * keys * s.head_dim * 4
             flops = 4 * s.n_heads * s.head_dim * seen
-            add(op, rows, keys, time_call(run, self.repeats), qkv_bytes + kv_bytes, flops)
+            add(op, rows, keys, timed(run, peer_run), qkv_bytes + kv_bytes, flops)
         return sorted(results, key=lambda r: (r.rows, OP_ORDER.index(r.op)))
 
 
@@ -523,22 +564,38 @@ def run_shape(name: str, args: argparse.Namespace) -> tuple[list[Result], list[d
     bench = Bench(shape, args.rows_list, args.context, args.repeats)
     _header(shape, args)
     results, steps = [], []
+    # The eager layer stays for the packed modes to be timed against (their ratios);
+    # Llama-3-8B's is 3 GB, its head 2 GB.
+    peer = eager_layer(shape, weights) if "eager" in args.mode_list else None
     for mode in args.mode_list:
         for build in [EAGER_BUILD] if mode == "eager" else args.build_list:
             _progress(f"{name}: {mode} {build}")
             if mode == "eager":
-                layer = eager_layer(shape, weights)
+                layer, against = peer, None
             else:
                 with kernel_build(build):
                     layer = packed_layer(mode, shape, weights)
-            measured = bench.measure(name, mode, build, layer)
-            del layer  # before the next mode's weights: Llama-3-8B's eager head is 2 GB
+                against = peer
+            measured = bench.measure(name, mode, build, layer, against)
+            del layer  # before the next mode's weights
             step = decode_shares(measured)
             _print(measured, step, _engine_default(mode))
             results += measured
             if step is not None:
                 steps.append({"shape": name, "mode": mode, "build": build, "seconds": step})
     return results, steps
+
+
+def ratios(results: list[Result]) -> dict[str, dict[str, float]]:
+    """Each op's seconds in a packed mode and build over the eager mode's for the same shape,
+    op and rows timed in alternation with it (peer_seconds), by "shape/mode/build" and
+    "op@rows" (none without the eager mode): what perf_regression compares."""
+    table: dict[str, dict[str, float]] = {}
+    for r in results:
+        if r.peer_seconds is not None:
+            group = table.setdefault(f"{r.shape}/{r.mode}/{r.build}", {})
+            group[f"{r.op}@{r.rows}"] = r.seconds / r.peer_seconds
+    return table
 
 
 def record(args, results: list[Result], steps: list[dict], load_at_start: float) -> dict:
@@ -560,6 +617,7 @@ def record(args, results: list[Result], steps: list[dict], load_at_start: float)
         },
         "results": [r.entry() for r in results],
         "decode_steps": steps,
+        "ratios": ratios(results),
     }
 
 

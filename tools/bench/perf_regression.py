@@ -25,6 +25,12 @@ record measured under another load than the baseline's runs (1-minute load avera
 start more than one core's worth apart): ratios are not load-invariant. With two threads on
 two busy cores, transformers' decode slowed far more than the engine's (baseline notes).
 
+Hot-ops records (`bench_hot_ops --json FILE`, kind "hot_ops") are read the same way, with
+the eager mode as the peer measured in the same process: each op's time in a packed mode and
+kernel build over the eager mode's for the same shape, op and rows (`smollm2/ggml/avx2`,
+`qkv@1`; lower is better), so a kernel change that slows one op shows on that op's line. Its
+baseline is made from hot-ops runs and compares hot-ops records only.
+
 This is a tool for people, not a CI timing gate: one run on a busy machine can still fall
 outside a band.
 
@@ -55,6 +61,8 @@ MACHINE_KEYS = ("cpu_model", "cpu_count")
 LOAD_KEY = "load_average_start"
 LOAD_TOLERANCE = 1.0  # one core's worth of other work moves the ratios (module docstring)
 RERUN = "rerun `./bazelw run //tools:bench -- --json FILE`"
+HOT_OPS_RERUN = "rerun `./bazelw run //tools:bench_hot_ops -- --json FILE` (eager among --modes)"
+HOT_OPS_SCHEMA_VERSION = 2  # tools/bench/hot_ops.py's SCHEMA_VERSION (this imports no torch)
 REFRESH = "make a baseline with --write-baseline (README.md, perf_regression)"
 ANOTHER_BASELINE = f"pass the committed tools/bench/baseline.json or {REFRESH}"
 
@@ -63,6 +71,11 @@ examples:
   # the committed baseline was measured with one thread (its notes say why)
   ./bazelw run //tools:bench -- --threads 1 --json bench.json
   ./bazelw run //tools:perf_regression -- --baseline tools/bench/baseline.json bench.json
+  # the hot ops against theirs (the committed one's notes give the bench_hot_ops options)
+  ./bazelw run //tools:bench_hot_ops -- --shapes=smollm2 --rows=1,64 --threads=1 \\
+      --repeats=9 --json hot_ops.json
+  ./bazelw run //tools:perf_regression -- --baseline tools/bench/hot_ops_baseline.json \\
+      hot_ops.json
   # a new baseline from five runs (for i in 1 2 3 4 5; do ... --json run_$i.json; done)
   ./bazelw run //tools:perf_regression -- --write-baseline tools/bench/baseline.json \\
       --notes 'why and under what load' run_*.json
@@ -74,14 +87,71 @@ class InputError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Kind:
+    """What a record's ratios are and how to read them: bench's or bench_hot_ops'."""
+
+    name: str
+    schema_version: int
+    keys: tuple[str, ...]  # the blocks a record of this kind must have
+    ratio: str  # what each ratio divides, for the table's title
+    group: str  # what a ratios key names (a column title)
+    rerun: str
+    fixed_metrics: tuple[str, ...] | None  # every group's metrics; None: the group's own
+    lower_is_better: frozenset[str] | None  # None: every metric (times)
+
+    def metrics(self, group: Any) -> list[str]:
+        if self.fixed_metrics is not None:
+            return list(self.fixed_metrics)
+        return sorted(group) if isinstance(group, dict) else []
+
+    def lower(self, metric: str) -> bool:
+        return self.lower_is_better is None or metric in self.lower_is_better
+
+
+BENCH = Kind(
+    name="bench",
+    schema_version=bench_record.SCHEMA_VERSION,
+    keys=("machine", "versions", "setup", "conditions", "engine", "peers", "ratios"),
+    ratio="engine/transformers",
+    group="mode",
+    rerun=RERUN,
+    fixed_metrics=bench_record.METRICS,
+    lower_is_better=bench_record.LOWER_IS_BETTER,
+)
+HOT_OPS = Kind(
+    name="hot_ops",
+    schema_version=HOT_OPS_SCHEMA_VERSION,
+    keys=("machine", "versions", "setup", "conditions", "ratios"),
+    ratio="op time, mode/eager",
+    group="shape/mode/build",
+    rerun=HOT_OPS_RERUN,
+    fixed_metrics=None,
+    lower_is_better=None,
+)
+KINDS = {kind.name: kind for kind in (BENCH, HOT_OPS)}
+
+
+def kind_of(data: dict[str, Any], path: Path) -> Kind:
+    """A record's kind: bench records carry none, hot-ops records "hot_ops"."""
+    name = data.get("kind", BENCH.name)
+    if name not in KINDS:
+        raise InputError(
+            f"record {path} is of kind {name!r}; perf_regression reads bench and hot_ops "
+            f"records ({RERUN}, or {HOT_OPS_RERUN})"
+        )
+    return KINDS[name]
+
+
+@dataclasses.dataclass(frozen=True)
 class Row:
     """One ratio compared: baseline against record, judged against its noise band."""
 
-    mode: str
+    mode: str  # the ratios group: an engine mode, or shape/mode/build for hot ops
     metric: str
     baseline: float
     record: float
     band: float
+    lower_is_better: bool = False
 
     @property
     def change(self) -> float:
@@ -90,12 +160,15 @@ class Row:
 
     @property
     def verdict(self) -> str:
-        return verdict(self.metric, self.change, self.band)
+        return verdict(self.metric, self.change, self.band, self.lower_is_better)
 
 
-def verdict(metric: str, change: float, band: float) -> str:
-    """ok inside the band; outside it, REGRESSION or improved depending on the direction."""
-    worse = change if metric in bench_record.LOWER_IS_BETTER else -change
+def verdict(metric: str, change: float, band: float, lower_is_better: bool | None = None) -> str:
+    """ok inside the band; outside it, REGRESSION or improved depending on the direction
+    (lower is better for `lower_is_better`, by default for bench's LOWER_IS_BETTER metrics)."""
+    if lower_is_better is None:
+        lower_is_better = metric in bench_record.LOWER_IS_BETTER
+    worse = change if lower_is_better else -change
     if worse > band:
         return "REGRESSION"
     if worse < -band:
@@ -126,10 +199,15 @@ def _require(data: dict[str, Any], keys: Sequence[str], what: str, path: Path, f
         raise InputError(f"{what} {path} lacks {', '.join(missing)}; {fix}")
 
 
-def _check_ratios(ratios: dict[str, Any], what: str, path: Path, fix: str) -> None:
-    """Every mode has every metric as a positive finite number (a ratio can divide)."""
+def _check_ratios(ratios: dict[str, Any], kind: Kind, what: str, path: Path, fix: str) -> None:
+    """Every group has its metrics as positive finite numbers (a ratio can divide)."""
+    if not ratios:
+        raise InputError(f"{what} {path} has no ratios; {fix}")
     for mode, metrics in ratios.items():
-        for metric in bench_record.METRICS:
+        names = kind.metrics(metrics)
+        if not names:
+            raise InputError(f"{what} {path}: ratios {mode!r} holds no numbers; {fix}")
+        for metric in names:
             value = metrics.get(metric) if isinstance(metrics, dict) else None
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise InputError(
@@ -139,16 +217,16 @@ def _check_ratios(ratios: dict[str, Any], what: str, path: Path, fix: str) -> No
 
 
 def check_record(path: Path, data: dict[str, Any]) -> dict[str, Any]:
-    """`data` if it is a bench record this version reads, else an InputError."""
+    """`data` if it is a bench or hot-ops record this version reads, else an InputError."""
+    kind = kind_of(data, path)
     version = data.get("schema_version")
-    if version != bench_record.SCHEMA_VERSION:
+    if version != kind.schema_version:
         raise InputError(
-            f"record {path} has schema_version {version!r}, perf_regression reads "
-            f"{bench_record.SCHEMA_VERSION}; {RERUN} with this checkout"
+            f"{kind.name} record {path} has schema_version {version!r}, perf_regression reads "
+            f"{kind.schema_version}; {kind.rerun} with this checkout"
         )
-    keys = ("machine", "versions", "setup", "conditions", "engine", "peers", "ratios")
-    _require(data, keys, "record", path, RERUN)
-    _check_ratios(data["ratios"], "record", path, RERUN)
+    _require(data, kind.keys, "record", path, kind.rerun)
+    _check_ratios(data["ratios"], kind, "record", path, kind.rerun)
     return data
 
 
@@ -159,21 +237,31 @@ def check_baseline(path: Path, data: dict[str, Any]) -> dict[str, Any]:
             f"baseline {path} is not a {BASELINE_KIND} (kind {data.get('kind')!r}; a bench "
             f"record?); {ANOTHER_BASELINE}"
         )
+    kind = KINDS.get(data.get("record_kind", BENCH.name))
+    if kind is None:
+        raise InputError(
+            f"baseline {path} is for records of kind {data.get('record_kind')!r}, perf_regression "
+            f"reads {' and '.join(KINDS)}; {REFRESH}"
+        )
     version = data.get("schema_version")
     if (version, data.get("record_schema_version")) != (
         BASELINE_SCHEMA_VERSION,
-        bench_record.SCHEMA_VERSION,
+        kind.schema_version,
     ):
         raise InputError(
-            f"baseline {path} has schema_version {version!r} for records "
+            f"baseline {path} has schema_version {version!r} for {kind.name} records "
             f"{data.get('record_schema_version')!r}, perf_regression reads "
-            f"{BASELINE_SCHEMA_VERSION} for records {bench_record.SCHEMA_VERSION}; {REFRESH}"
+            f"{BASELINE_SCHEMA_VERSION} for records {kind.schema_version}; {REFRESH}"
         )
     keys = ("machine", "versions", "setup", "conditions", "ratios", "band")
     _require(data, keys, "baseline", path, REFRESH)
-    _check_ratios(data["ratios"], "baseline", path, REFRESH)
-    _check_ratios(data["band"], "baseline", path, REFRESH)
+    _check_ratios(data["ratios"], kind, "baseline", path, REFRESH)
+    _check_ratios(data["band"], kind, "baseline", path, REFRESH)
     return data
+
+
+def baseline_kind(baseline: dict[str, Any]) -> Kind:
+    return KINDS[baseline.get("record_kind", BENCH.name)]
 
 
 def _differences(ours: dict[str, Any], theirs: dict[str, Any], keys: Sequence[str]) -> list[str]:
@@ -232,6 +320,7 @@ def comparability_warnings(
     baseline: dict[str, Any], record: dict[str, Any], record_path: Path, allow_other_machine: bool
 ) -> list[str]:
     """Refuse a record from another experiment; the warnings for lesser differences."""
+    _refuse_other_kind(baseline, record, record_path)
     _refuse_other_setup(baseline, record, record_path)
     return (
         _machine_warning(baseline, record, record_path, allow_other_machine)
@@ -240,16 +329,35 @@ def comparability_warnings(
     )
 
 
+def _refuse_other_kind(baseline: dict[str, Any], record: dict[str, Any], path: Path) -> Kind:
+    """The kind of both, or an InputError when a bench record meets a hot-ops baseline (or
+    the other way round)."""
+    kind, record_kind = baseline_kind(baseline), kind_of(record, path)
+    if record_kind is not kind:
+        raise InputError(
+            f"record {path} is a {record_kind.name} record and the baseline is made "
+            f"of {kind.name} records; pass a {record_kind.name} baseline or {kind.rerun}"
+        )
+    return kind
+
+
 def compare(baseline: dict[str, Any], record: dict[str, Any], record_path: Path) -> list[Row]:
-    """One row per baseline mode and metric; a mode the record lacks is an InputError."""
+    """One row per baseline group (mode) and metric; a record of another kind, or one that
+    lacks a group or metric, is an InputError."""
+    kind = _refuse_other_kind(baseline, record, record_path)
     rows = []
     for mode, metrics in sorted(baseline["ratios"].items()):
         if mode not in record["ratios"]:
             raise InputError(
-                f"record {record_path} has no engine mode {mode!r} (it has "
-                f"{', '.join(sorted(record['ratios'])) or 'none'}); rerun bench with that mode"
+                f"record {record_path} has no {kind.group} {mode!r} (it has "
+                f"{', '.join(sorted(record['ratios'])) or 'none'}); {kind.rerun} with that one"
             )
-        for metric in bench_record.METRICS:
+        for metric in kind.metrics(metrics):
+            if metric not in record["ratios"][mode]:
+                raise InputError(
+                    f"record {record_path} has no {mode} ratio {metric!r}; {kind.rerun} with "
+                    "the baseline's settings"
+                )
             rows.append(
                 Row(
                     mode,
@@ -257,21 +365,25 @@ def compare(baseline: dict[str, Any], record: dict[str, Any], record_path: Path)
                     baseline=metrics[metric],
                     record=record["ratios"][mode][metric],
                     band=baseline["band"][mode][metric],
+                    lower_is_better=kind.lower(metric),
                 )
             )
     return rows
 
 
 def table(rows: Sequence[Row]) -> str:
-    """The comparison as people read it: one line per mode and metric."""
+    """The comparison as people read it: one line per mode (group) and metric."""
+    mode_width = max([10, *(len(row.mode) + 2 for row in rows)])
+    metric_width = max([9, *(len(row.metric) + 2 for row in rows)])
     lines = [
-        f"{'mode':10}{'metric':9}{'baseline':>10}{'record':>10}{'change':>9}{'band':>9}  verdict"
+        f"{'mode':{mode_width}}{'metric':{metric_width}}{'baseline':>10}{'record':>10}"
+        f"{'change':>9}{'band':>9}  verdict"
     ]
     for row in rows:
         band = "±" + format(row.band, ".1%")
         lines.append(
-            f"{row.mode:10}{row.metric:9}{row.baseline:10.4f}{row.record:10.4f}"
-            f"{row.change:+9.1%}{band:>9}  {row.verdict}"
+            f"{row.mode:{mode_width}}{row.metric:{metric_width}}{row.baseline:10.4f}"
+            f"{row.record:10.4f}{row.change:+9.1%}{band:>9}  {row.verdict}"
         )
     return "\n".join(lines)
 
@@ -293,10 +405,20 @@ def _same_everywhere(runs: Sequence[tuple[Path, dict[str, Any]]], key: str) -> d
 def make_baseline(
     runs: Sequence[tuple[Path, dict[str, Any]]], notes: str, safety_factor: float, floor: float
 ) -> dict[str, Any]:
-    """A baseline from repeated runs: median ratios and bands from their spread."""
+    """A baseline from repeated runs (of one kind): median ratios and bands from their
+    spread."""
+    kinds = {kind_of(run, path).name for path, run in runs}
+    if len(kinds) > 1:
+        raise InputError(
+            f"the runs mix {' and '.join(sorted(kinds))} records; make a baseline from one kind"
+        )
+    kind = kind_of(runs[0][1], runs[0][0])
     modes = sorted(set.intersection(*(set(run["ratios"]) for _, run in runs)))
     run_ratios = {
-        mode: {m: [run["ratios"][mode][m] for _, run in runs] for m in bench_record.METRICS}
+        mode: {
+            m: [run["ratios"][mode][m] for _, run in runs]
+            for m in kind.metrics(runs[0][1]["ratios"][mode])
+        }
         for mode in modes
     }
     medians = {
@@ -314,10 +436,11 @@ def make_baseline(
     return {
         "kind": BASELINE_KIND,
         "schema_version": BASELINE_SCHEMA_VERSION,
-        "record_schema_version": bench_record.SCHEMA_VERSION,
+        "record_kind": kind.name,
+        "record_schema_version": kind.schema_version,
         "notes": notes,
         "method": (
-            f"ratio: median over {len(runs)} bench runs; spread: (max - min) / median over "
+            f"ratio: median over {len(runs)} {kind.name} runs; spread: (max - min) / median over "
             f"them; band: max(spread * {safety_factor}, {floor})"
         ),
         "machine": _same_everywhere(runs, "machine"),
@@ -352,7 +475,12 @@ def parser() -> argparse.ArgumentParser:
     action.add_argument(
         "--write-baseline", metavar="FILE", help="write a baseline made from the RECORDs (runs)"
     )
-    result.add_argument("records", nargs="+", metavar="RECORD", help="files `bench --json` wrote")
+    result.add_argument(
+        "records",
+        nargs="+",
+        metavar="RECORD",
+        help="files `bench --json` or `bench_hot_ops --json` wrote",
+    )
     result.add_argument(
         "--allow-other-machine",
         action="store_true",
@@ -381,7 +509,7 @@ def run_compare(args: argparse.Namespace) -> int:
     rows = compare(baseline, record, record_path)
     for warning in warnings:
         print(f"perf_regression: warning: {warning}", file=sys.stderr)
-    print(f"ratios engine/transformers: {record_path} against {baseline_path}")
+    print(f"ratios {baseline_kind(baseline).ratio}: {record_path} against {baseline_path}")
     print(table(rows))
     regressions = [f"{row.mode} {row.metric}" for row in rows if row.verdict == "REGRESSION"]
     if regressions:
@@ -406,7 +534,7 @@ def run_write_baseline(args: argparse.Namespace) -> int:
     for mode, metrics in baseline["ratios"].items():
         for metric, value in metrics.items():
             spread, band = baseline["noise"]["spread"][mode][metric], baseline["band"][mode][metric]
-            print(f"{mode:10}{metric:9}{value:10.4f}  spread {spread:6.1%}  band ±{band:.1%}")
+            print(f"{mode:10} {metric:9}{value:10.4f}  spread {spread:6.1%}  band ±{band:.1%}")
     print(f"wrote {out} from {len(runs)} runs", file=sys.stderr)
     return 0
 

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import pathlib
 from collections import defaultdict
 
 import pytest
@@ -97,6 +98,38 @@ def test_record_says_what_was_measured(run) -> None:
     tiny = hot_ops.SHAPES["tiny"]
     assert all(r["flops"] == 2 * tiny.dim * tiny.vocab for r in heads)
     assert {r["per_step"] for r in heads} == {1}
+
+
+def test_ratios_divide_each_packed_op_by_the_eager_one(run) -> None:
+    """The record's ratios, what perf_regression compares: each packed mode's and build's op
+    over the eager op of the same rows, and a record that perf_regression reads."""
+    from tools.bench import perf_regression
+
+    record = run[1]
+    expected = {
+        f"tiny/{mode}/{build}": {
+            f"{r['op']}@{r['rows']}": r["seconds"] / r["peer_seconds"]
+            for r in record["results"]
+            if (r["mode"], r["build"]) == (mode, build)
+        }
+        for mode, build in _runs()
+        if mode != "eager"
+    }
+    assert len(expected) == len(_runs()) - 1 and all(len(g) == 12 for g in expected.values())
+    assert record["ratios"] == expected
+    assert all((r["peer_seconds"] is None) == (r["mode"] == "eager") for r in record["results"])
+    assert perf_regression.check_record(pathlib.Path("hot_ops.json"), record) is record
+
+
+def test_without_the_eager_mode_a_record_has_no_ratios(tmp_path) -> None:
+    path = tmp_path / "quantized.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert (
+            hot_ops.main([*ARGS, "--modes=quantized", "--builds=portable", f"--json={path}"]) == 0
+        )
+    record = json.loads(path.read_text())
+    assert record["ratios"] == {}
+    assert {r["peer_seconds"] for r in record["results"]} == {None}
 
 
 @pytest.mark.parametrize("build", [b for b in hot_ops.BUILDS if kernel_library.runnable(b)])

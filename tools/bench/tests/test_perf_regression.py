@@ -277,3 +277,158 @@ def test_a_record_with_a_llama_bench_peer_compares(baseline, tmp_path, capsys):
     out = tmp_path / "new_baseline.json"
     assert main(["--write-baseline", str(out), *map(str, runs)]) == 0
     assert _read(out)["conditions"]["read_bandwidth_gb_per_s"] == 13.8
+
+
+# Hot-ops records (bench_hot_ops --json --repeats=9): SmolLM2's shapes, 1 and 64 rows, one
+# thread, every build of the development machine. Their baselines take --safety-factor 3
+# --floor 0.1, as the committed one (made from all six runs) does: the ratios of 96 ops wander
+# more than bench's three (README.md, "Refreshing the performance baseline").
+HOT_OPS_RUNS = sorted((TESTDATA / "hot_ops_runs").glob("run_*.json"))
+HOT_OPS_BANDS = ["--safety-factor", "3", "--floor", "0.1"]
+HOT_OPS_NORMAL, HOT_OPS_BASELINE_RUNS = HOT_OPS_RUNS[0], HOT_OPS_RUNS[1:]
+COMMITTED_HOT_OPS_BASELINE = HERE / "hot_ops_baseline.json"
+
+
+def _hot_baseline(path: Path, runs: list[Path]) -> Path:
+    assert main(["--write-baseline", str(path), *HOT_OPS_BANDS, *map(str, runs)]) == 0
+    return path
+
+
+@pytest.fixture
+def hot_baseline(tmp_path: Path) -> Path:
+    """A baseline from runs 2 to 6; run 1 is held out."""
+    return _hot_baseline(tmp_path / "hot_ops_baseline.json", HOT_OPS_BASELINE_RUNS)
+
+
+def _hot_rows(out: str) -> dict[str, str]:
+    """Table lines by "group metric" (smollm2/ggml/avx2 qkv@1)."""
+    return {
+        " ".join(line.split()[:2]): line for line in out.splitlines() if line.startswith("smollm2/")
+    }
+
+
+def _hot_scaled(data: dict[str, Any], group: str, metric: str, factor: float) -> dict[str, Any]:
+    """A copy in which one op of one mode and build took `factor` times as long."""
+    shape, mode, build = group.split("/")
+    op, rows = metric.split("@")
+    result = copy.deepcopy(data)
+    key = (shape, mode, build, op, int(rows))
+    (entry,) = [
+        r
+        for r in result["results"]
+        if (r["shape"], r["mode"], r["build"], r["op"], r["rows"]) == key
+    ]
+    entry["seconds"] *= factor
+    result["ratios"][group][metric] *= factor
+    return result
+
+
+def test_hot_ops_testdata_is_there():
+    assert len(HOT_OPS_RUNS) == 6
+    assert all(_read(path)["kind"] == "hot_ops" for path in HOT_OPS_RUNS)
+    assert {_read(path)["setup"]["repeats"] for path in HOT_OPS_RUNS} == {9}
+
+
+def test_a_held_out_hot_ops_run_reports_no_regression(hot_baseline, capsys):
+    assert main(["--baseline", str(hot_baseline), str(HOT_OPS_NORMAL)]) == 0
+    out = capsys.readouterr().out
+    assert "ratios op time, mode/eager" in out
+    rows = _hot_rows(out)
+    # every packed mode and build of the baseline, every op at 1 and 64 rows
+    groups = _read(hot_baseline)["ratios"]
+    assert len(rows) == sum(len(metrics) for metrics in groups.values()) == 96
+    assert "smollm2/ggml/avx2 qkv@1" in rows and "smollm2/quantized/portable head@64" in rows
+    assert "REGRESSION" not in out
+
+
+def test_the_false_alarm_rate_is_the_one_stated(tmp_path, capsys):
+    """Each run held out in turn against a baseline of the other five: 3 of the 576 cells
+    compared fall outside their band (0.5%; one held-out run in two flags one op), the rate
+    README.md states."""
+    flagged = []
+    for held_out in HOT_OPS_RUNS:
+        others = [run for run in HOT_OPS_RUNS if run != held_out]
+        baseline = _hot_baseline(tmp_path / f"without_{held_out.stem}.json", others)
+        main(["--baseline", str(baseline), str(held_out)])
+        out = capsys.readouterr().out
+        flagged.append(sum(line.endswith("REGRESSION") for line in _hot_rows(out).values()))
+    assert sum(flagged) == 3 and max(flagged) == 1, flagged
+
+
+@pytest.mark.parametrize(
+    ("group", "metric"),
+    [("smollm2/ggml/avx2", "qkv@1"), ("smollm2/quantized/avx512", "head@1")],
+)
+def test_one_slower_op_is_a_regression_on_its_line_alone(
+    hot_baseline, tmp_path, capsys, group, metric
+):
+    """A kernel change that makes one op slower by twice its band in one build."""
+    band = _read(hot_baseline)["band"][group][metric]
+    slow = _hot_scaled(_read(HOT_OPS_NORMAL), group, metric, 1 + 2 * band)
+    assert main(["--baseline", str(hot_baseline), str(_write(tmp_path / "slow.json", slow))]) == 1
+    out = capsys.readouterr().out
+    rows = _hot_rows(out)
+    assert rows[f"{group} {metric}"].endswith("REGRESSION")
+    assert [line for line in rows.values() if line.endswith("REGRESSION")] == [
+        rows[f"{group} {metric}"]
+    ]
+    assert f"REGRESSION: {group} {metric} outside the noise band" in out
+
+
+def test_the_committed_baseline_catches_a_doubled_op_in_most_cells():
+    """The power README.md states: a 1.5x slower op is outside its band in 50 of the 96
+    cells, a 2x slower one in 83 (bands from six runs, safety factor 3, floor 10%)."""
+    data = _read(COMMITTED_HOT_OPS_BASELINE)
+    bands = [band for metrics in data["band"].values() for band in metrics.values()]
+    assert len(bands) == 96
+    assert sum(band < 0.5 for band in bands) == 50
+    assert sum(band < 1.0 for band in bands) == 83
+
+
+def test_a_faster_op_is_improved(hot_baseline, tmp_path, capsys):
+    group, metric = "smollm2/ggml/avx2", "down@64"
+    band = _read(hot_baseline)["band"][group][metric]
+    fast = _hot_scaled(_read(HOT_OPS_NORMAL), group, metric, (1 - band) / 2)
+    assert main(["--baseline", str(hot_baseline), str(_write(tmp_path / "fast.json", fast))]) == 0
+    assert _hot_rows(capsys.readouterr().out)[f"{group} {metric}"].endswith("improved")
+
+
+def test_bench_and_hot_ops_records_do_not_mix(baseline, hot_baseline, tmp_path, capsys):
+    assert main(["--baseline", str(hot_baseline), str(NORMAL_RUNS[0])]) == 2
+    err = capsys.readouterr().err
+    assert f"record {NORMAL_RUNS[0]} is a bench record and the baseline is made of hot_ops" in err
+    assert main(["--baseline", str(baseline), str(HOT_OPS_NORMAL)]) == 2
+    assert (
+        "is a hot_ops record and the baseline is made of bench records" in capsys.readouterr().err
+    )
+    out = tmp_path / "mixed.json"
+    runs = [*map(str, HOT_OPS_BASELINE_RUNS), str(NORMAL_RUNS[0])]
+    assert main(["--write-baseline", str(out), *runs]) == 2
+    assert "the runs mix bench and hot_ops records" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_hot_ops_record_without_the_eager_mode_is_refused(hot_baseline, tmp_path, capsys):
+    """Without the eager mode a run has no peer to divide by: nothing to compare."""
+    data = _read(HOT_OPS_NORMAL)
+    data |= {"ratios": {}, "results": [r for r in data["results"] if r["mode"] != "eager"]}
+    path = _write(tmp_path / "no_eager.json", data)
+    assert main(["--baseline", str(hot_baseline), str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"perf_regression: error: record {path} has no ratios; rerun `./bazelw run "
+        "//tools:bench_hot_ops -- --json FILE` (eager among --modes)"
+    )
+
+
+def test_the_committed_hot_ops_baseline_is_readable_and_consistent():
+    data = perf_regression.check_baseline(
+        COMMITTED_HOT_OPS_BASELINE, _read(COMMITTED_HOT_OPS_BASELINE)
+    )
+    assert data["record_kind"] == "hot_ops" and data["notes"]
+    noise = data["noise"]
+    assert (noise["runs"], noise["safety_factor"], noise["floor"]) == (6, 3.0, 0.1)
+    for group, metrics in data["band"].items():
+        for metric, band in metrics.items():
+            spread = noise["spread"][group][metric]
+            assert band == pytest.approx(max(spread * noise["safety_factor"], noise["floor"]))
