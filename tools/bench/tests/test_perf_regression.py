@@ -281,10 +281,10 @@ def test_a_record_with_a_llama_bench_peer_compares(baseline, tmp_path, capsys):
 
 # Hot-ops records (bench_hot_ops --json --repeats=9): SmolLM2's shapes, 1 and 64 rows, one
 # thread, every build of the development machine. Their baselines take --safety-factor 3
-# --floor 0.1, as the committed one (made from all six runs) does: the ratios of 96 ops wander
+# --floor 0.25, as the committed one (made from all six runs) does: the ratios of 96 ops wander
 # more than bench's three (README.md, "Refreshing the performance baseline").
 HOT_OPS_RUNS = sorted((TESTDATA / "hot_ops_runs").glob("run_*.json"))
-HOT_OPS_BANDS = ["--safety-factor", "3", "--floor", "0.1"]
+HOT_OPS_BANDS = ["--safety-factor", "3", "--floor", "0.25"]
 HOT_OPS_NORMAL, HOT_OPS_BASELINE_RUNS = HOT_OPS_RUNS[0], HOT_OPS_RUNS[1:]
 COMMITTED_HOT_OPS_BASELINE = HERE / "hot_ops_baseline.json"
 
@@ -342,9 +342,8 @@ def test_a_held_out_hot_ops_run_reports_no_regression(hot_baseline, capsys):
 
 
 def test_the_false_alarm_rate_is_the_one_stated(tmp_path, capsys):
-    """Each run held out in turn against a baseline of the other five: 3 of the 576 cells
-    compared fall outside their band (0.5%; one held-out run in two flags one op), the rate
-    README.md states."""
+    """Each run held out in turn against a baseline of the other five: 1 of the 576 cells
+    compared falls outside its band, the rate README.md states."""
     flagged = []
     for held_out in HOT_OPS_RUNS:
         others = [run for run in HOT_OPS_RUNS if run != held_out]
@@ -352,7 +351,7 @@ def test_the_false_alarm_rate_is_the_one_stated(tmp_path, capsys):
         main(["--baseline", str(baseline), str(held_out)])
         out = capsys.readouterr().out
         flagged.append(sum(line.endswith("REGRESSION") for line in _hot_rows(out).values()))
-    assert sum(flagged) == 3 and max(flagged) == 1, flagged
+    assert sum(flagged) == 1, flagged
 
 
 @pytest.mark.parametrize(
@@ -377,7 +376,7 @@ def test_one_slower_op_is_a_regression_on_its_line_alone(
 
 def test_the_committed_baseline_catches_a_doubled_op_in_most_cells():
     """The power README.md states: a 1.5x slower op is outside its band in 50 of the 96
-    cells, a 2x slower one in 83 (bands from six runs, safety factor 3, floor 10%)."""
+    cells, a 2x slower one in 83 (bands from six runs, safety factor 3, floor 25%)."""
     data = _read(COMMITTED_HOT_OPS_BASELINE)
     bands = [band for metrics in data["band"].values() for band in metrics.values()]
     assert len(bands) == 96
@@ -427,7 +426,7 @@ def test_the_committed_hot_ops_baseline_is_readable_and_consistent():
     )
     assert data["record_kind"] == "hot_ops" and data["notes"]
     noise = data["noise"]
-    assert (noise["runs"], noise["safety_factor"], noise["floor"]) == (6, 3.0, 0.1)
+    assert (noise["runs"], noise["safety_factor"], noise["floor"]) == (6, 3.0, 0.25)
     for group, metrics in data["band"].items():
         for metric, band in metrics.items():
             spread = noise["spread"][group][metric]
