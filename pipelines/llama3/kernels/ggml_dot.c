@@ -602,7 +602,7 @@ static inline float from_bits(uint32_t b) {
  * round(x / ln 2) by the 1.5 * 2^23 shift, a degree-5 polynomial in the remainder, scaled by
  * 2^n through the exponent bits; |n| > 126 takes the two-step scaling, |n| > 192 saturates),
  * one lane at a time with the same FMAs. */
-static float ggml_expf(float x) {
+static inline __attribute__((always_inline)) float ggml_expf(float x) {
   const float shift = 0x1.8p23f;
   const float z = fmaf(x, 0x1.715476p+0f, shift);
   const float n = z - shift;
@@ -645,6 +645,8 @@ void ggml_swiglu_rows(const float *gu, int64_t rows, int64_t hidden, float *out)
  * whose order depends on the CPU's kernel level, would let an 8-bit quantization downstream
  * flip on one machine and not another. */
 
+#define ATTN_VECTORS 16 /* head dims up to 128 keep the output row in registers */
+
 static float dot_lanes(const float *a, const float *b, int64_t n) {
   float lane[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   int64_t i = 0;
@@ -655,6 +657,30 @@ static float dot_lanes(const float *a, const float *b, int64_t n) {
   const float r2 = lane[6] + lane[2], r3 = lane[7] + lane[3];
   return (r0 + r2) + (r1 + r3);
 }
+
+#if GGML_SIMD
+/* dot_lanes of `a` against four rows of b (`stride` floats apart) at once, n a multiple of 8:
+ * each row's lanes and their sum exactly as dot_lanes computes them (lane k the FMAs of values
+ * k, k + 8, ... in order; one vector FMA is eight lanes' fmaf), in four independent chains, so
+ * a key's score waits on the FMA latency once for four keys instead of once per key. */
+static inline void dot_lanes4(const float *a, const float *b, int64_t stride, int64_t n,
+                              float out[4]) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(a + i);
+    for (int r = 0; r < 4; r++)
+      acc[r] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + r * stride + i), acc[r]);
+  }
+  for (int r = 0; r < 4; r++) {
+    float lane[8];
+    _mm256_storeu_ps(lane, acc[r]);
+    const float r0 = lane[4] + lane[0], r1 = lane[5] + lane[1];
+    const float r2 = lane[6] + lane[2], r3 = lane[7] + lane[3];
+    out[r] = (r0 + r2) + (r1 + r3);
+  }
+}
+#endif
 
 /* qkv [seq, n_heads + 2 n_kv, hd]: the fused q/k/v product of positions start .. start +
  * seq - 1, unrotated; cos, sin [seq, hd] their rope rows. The q and k heads are rotated in
@@ -694,19 +720,47 @@ void ggml_attention(float *qkv, int64_t seq, const float *cos, const float *sin,
       const float *qh = qkv + i * width + h * hd;
       const float *K = cache_k + kv * max_seq * hd, *V = cache_v + kv * max_seq * hd;
       float max = -INFINITY;
-      for (int64_t j = 0; j < n; j++) {
+      int64_t j = 0;
+#if GGML_SIMD
+      if (hd % 8 == 0)
+        for (; j + 4 <= n; j += 4) {
+          float dots[4];
+          dot_lanes4(qh, K + j * hd, hd, hd, dots);
+          for (int r = 0; r < 4; r++) {
+            p[j + r] = dots[r] * scale;
+            max = p[j + r] > max ? p[j + r] : max;
+          }
+        }
+#endif
+      for (; j < n; j++) {
         p[j] = dot_lanes(qh, K + j * hd, hd) * scale;
         max = p[j] > max ? p[j] : max;
       }
       double sum = 0.0;
-      for (int64_t j = 0; j < n; j++) {
+      for (j = 0; j < n; j++) {
         p[j] = ggml_expf(p[j] - max);
         sum += (double)p[j];
       }
       const float inv = (float)(1.0 / sum);
       float *o = out + i * n_heads * hd + h * hd;
+#if GGML_SIMD
+      if (hd % 8 == 0 && hd <= 8 * ATTN_VECTORS) {
+        /* o's vectors held in registers over every j: the same FMA per value, in order */
+        const int64_t nv = hd / 8;
+        __m256 acc[ATTN_VECTORS];
+        for (int64_t v = 0; v < nv; v++) acc[v] = _mm256_setzero_ps();
+        for (j = 0; j < n; j++) {
+          const __m256 pj = _mm256_set1_ps(p[j] * inv);
+          const float *vj = V + j * hd;
+          for (int64_t v = 0; v < nv; v++)
+            acc[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * v), acc[v]);
+        }
+        for (int64_t v = 0; v < nv; v++) _mm256_storeu_ps(o + 8 * v, acc[v]);
+        continue;
+      }
+#endif
       for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-      for (int64_t j = 0; j < n; j++) {
+      for (j = 0; j < n; j++) {
         const float pj = p[j] * inv;
         const float *vj = V + j * hd;
         for (int64_t d = 0; d < hd; d++) o[d] = fmaf(pj, vj[d], o[d]);
