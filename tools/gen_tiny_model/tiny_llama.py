@@ -417,7 +417,7 @@ def write_tiny_llama(
     with_tokenizer: bool = True,
     tokenizer_pre: str = "llama-bpe",
 ) -> dict[str, np.ndarray]:
-    """A small random checkpoint for tests (seconds to write, milliseconds to load): the byte
+    """A small random checkpoint for tests (milliseconds to write and to load): the byte
     vocabulary, an output matrix of its own unless `tied`, plain RoPE unless `rope_freqs`
     are given. Returns the weights (float32, Hugging Face layout) by GGUF tensor name."""
     vocab = byte_vocab(tokenizer_pre)
