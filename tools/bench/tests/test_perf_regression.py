@@ -342,8 +342,8 @@ def test_a_held_out_hot_ops_run_reports_no_regression(hot_baseline, capsys):
 
 
 def test_the_false_alarm_rate_is_the_one_stated(tmp_path, capsys):
-    """Each run held out in turn against a baseline of the other five: 1 of the 576 cells
-    compared falls outside its band, the rate README.md states."""
+    """Each run held out in turn against a baseline of the other five: 2 of the 576 cells
+    compared fall outside their band (both in one run), the rate README.md states."""
     flagged = []
     for held_out in HOT_OPS_RUNS:
         others = [run for run in HOT_OPS_RUNS if run != held_out]
@@ -351,7 +351,7 @@ def test_the_false_alarm_rate_is_the_one_stated(tmp_path, capsys):
         main(["--baseline", str(baseline), str(held_out)])
         out = capsys.readouterr().out
         flagged.append(sum(line.endswith("REGRESSION") for line in _hot_rows(out).values()))
-    assert sum(flagged) == 1, flagged
+    assert sum(flagged) == 2 and max(flagged) == 2, flagged
 
 
 @pytest.mark.parametrize(
@@ -375,13 +375,13 @@ def test_one_slower_op_is_a_regression_on_its_line_alone(
 
 
 def test_the_committed_baseline_catches_a_doubled_op_in_most_cells():
-    """The power README.md states: a 1.5x slower op is outside its band in 50 of the 96
-    cells, a 2x slower one in 83 (bands from six runs, safety factor 3, floor 25%)."""
+    """The power README.md states: a 1.5x slower op is outside its band in 37 of the 96
+    cells, a 2x slower one in 76 (bands from six runs, safety factor 3, floor 25%)."""
     data = _read(COMMITTED_HOT_OPS_BASELINE)
     bands = [band for metrics in data["band"].values() for band in metrics.values()]
     assert len(bands) == 96
-    assert sum(band < 0.5 for band in bands) == 50
-    assert sum(band < 1.0 for band in bands) == 83
+    assert sum(band < 0.5 for band in bands) == 37
+    assert sum(band < 1.0 for band in bands) == 76
 
 
 def test_a_faster_op_is_improved(hot_baseline, tmp_path, capsys):
