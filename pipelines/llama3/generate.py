@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--profile",
-        type=user_path,
+        type=lambda value: profiling.trace_file(user_path(value)),
         metavar="FILE",
         help="write a Chrome trace-event file of the generation: torch's operators, the C "
         "kernels, the prefill and each decode step (Perfetto's UI, chrome://tracing)",
@@ -181,11 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device={args.device}: this torch has no CUDA device; use --device=cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.profile is not None:
-        try:  # before the checkpoint loads: a profile asked for is not lost at the end
-            profiling.check_writable(args.profile)
-        except profiling.TraceError as error:
-            parser.error(f"--profile={args.profile}: {error}")
     sampling = _sampling(args, parser)
     constraint = _constraint(args, parser)
     speculation = None
@@ -224,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     input_ids = engine.tokenizer.encode(args.prompt)
     profile = contextlib.nullcontext() if args.profile is None else profiling.trace(args.profile)
     try:
-        with profile:
+        with profile as taken:
             out = engine.generate(
                 input_ids,
                 args.max_new_tokens,
@@ -245,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         name = "n-gram" if args.draft_layers is None else f"{args.draft_layers}-layer self"
         name += ", sampling" if args.draft_samples else ""
         print(f"speculation ({name} draft, k={args.speculate}): {out.speculation.summary()}")
-    if args.profile is not None:
-        count = len(profiling.events(args.profile))
-        print(f"profile: {args.profile} ({count} trace events; Perfetto's UI, chrome://tracing)")
+    if taken is not None:
+        print(
+            f"profile: {taken.path} ({taken.events} trace events; Perfetto's UI, chrome://tracing)"
+        )
     return 0
 
 

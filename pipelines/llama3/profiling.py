@@ -26,7 +26,9 @@ with no profiler listening (15 us measured here, beside a busy core).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -60,24 +62,43 @@ def check_writable(path: str | os.PathLike) -> pathlib.Path:
     return path
 
 
+def trace_file(value: str | os.PathLike) -> pathlib.Path:
+    """argparse `type=` of a `--profile FILE` option: the file checked when the command line
+    is read, so a bad one exits 2 ("argument --profile: PATH: why") before any work."""
+    try:
+        return check_writable(value)
+    except TraceError as error:
+        raise argparse.ArgumentTypeError(f"{value}: {error}") from None
+
+
+@dataclasses.dataclass
+class Trace:
+    """A trace being taken: where it goes and, once written, how many events it holds."""
+
+    path: pathlib.Path
+    events: int = 0
+
+
 @contextlib.contextmanager
-def trace(path: str | os.PathLike) -> Iterator[None]:
+def trace(path: str | os.PathLike) -> Iterator[Trace]:
     """Profile the block; write its Chrome trace-event file to `path` (through a temporary
-    file, renamed into place: a trace is whole or absent)."""
+    file, renamed into place: a trace is whole or absent) and count its events into the
+    Trace it yields."""
     global _taking
-    path = check_writable(path)
+    taken = Trace(check_writable(path))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profile:
         _taking += 1
         try:
-            yield
+            yield taken
         finally:
             _taking -= 1
-    partial = path.with_name(f".{path.name}.partial")
+    partial = taken.path.with_name(f".{taken.path.name}.partial")
     profile.export_chrome_trace(str(partial))
-    os.replace(partial, path)
+    taken.events = len(events(partial))
+    os.replace(partial, taken.path)
 
 
 def events(path: str | os.PathLike) -> list[dict]:
@@ -87,4 +108,4 @@ def events(path: str | os.PathLike) -> list[dict]:
     return document["traceEvents"] if isinstance(document, dict) else document
 
 
-__all__ = ["TraceError", "check_writable", "events", "region", "trace"]
+__all__ = ["Trace", "TraceError", "check_writable", "events", "region", "trace", "trace_file"]

@@ -131,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--profile",
+        type=lambda value: profiling.trace_file(user_path(value)),
         metavar="FILE",
         help="after the timing, one generation of each engine mode under torch.profiler, "
         "written as a Chrome trace-event file (Perfetto's UI, chrome://tracing)",
@@ -138,26 +139,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _profile_output(value: str | None, parser: argparse.ArgumentParser) -> pathlib.Path | None:
-    """`--profile FILE` as the user meant it, checked before the minutes of timing."""
-    if not value:
-        return None
-    try:
-        return profiling.check_writable(user_path(value))
-    except profiling.TraceError as error:
-        parser.error(f"--profile={value}: {error}")
-
-
 def profile_engines(
     path: pathlib.Path, engines: list["Side"], input_ids: list[int], new_tokens: int
 ) -> int:
     """One greedy generation of each engine side under the profiler, a range `bench MODE`
     around each, written to `path`; returns the trace's event count."""
-    with profiling.trace(path):
+    with profiling.trace(path) as taken:
         for side in engines:
             with profiling.region(f"bench {side.name}"):
                 side.greedy(input_ids, new_tokens)
-    return len(profiling.events(path))
+    return taken.events
 
 
 def _progress(message: str) -> None:
@@ -501,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     json_path = json_output(args.json, parser)
-    profile_path = _profile_output(args.profile, parser)
+    profile_path = args.profile
     torch.set_num_threads(args.threads)
     try:
         gguf_path = args.gguf or smollm2_gguf()

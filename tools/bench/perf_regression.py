@@ -160,14 +160,11 @@ class Row:
 
     @property
     def verdict(self) -> str:
-        return verdict(self.metric, self.change, self.band, self.lower_is_better)
+        return verdict(self.change, self.band, self.lower_is_better)
 
 
-def verdict(metric: str, change: float, band: float, lower_is_better: bool | None = None) -> str:
-    """ok inside the band; outside it, REGRESSION or improved depending on the direction
-    (lower is better for `lower_is_better`, by default for bench's LOWER_IS_BETTER metrics)."""
-    if lower_is_better is None:
-        lower_is_better = metric in bench_record.LOWER_IS_BETTER
+def verdict(change: float, band: float, lower_is_better: bool) -> str:
+    """ok inside the band; outside it, REGRESSION or improved depending on the direction."""
     worse = change if lower_is_better else -change
     if worse > band:
         return "REGRESSION"

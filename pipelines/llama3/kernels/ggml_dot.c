@@ -214,6 +214,14 @@ void ggml_quantize_rows(int wtype, const float *x, int64_t M, int64_t K, uint8_t
 
 /* --- the eight lanes -------------------------------------------------------------------- */
 
+/* The sum of eight float lanes in ggml's order (hsum_float_8: the halves added, then pairs):
+ * every eight-lane reduction here, vector or scalar, ends in these additions. */
+static inline float sum8(const float lane[8]) {
+  const float r0 = lane[4] + lane[0], r1 = lane[5] + lane[1];
+  const float r2 = lane[6] + lane[2], r3 = lane[7] + lane[3];
+  return (r0 + r2) + (r1 + r3);
+}
+
 #if GGML_SIMD
 typedef __m256 lanes;
 static inline lanes lanes_zero(void) { return _mm256_setzero_ps(); }
@@ -256,11 +264,7 @@ static inline lanes lanes_fma(float d, const int32_t sums[8], lanes acc) {
   for (int k = 0; k < 8; k++) acc.v[k] = fmaf(d, (float)sums[k], acc.v[k]);
   return acc;
 }
-static inline float lanes_sum(lanes a) {
-  const float r0 = a.v[4] + a.v[0], r1 = a.v[5] + a.v[1];
-  const float r2 = a.v[6] + a.v[2], r3 = a.v[7] + a.v[3];
-  return (r0 + r2) + (r1 + r3);
-}
+static inline float lanes_sum(lanes a) { return sum8(a.v); }
 static inline void nibbles(const uint8_t *qs, int32_t out[32]) {
   for (int j = 0; j < 16; j++) {
     out[j] = qs[j] & 0x0F;
@@ -653,9 +657,7 @@ static float dot_lanes(const float *a, const float *b, int64_t n) {
   for (; i + 8 <= n; i += 8)
     for (int k = 0; k < 8; k++) lane[k] = fmaf(a[i + k], b[i + k], lane[k]);
   for (int k = 0; i < n; i++, k++) lane[k] = fmaf(a[i], b[i], lane[k]);
-  const float r0 = lane[4] + lane[0], r1 = lane[5] + lane[1];
-  const float r2 = lane[6] + lane[2], r3 = lane[7] + lane[3];
-  return (r0 + r2) + (r1 + r3);
+  return sum8(lane);
 }
 
 #if GGML_SIMD
@@ -675,9 +677,7 @@ static inline void dot_lanes4(const float *a, const float *b, int64_t stride, in
   for (int r = 0; r < 4; r++) {
     float lane[8];
     _mm256_storeu_ps(lane, acc[r]);
-    const float r0 = lane[4] + lane[0], r1 = lane[5] + lane[1];
-    const float r2 = lane[6] + lane[2], r3 = lane[7] + lane[3];
-    out[r] = (r0 + r2) + (r1 + r3);
+    out[r] = sum8(lane);
   }
 }
 #endif

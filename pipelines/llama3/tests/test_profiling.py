@@ -130,7 +130,7 @@ def test_a_profile_that_cannot_be_written_exits_2_before_loading(
         generate.main(["--gguf=/nonexistent.gguf", "--prompt=x", f"--profile={target}"])
     assert exit_.value.code == 2
     error = capsys.readouterr().err
-    assert f"--profile={target}" in error and message in error
+    assert f"argument --profile: {target}: " in error and message in error
     assert "loading" not in error  # refused before the checkpoint is read
 
 

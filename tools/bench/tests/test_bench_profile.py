@@ -39,5 +39,5 @@ def test_a_profile_it_cannot_write_is_refused_before_loading(tmp_path, capsys, n
         bench.main(["--gguf", str(tmp_path / "absent.gguf"), f"--profile={tmp_path / name}"])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert f"--profile={tmp_path / name}: " in err and says in err
+    assert f"argument --profile: {tmp_path / name}: " in err and says in err
     assert "loading" not in err

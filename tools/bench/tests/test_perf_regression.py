@@ -119,7 +119,8 @@ def test_an_improvement_is_not_a_regression(baseline, tmp_path, capsys, metric):
     ],
 )
 def test_verdict_direction_and_band_edge(metric, change, verdict):
-    assert perf_regression.verdict(metric, change, band=0.10) == verdict
+    lower = metric in record.LOWER_IS_BETTER
+    assert perf_regression.verdict(change, band=0.10, lower_is_better=lower) == verdict
 
 
 def test_baseline_is_median_and_band_is_spread_times_safety(baseline):
