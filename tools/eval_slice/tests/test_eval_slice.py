@@ -1,0 +1,148 @@
+"""The eval slice judged against its golden: SmolLM2's float32 base and its Q8_0, Q4_0 and Q4_1
+members over the first two 512-token chunks of the slice, each quantized member in the eager
+and ggml modes; and a planted bug of each kind the slice can suffer (scoring, statistics, a
+changed checkpoint), each failing the same check."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from harness.llama3 import checkpoint_mutations
+from tools.eval_slice import eval_slice, slice_stats
+from tools.eval_slice.tests.conftest import CHUNKS
+
+MODES = ("eager", "ggml")
+
+
+@pytest.fixture(scope="module")
+def run(family, text):
+    rows, count = eval_slice.engine_rows(family, text, eval_slice.N_CTX, CHUNKS, MODES)
+    setup = eval_slice.Setup(
+        eval_slice.hashlib.sha256(text.encode()).hexdigest(),
+        eval_slice.N_CTX,
+        count,
+        {name: eval_slice.file_sha256(path) for name, path in family.items()},
+    )
+    return setup, rows
+
+
+def test_the_engine_passes_the_eval_slice_golden(run, golden) -> None:
+    setup, rows = run
+    print(eval_slice.table(rows, {}))
+    assert eval_slice.setup_failures(golden, setup) == []
+    assert eval_slice.row_failures(golden, rows) == []
+    assert len(rows) == 1 + 3 * len(MODES)  # the base, three quantized members in two modes
+    # What the slice shows, as a reader of the table would check it: quantization costs
+    # perplexity in order of bits, and Q4_1 in the eager mode is its own base (the base is
+    # its weights dequantized), so it diverges from it by nothing.
+    base = rows["f32/eager"]["ppl"]
+    assert base < rows["q8_0/ggml"]["ppl"] < rows["q4_0/ggml"]["ppl"]
+    assert rows["q8_0/ggml"]["kld_mean"] < rows["q4_0/ggml"]["kld_mean"]
+    assert rows["q4_1/eager"]["kld_max"] < 1e-9 and rows["q4_1/eager"]["same_top"] == 1.0
+
+
+# --- planted bugs: each moves a figure outside its bound --------------------------------------
+
+PLANT_ROWS = ("f32/eager", "q4_0/ggml")
+
+
+def _off_by_one_targets(piece, n_ctx):  # each row scored against its own token
+    rows = slice_stats.scored(n_ctx)
+    return list(piece[rows.start : rows.stop])
+
+
+def _reversed_kl(base, logp):  # KL(model || base)
+    return (logp.exp() * (logp - base)).sum(dim=1)
+
+
+def _unnormalized(logits):  # log-softmax left out
+    return logits.double()
+
+
+def _nearest_percentile(sorted_values, fraction):  # no interpolation
+    return float(sorted_values[round(fraction * (len(sorted_values) - 1))])
+
+
+PLANTS = {
+    "targets_off_by_one": ("targets", _off_by_one_targets),
+    "kl_reversed": ("kl_divergence", _reversed_kl),
+    "no_log_softmax": ("log_probs", _unnormalized),
+    "percentile_not_interpolated": ("percentile", _nearest_percentile),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_a_planted_scoring_bug_fails_the_golden(plant, family, text, golden, monkeypatch) -> None:
+    name, replacement = PLANTS[plant]
+    monkeypatch.setattr(slice_stats, name, replacement)
+    subset = {key: family[key] for key in ("f32", "q4_0")}
+    rows, _ = eval_slice.engine_rows(subset, text, eval_slice.N_CTX, CHUNKS, ["ggml"])
+    failures = eval_slice.row_failures(golden, rows, partial=True)
+    print("\n".join(failures))
+    assert failures, f"{plant}: the golden check let it through"
+
+
+def test_a_changed_checkpoint_fails_the_golden(family, text, golden, tmp_path) -> None:
+    """One weight matrix of the Q4_0 member scaled by 1.02 (checkpoint_mutations.weight_scaled):
+    its row's figures move, the base's do not."""
+    mutation = checkpoint_mutations.BY_NAME["weight_scaled"]
+    changed = checkpoint_mutations.mutated_copy(family["q4_0"], mutation, tmp_path)
+    subset = {"f32": family["f32"], "q4_0": changed}
+    rows, _ = eval_slice.engine_rows(subset, text, eval_slice.N_CTX, CHUNKS, ["ggml"])
+    failures = eval_slice.row_failures(golden, rows, partial=True)
+    print("\n".join(failures))
+    assert failures and all(failure.startswith("q4_0/ggml ") for failure in failures)
+
+
+def test_a_moved_figure_is_named_with_its_bound(golden) -> None:
+    rows = {key: dict(row) for key, row in golden["rows"].items()}
+    assert eval_slice.row_failures(golden, rows) == []
+    rows["q8_0/ggml"]["kld_p99"] *= 1 + 2 * eval_slice.RELATIVE
+    rows["q4_0/eager"]["same_top"] += 3 / golden["rows"]["q4_0/eager"]["tokens"]
+    del rows["q4_1/ggml"]
+    failures = eval_slice.row_failures(golden, rows)
+    assert {failure.split(":")[0] for failure in failures} == {
+        "q8_0/ggml kld_p99",
+        "q4_0/eager same_top",
+        "q4_1/ggml",
+    }
+    assert len(failures) == 3
+
+
+def test_a_golden_from_another_setup_is_refused(run, golden) -> None:
+    setup, _ = run
+    other = dataclasses.replace(setup, chunks=setup.chunks + 1)
+    (failure,) = eval_slice.setup_failures(golden, other)
+    assert failure.startswith("setup chunks: golden 2, this run 3")
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--gguf=/nonexistent.gguf"], "--gguf=/nonexistent.gguf: no such file"),
+        (["--text=/nonexistent.txt"], "--text=/nonexistent.txt: no such file"),
+        (["--modes=fast"], "--modes=fast: choose from eager, quantized, ggml"),
+        (["--n-ctx=2"], "--n-ctx=2: give at least 4"),
+    ],
+)
+def test_bad_input_exits_2_naming_it(argv, says, tmp_path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.eval_slice.eval_slice", f"--cache={tmp_path}", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
+
+
+def test_a_text_shorter_than_a_chunk_is_refused(family, tmp_path) -> None:
+    with pytest.raises(eval_slice.SliceError, match="fewer than one chunk of --n-ctx=512"):
+        eval_slice.engine_rows({"f32": family["f32"]}, "Too short.", 512, 0, ["ggml"])

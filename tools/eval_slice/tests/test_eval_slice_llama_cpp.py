@@ -1,0 +1,61 @@
+"""The eval slice against llama.cpp: Debian's llama-perplexity scores the same chunks of the same
+family (its --kl-divergence-base / --kl-divergence runs), and the engine's ggml mode, which
+computes as llama.cpp's CPU kernels do, must agree with it figure by figure.
+
+Skips without llama-perplexity unless CI_REQUIRE_LLAMA_CPP=1 (.ci/run installs it with
+tools/llama_cpp/install.sh), which makes that a failure.
+
+The bounds, from the measured gaps on the 2-chunk slice (Intel Xeon, llama.cpp's AVX-512
+backend; the engine's ggml mode computes the same bits on every CPU, llama.cpp's backends
+for other CPUs were not measured, hence bounds of twice the gaps): llama.cpp
+stores the base's log-probabilities in 16 bits (~1e-4 nats) and its batched kernels round
+some activations differently, so a member's PPL differs by up to 0.74% (Q4_1), its mean KLD
+by up to 3.1% (Q4_1), its 99th-percentile KLD by up to 4.7% (Q4_1), its same-top rate by up to
+0.8 points (Q4_1); the bounds are about twice those. The base's PPL (float32, eager) agrees to
+1e-5 of its value. A scoring bug moves these figures by far more (the planted bugs of
+test_eval_slice.py: perplexity by orders of magnitude, KLD by 12% and more).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tools.eval_slice import eval_slice
+from tools.eval_slice.tests.conftest import CHUNKS
+
+REQUIRE_ENV = "CI_REQUIRE_LLAMA_CPP"
+BOUNDS = {"ppl": 0.015, "kld_mean": 0.06, "kld_p99": 0.10}  # relative
+SAME_TOP_POINTS = 0.015
+BASE_PPL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def both(family, text):
+    if shutil.which("llama-perplexity") is None:
+        message = "llama-perplexity is not installed: run tools/llama_cpp/install.sh"
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{message} ({REQUIRE_ENV}=1)")
+        pytest.skip(message)
+    ours, count = eval_slice.engine_rows(family, text, eval_slice.N_CTX, CHUNKS, ["ggml"])
+    theirs = eval_slice.llama_cpp_rows(family, eval_slice.TEXT, eval_slice.N_CTX, count, 1)
+    print(eval_slice.table(ours, theirs))
+    return ours, theirs
+
+
+def test_llama_perplexity_scores_the_base_as_the_engine_does(both) -> None:
+    ours, theirs = both
+    assert theirs["f32"]["ppl"] == pytest.approx(ours["f32/eager"]["ppl"], rel=BASE_PPL)
+
+
+@pytest.mark.parametrize("member", ["q8_0", "q4_0", "q4_1"])
+def test_each_member_agrees_with_llama_perplexity(both, member) -> None:
+    ours, theirs = both
+    mine, peer = ours[f"{member}/ggml"], theirs[member]
+    for figure, bound in BOUNDS.items():
+        gap = abs(mine[figure] / peer[figure] - 1)
+        says = f"{member} {figure}: engine {mine[figure]:.6g}, llama.cpp {peer[figure]:.6g}"
+        assert gap <= bound, says
+    assert abs(mine["same_top"] - peer["same_top"]) <= SAME_TOP_POINTS
