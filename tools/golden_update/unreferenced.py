@@ -67,9 +67,35 @@ def pinned_in_history(repository: Path) -> set[str] | None:
     return set(re.findall(r'sha256 = "([0-9a-f]{64})"', done.stdout))
 
 
+# Archives of another kind than the engine's goldens: the one file each holds, and the keys
+# its reader needs (the eval slice's golden: tools/eval_slice/tests/conftest.py reads it).
+OTHER_ARCHIVES = {"eval_slice_golden": ("eval_slice_golden.json", ("schema", "setup", "rows"))}
+
+
+def _unread_other(members: dict[str, bytes], archive_name: str) -> list[str]:
+    name, keys = OTHER_ARCHIVES[archive_name]
+    problems = [
+        f"{archive_name}: {member}: not the file its test reads ({name})"
+        for member in sorted(members)
+        if member != name
+    ]
+    if name in members:
+        try:
+            body = json.loads(members[name])
+            missing = [key for key in keys if key not in body]
+        except (ValueError, TypeError) as error:
+            missing = [str(error)]
+        if missing:
+            problems.append(f"{archive_name}: {name} lacks {', '.join(missing)}")
+    return problems
+
+
 def unread_goldens(members: dict[str, bytes], archive_name: str) -> list[str]:
     """What in one pinned archive no golden test reads: files of checkpoints that left the
-    variants, and cases that left cases.yaml."""
+    variants, and cases that left cases.yaml (for the other archives, OTHER_ARCHIVES: files
+    other than the one their test reads)."""
+    if archive_name in OTHER_ARCHIVES:
+        return _unread_other(members, archive_name)
     problems = []
     for member, data in sorted(members.items()):
         try:

@@ -52,6 +52,18 @@ def test_a_users_llama3_1_golden_of_any_encoding_is_read() -> None:
     assert unreferenced.unread_goldens(members, "test_llama_golden") == []
 
 
+def test_the_eval_slice_archive_holds_only_the_file_its_test_reads() -> None:
+    good = json.dumps({"schema": 1, "setup": {}, "rows": {}}).encode()
+    assert unreferenced.unread_goldens({"eval_slice_golden.json": good}, "eval_slice_golden") == []
+    problems = unreferenced.unread_goldens(
+        {"eval_slice_golden.json": b'{"schema": 1}', "old.json": good}, "eval_slice_golden"
+    )
+    assert problems == [
+        "eval_slice_golden: old.json: not the file its test reads (eval_slice_golden.json)",
+        "eval_slice_golden: eval_slice_golden.json lacks setup, rows",
+    ]
+
+
 def _git(repo: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
 
