@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from goldens.cli_files import OneLineParser, user_path
+from goldens.cli_files import OneLineParser, user_path, write_atomically
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import CheckpointError, Llama3Engine
 from tools.eval_slice import checkpoints, slice_stats
@@ -338,10 +338,24 @@ def family_of(source: Path, cache: Path) -> dict[str, Path]:
     """The members by name: the derived ones, then the source under its own type's name."""
     if not source.is_file():
         raise SliceError(f"--gguf={source}: no such file; pass a GGUF checkpoint")
-    own = checkpoints.source_name(source)
+    try:
+        own = checkpoints.source_name(source)
+    except ValueError as error:
+        raise SliceError(f"--gguf={source}: not a GGUF checkpoint ({error})") from None
     members = checkpoints.family(source, cache / file_sha256(source)[:16], skip=own)
     members[own] = source
     return members
+
+
+def _golden(value: str, parser: argparse.ArgumentParser) -> dict:
+    """The golden `--check` names, read before the minutes of scoring."""
+    try:
+        golden = json.loads(user_path(value).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        parser.error(f"--check={value}: {error}")
+    if not isinstance(golden, dict) or "rows" not in golden:
+        parser.error(f"--check={value}: not an eval-slice golden (eval_slice --write-golden)")
+    return golden
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -352,6 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--modes={args.modes}: choose from {', '.join(MODES)}")
     if args.n_ctx < 4:
         parser.error(f"--n-ctx={args.n_ctx}: give at least 4")
+    for option, value in (("--write-golden", args.write_golden), ("--json", args.json)):
+        if value and not user_path(value).parent.is_dir():
+            parser.error(f"{option}={value}: {user_path(value).parent} is not a folder")
+    golden = _golden(args.check, parser) if args.check else None
     torch.set_num_threads(args.threads)
     try:
         text_path = user_path(args.text)
@@ -385,10 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(engine, theirs))
     if args.write_golden:
         out = user_path(args.write_golden)
-        out.write_text(json.dumps(golden_document(setup, engine), indent=1, sort_keys=True) + "\n")
+        write_atomically(
+            out, json.dumps(golden_document(setup, engine), indent=1, sort_keys=True) + "\n"
+        )
         print(f"golden: {out}")
-    if args.check:
-        golden = json.loads(user_path(args.check).read_text(encoding="utf-8"))
+    if golden is not None:
         failures = setup_failures(golden, setup) + row_failures(golden, engine)
         for failure in failures:
             print(f"FAIL {failure}")
@@ -398,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         out = user_path(args.json)
         document = {"setup": setup.key(), "engine": engine, "llama_perplexity": theirs}
-        out.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+        write_atomically(out, json.dumps(document, indent=1, sort_keys=True) + "\n")
     return 0
 
 

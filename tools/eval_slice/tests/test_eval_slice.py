@@ -127,9 +127,13 @@ def test_a_golden_from_another_setup_is_refused(run, golden) -> None:
     ("argv", "says"),
     [
         (["--gguf=/nonexistent.gguf"], "--gguf=/nonexistent.gguf: no such file"),
+        ([f"--gguf={eval_slice.TEXT}"], f"--gguf={eval_slice.TEXT}: not a GGUF checkpoint"),
         (["--text=/nonexistent.txt"], "--text=/nonexistent.txt: no such file"),
         (["--modes=fast"], "--modes=fast: choose from eager, quantized, ggml"),
         (["--n-ctx=2"], "--n-ctx=2: give at least 4"),
+        (["--check=/nonexistent.json"], "--check=/nonexistent.json: [Errno 2]"),
+        ([f"--check={eval_slice.TEXT}"], f"--check={eval_slice.TEXT}: Expecting value"),
+        (["--json=/nonexistent/rows.json"], "--json=/nonexistent/rows.json: /nonexistent is not"),
     ],
 )
 def test_bad_input_exits_2_naming_it(argv, says, tmp_path) -> None:
