@@ -2,10 +2,12 @@
 
 The project ships SmolLM2 as Q4_1 only, so the base is that file's weights dequantized to
 float32 (every value the Q4_1 file holds, exactly), and each other member quantizes the base
-again with gguf-py's reference quantizers (the rounding llama.cpp's `llama-quantize` uses for
-these types). Metadata and the tokenizer are copied field by field; norms and other float32
-tensors stay as they are; the token embedding keeps the source's type in the quantized
-members (as llama-quantize keeps a higher-precision embedding) and is float32 in the base.
+again with gguf-py's reference quantizers: every tensor byte for byte what llama.cpp's
+`llama-quantize --allow-requantize` writes from the same base (checked by
+tests/test_eval_slice_llama_cpp.py). Metadata and the tokenizer are copied field by field;
+norms and other float32 tensors stay as they are; the token embedding keeps the source's type
+in the quantized members (llama-quantize keeps this tied embedding at Q8_0 too) and is
+float32 in the base.
 The same source gives the same bytes: the files are written once per folder and reused.
 """
 

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 
+import numpy as np
 import pytest
+from gguf import GGUFReader
 
+from harness.llama3 import checkpoint_mutations
 from tools.eval_slice import eval_slice
 from tools.eval_slice.tests.conftest import CHUNKS
 
@@ -59,3 +63,42 @@ def test_each_member_agrees_with_llama_perplexity(both, member) -> None:
         says = f"{member} {figure}: engine {mine[figure]:.6g}, llama.cpp {peer[figure]:.6g}"
         assert gap <= bound, says
     assert abs(mine["same_top"] - peer["same_top"]) <= SAME_TOP_POINTS
+
+
+@pytest.mark.parametrize(("member", "file_type"), [("q8_0", "Q8_0"), ("q4_0", "Q4_0")])
+def test_the_requantized_members_hold_llama_quantizes_bytes(family, tmp_path, member, file_type):
+    """checkpoints.py's members are what `llama-quantize --allow-requantize BASE OUT TYPE`
+    writes from the same base: every tensor of the same type and the same bytes (its tied
+    embedding included, which llama-quantize keeps at Q8_0 for these types)."""
+    binary = shutil.which("llama-quantize")
+    if binary is None:
+        message = "llama-quantize is not installed: run tools/llama_cpp/install.sh"
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{message} ({REQUIRE_ENV}=1)")
+        pytest.skip(message)
+    theirs_path = tmp_path / f"{member}.gguf"
+    done = subprocess.run(
+        [binary, "--allow-requantize", str(family["f32"]), str(theirs_path), file_type, "1"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _differing_tensors(family[member], theirs_path) == []
+    # The comparison sees one changed block scale (planted: attn_v of layer 0 scaled by 1.02).
+    planted = checkpoint_mutations.mutated_copy(
+        family[member], checkpoint_mutations.BY_NAME["weight_scaled"], tmp_path
+    )
+    assert _differing_tensors(planted, theirs_path) == ["blk.0.attn_v.weight"]
+
+
+def _differing_tensors(ours_path, theirs_path) -> list[str]:
+    theirs = {tensor.name: tensor for tensor in GGUFReader(theirs_path).tensors}
+    ours = GGUFReader(ours_path).tensors
+    assert sorted(theirs) == sorted(tensor.name for tensor in ours)
+    return [
+        tensor.name
+        for tensor in ours
+        if theirs[tensor.name].tensor_type != tensor.tensor_type
+        or np.asarray(theirs[tensor.name].data).tobytes() != np.asarray(tensor.data).tobytes()
+    ]
