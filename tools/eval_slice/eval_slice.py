@@ -72,6 +72,16 @@ class Setup:
         return dataclasses.asdict(self)
 
 
+def setup_of(family: dict[str, Path], text: str, n_ctx: int, chunks: int) -> Setup:
+    """The setup of a run over `chunks` chunks of `text` with `family`'s files."""
+    return Setup(
+        hashlib.sha256(text.encode()).hexdigest(),
+        n_ctx,
+        chunks,
+        {name: file_sha256(path) for name, path in family.items()},
+    )
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
@@ -152,9 +162,12 @@ def llama_perplexity() -> str:
 
 
 def _run(command: list[str]) -> str:
-    done = subprocess.run(
-        command, capture_output=True, encoding="utf-8", errors="replace", check=False, timeout=3600
-    )
+    try:
+        done = subprocess.run(
+            command, capture_output=True, encoding="utf-8", errors="replace", timeout=3600
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise SliceError(f"{' '.join(command)}: {error}") from None
     output = done.stdout + done.stderr
     errors = [line for line in output.splitlines() if " E " in line or line.startswith("E ")]
     if done.returncode != 0 or errors:
@@ -384,12 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         family = family_of(source, cache)
         text = text_path.read_text(encoding="utf-8")
         engine, count = engine_rows(family, text, args.n_ctx, args.chunks, modes)
-        setup = Setup(
-            hashlib.sha256(text.encode()).hexdigest(),
-            args.n_ctx,
-            count,
-            {name: file_sha256(path) for name, path in family.items()},
-        )
+        setup = setup_of(family, text, args.n_ctx, count)
         theirs = {}
         if not args.no_llama_cpp:
             theirs = llama_cpp_rows(family, text_path, args.n_ctx, count, args.threads)

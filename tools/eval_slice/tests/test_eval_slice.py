@@ -21,13 +21,7 @@ MODES = ("eager", "ggml")
 @pytest.fixture(scope="module")
 def run(family, text):
     rows, count = eval_slice.engine_rows(family, text, eval_slice.N_CTX, CHUNKS, MODES)
-    setup = eval_slice.Setup(
-        eval_slice.hashlib.sha256(text.encode()).hexdigest(),
-        eval_slice.N_CTX,
-        count,
-        {name: eval_slice.file_sha256(path) for name, path in family.items()},
-    )
-    return setup, rows
+    return eval_slice.setup_of(family, text, eval_slice.N_CTX, count), rows
 
 
 def test_the_engine_passes_the_eval_slice_golden(run, golden) -> None:
