@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Installs Debian's llama.cpp command-line tools (llama-server, llama-bench, and from
-# llama.cpp-tools-extra llama-batched-bench): the server the llama.cpp lane judges
-# (//max_tests/integration:tests_engines, `golden_check --engine=llama_cpp`) and the peer the
-# serving benchmark runs (//tools:bench_serving). Idempotent:
+# Installs Debian's llama.cpp command-line tools (llama-server, llama-bench, llama-perplexity,
+# llama-quantize, and from llama.cpp-tools-extra llama-batched-bench): the server the llama.cpp
+# lane judges (//max_tests/integration:tests_engines, `golden_check --engine=llama_cpp`), the
+# peer the serving benchmark runs (//tools:bench_serving), and the eval slice's peer
+# (//tools:eval_slice, //tools/eval_slice:eval_slice_llama_cpp_test). Idempotent:
 #
 #   tools/llama_cpp/install.sh    prints llama-batched-bench's path; installs the pinned
 #                                 versions first (replacing any other)
