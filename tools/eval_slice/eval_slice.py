@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -43,6 +42,8 @@ from pathlib import Path
 import torch
 
 from goldens.cli_files import OneLineParser, user_path, write_atomically
+from goldens.locate import cache_root
+from goldens.record import file_sha256
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import CheckpointError, Llama3Engine
 from tools.eval_slice import checkpoints, slice_stats
@@ -80,14 +81,6 @@ def setup_of(family: dict[str, Path], text: str, n_ctx: int, chunks: int) -> Set
         chunks,
         {name: file_sha256(path) for name, path in family.items()},
     )
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _progress(message: str) -> None:
@@ -343,8 +336,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def default_cache() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "llama-goldens" / "eval_slice"
+    """Beside the pinned archives' extraction folder (goldens.locate's XDG rules)."""
+    return cache_root().parent / "eval_slice"
 
 
 def family_of(source: Path, cache: Path) -> dict[str, Path]:

@@ -18,19 +18,12 @@ GOLDEN_FILE = "eval_slice_golden.json"
 CHUNKS = 2  # the golden's slice: 2 chunks of 512 tokens, 510 tokens scored
 
 
-def _runfile(value: str) -> Path:
-    path = Path(value)
-    if not path.is_absolute() and os.environ.get("TEST_SRCDIR") and not path.exists():
-        path = Path(os.environ["TEST_SRCDIR"]) / os.environ.get("TEST_WORKSPACE", "") / path
-    return path
-
-
 @pytest.fixture(scope="session")
 def family() -> dict[str, Path]:
     source = smollm2_gguf()
     own = checkpoints.source_name(source)
     if os.environ.get(FAMILY_ENV):
-        folder = _runfile(os.environ[FAMILY_ENV].split()[0]).parent
+        folder = Path(os.environ[FAMILY_ENV].split()[0]).parent  # runfiles: relative to the cwd
         stem = source.name.split(".")[0]
         members = {name: folder / f"{stem}.{name}.gguf" for name in checkpoints.MEMBERS}
     else:
@@ -48,7 +41,7 @@ def golden() -> dict:
             f"eval_slice_golden --output-dir=DIR) and set {GOLDEN_ENV}=DIR/{GOLDEN_FILE}"
         )
     (path,) = [p for p in os.environ[GOLDEN_ENV].split() if Path(p).name == GOLDEN_FILE]
-    return json.loads(_runfile(path).read_text(encoding="utf-8"))
+    return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="session")

@@ -36,13 +36,21 @@ SAME_TOP_POINTS = 0.015
 BASE_PPL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def both(family, text):
-    if shutil.which("llama-perplexity") is None:
-        message = "llama-perplexity is not installed: run tools/llama_cpp/install.sh"
+def _installed(program: str) -> str:
+    """The program's path; without it a skip naming the install script (a failure under
+    CI_REQUIRE_LLAMA_CPP=1)."""
+    found = shutil.which(program)
+    if found is None:
+        message = f"{program} is not installed: run tools/llama_cpp/install.sh"
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{message} ({REQUIRE_ENV}=1)")
         pytest.skip(message)
+    return found
+
+
+@pytest.fixture(scope="module")
+def both(family, text):
+    _installed("llama-perplexity")
     ours, count = eval_slice.engine_rows(family, text, eval_slice.N_CTX, CHUNKS, ["ggml"])
     theirs = eval_slice.llama_cpp_rows(family, eval_slice.TEXT, eval_slice.N_CTX, count, 1)
     print(eval_slice.table(ours, theirs))
@@ -70,12 +78,7 @@ def test_the_requantized_members_hold_llama_quantizes_bytes(family, tmp_path, me
     """checkpoints.py's members are what `llama-quantize --allow-requantize BASE OUT TYPE`
     writes from the same base: every tensor of the same type and the same bytes (its tied
     embedding included, which llama-quantize keeps at Q8_0 for these types)."""
-    binary = shutil.which("llama-quantize")
-    if binary is None:
-        message = "llama-quantize is not installed: run tools/llama_cpp/install.sh"
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{message} ({REQUIRE_ENV}=1)")
-        pytest.skip(message)
+    binary = _installed("llama-quantize")
     theirs_path = tmp_path / f"{member}.gguf"
     done = subprocess.run(
         [binary, "--allow-requantize", str(family["f32"]), str(theirs_path), file_type, "1"],
