@@ -114,8 +114,17 @@ def engine_outputs(engine: Llama3Engine, input_ids: list[int], tokens: list[int]
     A `compiled` engine runs its blocks eagerly here (hooks do not fire inside a compiled
     graph): a divergence that only the compiled graphs have is then reported as none.
     """
-    with _recording(engine_points(engine)) as outputs, torch.compiler.set_stance("force_eager"):
-        engine.generate(input_ids, len(tokens), forced_tokens=tokens)
+    # The hooks are on the modules; a mode's one-call decode step (packed.PackedTransformer's
+    # fused_decode, the same bits) bypasses them, so the decode steps run module by module.
+    fused = getattr(engine.model, "fused_decode", None)
+    try:
+        if fused is not None:
+            engine.model.fused_decode = None
+        with _recording(engine_points(engine)) as outputs, torch.compiler.set_stance("force_eager"):
+            engine.generate(input_ids, len(tokens), forced_tokens=tokens)
+    finally:
+        if fused is not None:
+            engine.model.fused_decode = fused
     return {point: torch.cat(calls) for point, calls in outputs.items()}
 
 

@@ -201,15 +201,13 @@ class Llama3Engine:
             dequantized=parsed.dequantized,
         )
         packed_weights = {k: w for k, w in weights.items() if isinstance(w, RawMatrix)}
-        # The ggml mode's model class where it has matrices to run (a float file stays eager's).
-        ggml = mode == "ggml" and bool(packed_weights)
-        model_class = (
-            ggml_mode.GgmlTransformer
-            if ggml
-            else CompiledTransformer
-            if mode == "compiled"
-            else Transformer
-        )
+        # The quantized and ggml modes' model classes where they have matrices to run (a float
+        # file stays eager's).
+        model_class = Transformer
+        if mode == "compiled":
+            model_class = CompiledTransformer
+        elif packed_weights:
+            model_class = ggml_mode.GgmlTransformer if mode == "ggml" else packed.PackedTransformer
         with torch.device("meta"):
             model = model_class(config)
         # assign=True adopts the loaded tensors; nothing is randomly initialised and thrown away.

@@ -40,7 +40,7 @@ from torch import nn
 
 from pipelines.llama3 import packed, profiling
 from pipelines.llama3.kernel_library import GGML_ORDER, library
-from pipelines.llama3.model import Transformer, causal_mask, rope_inverse_frequencies
+from pipelines.llama3.model import causal_mask, rope_inverse_frequencies
 from pipelines.llama3.packing import RawMatrix
 
 # kernels/ggml_dot.c's weight codes, and the activations ggml quantizes for each
@@ -301,16 +301,17 @@ class _Layer(ctypes.Structure):
     ]
 
 
-class FusedDecode:
+class FusedDecode(packed.FusedDecode):
     """One decode step through every layer in one kernel call (ggml_decode_layers): the same
-    functions, in the same order, as the layers' modules, so the same bits; about ten
-    Python-level calls per layer fewer (GgmlTransformer.run_layers)."""
+    functions, in the same order, as this mode's modules, so the same bits."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model, self._lib = model, kernels()
-        if self._lib.ggml_layer_bytes() != ctypes.sizeof(_Layer):
-            raise RuntimeError("kernels/ggml_dot.c's ggml_layer is not ggml_mode._Layer")
-        self._layers, self._caches = None, None
+    function = "ggml_decode_layers"
+    entry = _Layer
+    entry_bytes = "ggml_layer_bytes"
+
+    @staticmethod
+    def _library():
+        return kernels()
 
     @staticmethod
     def applies(model: nn.Module) -> bool:
@@ -329,55 +330,25 @@ class FusedDecode:
                 return False
         return True
 
-    def _table(self):
-        caches = [(layer.attention.cache_k, layer.attention.cache_v) for layer in self.model.layers]
-        key = [(k.data_ptr(), v.data_ptr(), k.shape[2]) for k, v in caches]
-        if self._caches != key:  # setup_caches allocated new caches
-            table = (_Layer * len(caches))()
-            for entry, layer, (k, v) in zip(table, self.model.layers, caches, strict=True):
-                attention, ffn = layer.attention, layer.feed_forward
-                entry.attn_norm = layer.attention_norm.weight.data_ptr()
-                entry.ffn_norm = layer.ffn_norm.weight.data_ptr()
-                for name, linear in (
-                    ("wqkv", attention.wqkv), ("wo", attention.wo),
-                    ("w13", ffn.w13), ("w2", ffn.w2),
-                ):  # fmt: skip
-                    setattr(entry, name, linear.weight.blocks.data_ptr())
-                entry.tqkv, entry.to = attention.wqkv.weight.code, attention.wo.weight.code
-                entry.t13, entry.t2 = ffn.w13.weight.code, ffn.w2.weight.code
-                entry.cache_k, entry.cache_v = k.data_ptr(), v.data_ptr()
-            self._layers, self._caches = table, key
-        return self._layers, caches[0][0].shape[2]
-
-    def __call__(self, h: torch.Tensor, start_pos: int, cos, sin) -> torch.Tensor:
-        model, config = self.model, self.model.config
-        layers, max_seq = self._table()
-        h = h.float().contiguous().clone()  # [1, 1, dim], updated in place
-        threads = torch.get_num_threads()
-        with profiling.region("ggml_decode_layers"):
-            self._lib.ggml_decode_layers(
-                layers, len(model.layers), h.data_ptr(), config.dim, config.n_heads,
-                config.n_kv_heads, config.head_dim, config.ffn_dim, max_seq, start_pos,
-                cos.data_ptr(), sin.data_ptr(), config.rms_norm_eps,
-                model.layers[0].attention.scale, threads,
-            )  # fmt: skip
-        return h
+    def fill(self, entry: ctypes.Structure, layer: nn.Module) -> None:
+        attention, ffn = layer.attention, layer.feed_forward
+        entry.attn_norm = layer.attention_norm.weight.data_ptr()
+        entry.ffn_norm = layer.ffn_norm.weight.data_ptr()
+        for name, linear in (
+            ("wqkv", attention.wqkv), ("wo", attention.wo), ("w13", ffn.w13), ("w2", ffn.w2),
+        ):  # fmt: skip
+            setattr(entry, name, linear.weight.blocks.data_ptr())
+        entry.tqkv, entry.to = attention.wqkv.weight.code, attention.wo.weight.code
+        entry.t13, entry.t2 = ffn.w13.weight.code, ffn.w2.weight.code
 
 
-class GgmlTransformer(Transformer):
+class GgmlTransformer(packed.PackedTransformer):
     """The ggml mode's model (a file with quantized matrices; install() gives it its layers):
     ggml's rope angles, and one kernel call per decode step through every layer where every
-    layer is this mode's (fused_decode, else None: the layers' modules one by one)."""
-
-    fused_decode: FusedDecode | None = None
+    layer is this mode's (fused_decode: FusedDecode, else None: the layers' modules)."""
 
     def rope_tables(self, positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.config, positions, device)
-
-    def run_layers(self, h, start_pos: int, cos, sin, mask) -> torch.Tensor:
-        if self.fused_decode is not None and h.shape[:2] == (1, 1) and mask is None:
-            return self.fused_decode(h, start_pos, cos, sin)
-        return super().run_layers(h, start_pos, cos, sin, mask)
 
 
 def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
@@ -398,8 +369,8 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
         norm=GgmlRMSNorm,
         feed_forward=GgmlFeedForward,
         attention=GgmlAttention,
+        fused_decode=FusedDecode,
     )
-    model.fused_decode = FusedDecode(model) if FusedDecode.applies(model) else None
 
 
 def _is_plain_causal(mask: torch.Tensor, seqlen: int, start_pos: int) -> bool:

@@ -183,9 +183,16 @@ def load(isa: str) -> ctypes.CDLL:
     lib.ggml_rope_pow.argtypes = [ctypes.c_float, ctypes.c_float]
     lib.ggml_rope_sin_cos.argtypes = [ptr, i64, ptr, ptr]
     lib.ggml_layer_bytes.restype = i64
+    lib.swiglu_rows.argtypes = [ptr, i64, i64, ptr]
+    lib.packed_layer_bytes.argtypes = []
+    lib.packed_layer_bytes.restype = i64
+    lib.packed_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64]
+    lib.packed_decode_layers.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    lib.packed_decode_layers.restype = ctypes.c_int
     lib.ggml_layer_bytes.argtypes = []
     lib.ggml_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.ggml_decode_layers.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    lib.ggml_decode_layers.restype = ctypes.c_int
     functions = (
         "q4_gemm",
         "q8_gemm",
@@ -194,6 +201,7 @@ def load(isa: str) -> ctypes.CDLL:
         "rms_norm",
         "decode_attention",
         "decode_attention_paged",
+        "swiglu_rows",
         "ggml_quantize_rows",
         "ggml_gemm",
         "ggml_rms_norm",
@@ -201,7 +209,6 @@ def load(isa: str) -> ctypes.CDLL:
         "ggml_swiglu_rows",
         "ggml_attention",
         "ggml_rope_sin_cos",
-        "ggml_decode_layers",
         *_PACKERS,
     )
     for name in functions:

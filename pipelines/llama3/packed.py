@@ -6,8 +6,10 @@ matrices the loader kept as raw GGUF blocks (packing.RawMatrix):
     PackedLinear       y = x . W^T on packed weights, in the C kernels (kernel_library.py)
     PackedEmbedding    embedding rows dequantized as they are looked up
     PackedAttention    Attention with one fused q/k/v product and a one-call decode step
-    PackedFeedForward  FeedForward with one fused gate/up product
+    PackedFeedForward  FeedForward with one fused gate/up product, SwiGLU in one kernel call
     KernelRMSNorm      RMSNorm in one kernel call
+    FusedDecode        a decode step through every layer in one kernel call
+    PackedTransformer  the model that takes FusedDecode for its decode steps
 
 The kernels multiply float32 activations by groupwise int4/int8 weights (packing.py). Per 32
 weights int4 keeps 16 bytes of nibbles and a float32 scale and offset (8 bytes): 6 bits a
@@ -22,6 +24,8 @@ float32 tolerances. These kernels keep float32 activations and exact scales.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +75,13 @@ class RowProduct(nn.Module):
         """[rows, out] of contiguous float32 rows x [rows, cols]."""
         raise NotImplementedError
 
+    def parallel(self, rows: int) -> bool:
+        """Whether a product of `rows` rows uses threads. Small products run on one thread:
+        waking the pool costs more than it saves there."""
+        return rows * self.weight.nbytes >= PARALLEL_BYTES
+
     def _threads(self, rows: int) -> int:
-        # Small products run on one thread: waking the pool costs more than it saves there.
-        return torch.get_num_threads() if rows * self.weight.nbytes >= PARALLEL_BYTES else 1
+        return torch.get_num_threads() if self.parallel(rows) else 1
 
     def unsplit(self, x: torch.Tensor) -> torch.Tensor:
         """The product [..., out], whatever `splits` says."""
@@ -360,7 +368,10 @@ class PackedAttention(Attention):
 
 class PackedFeedForward(FeedForward):
     """FeedForward whose gate and up projections are one packed product, `w13` (returning
-    (gate, up)): one kernel call and one read of the activations instead of two."""
+    (gate, up)): one kernel call and one read of the activations instead of two; then SwiGLU
+    in one kernel call (`swiglu_rows`: torch's SiLU formula with the C library's exp, which
+    rounds alike on every CPU where ATen's vector exp does not), as the one-call decode step
+    (FusedDecode) computes it."""
 
     def __init__(self, dim: int, hidden_dim: int, w13: PackedLinear, w2: nn.Module) -> None:
         with torch.device("meta"):  # w1, w3 are replaced by w13: no memory for them
@@ -368,10 +379,128 @@ class PackedFeedForward(FeedForward):
         del self.w1, self.w3
         self.w13 = w13
         self.w2 = w2
+        self._lib = library()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x)
-        return self.w2(F.silu(gate) * up)  # SwiGLU
+        gate_up = self.w13.unsplit(x)  # [..., 2 * hidden], gate then up (float32, CPU)
+        hidden = self.w13.splits[0]
+        out = torch.empty(*gate_up.shape[:-1], hidden, dtype=torch.float32)
+        with profiling.region("swiglu_rows"):
+            self._lib.swiglu_rows(
+                gate_up.data_ptr(), gate_up.numel() // (2 * hidden), hidden, out.data_ptr()
+            )
+        return self.w2(out)
+
+
+class _PackedLayer(ctypes.Structure):
+    """kernels/packed_gemm.c's packed_layer (products in the order wqkv, wo, w13, w2)."""
+
+    _fields_ = [
+        ("attn_norm", ctypes.c_void_p),
+        ("ffn_norm", ctypes.c_void_p),
+        ("q", ctypes.c_void_p * 4),
+        ("scales", ctypes.c_void_p * 4),
+        ("int4", ctypes.c_int32 * 4),
+        ("parallel", ctypes.c_int32 * 4),
+        ("cache_k", ctypes.c_void_p),
+        ("cache_v", ctypes.c_void_p),
+    ]
+
+
+class FusedDecode:
+    """One decode step of one sequence through every layer in one kernel call: the kernels the
+    layers' modules call, in the same order, so the same bits, without about a dozen
+    Python-level calls per layer (PackedTransformer.run_layers takes it for one position).
+
+    This is the quantized mode's (`packed_decode_layers` over a table of `_PackedLayer`);
+    ggml_mode.FusedDecode fills its own table for `ggml_decode_layers`. `applies(model)` says
+    whether every layer is the mode's own; a planted bug in a module the call bypasses
+    unsets model.fused_decode."""
+
+    function = "packed_decode_layers"  # the library's, and the profile region's name
+    entry: type[ctypes.Structure] = _PackedLayer
+    entry_bytes = "packed_layer_bytes"  # the library's sizeof of its entry
+
+    def __init__(self, model: Transformer) -> None:
+        self.model, self._lib = model, self._library()
+        if getattr(self._lib, self.entry_bytes)() != ctypes.sizeof(self.entry):
+            raise RuntimeError(f"the kernels' layer table is not {type(self).__name__}.entry")
+        self._layers, self._caches = None, None
+
+    @staticmethod
+    def _library():
+        return library()
+
+    @staticmethod
+    def applies(model: Transformer) -> bool:
+        """Whether every layer is the quantized mode's: fused q/k/v and gate/up products,
+        packed wo and w2, kernel norms (exactly these classes: a subclass computes otherwise)."""
+        for layer in model.layers:
+            attention, ffn = layer.attention, layer.feed_forward
+            parts = [
+                type(attention) is PackedAttention,
+                type(getattr(attention, "wo", None)) is PackedLinear,
+                type(ffn) is PackedFeedForward,
+                type(getattr(ffn, "w2", None)) is PackedLinear,
+                type(layer.attention_norm) is KernelRMSNorm,
+                type(layer.ffn_norm) is KernelRMSNorm,
+            ]
+            if not all(parts):
+                return False
+        return True
+
+    def fill(self, entry: ctypes.Structure, layer: nn.Module) -> None:
+        """`entry` from `layer`'s weights (the caches are set by _table)."""
+        attention, ffn = layer.attention, layer.feed_forward
+        entry.attn_norm = layer.attention_norm.weight.data_ptr()
+        entry.ffn_norm = layer.ffn_norm.weight.data_ptr()
+        products = (attention.wqkv, attention.wo, ffn.w13, ffn.w2)
+        for i, linear in enumerate(products):
+            entry.q[i] = linear.weight.q.data_ptr()
+            entry.scales[i] = linear.weight.scales.data_ptr()
+            entry.int4[i] = linear.weight.kind == "int4"
+            entry.parallel[i] = linear.parallel(1)
+
+    def _table(self) -> tuple[ctypes.Array, int]:
+        layers = self.model.layers
+        caches = [(layer.attention.cache_k, layer.attention.cache_v) for layer in layers]
+        key = [(k.data_ptr(), v.data_ptr(), k.shape[2]) for k, v in caches]
+        if self._caches != key:  # setup_caches allocated new caches
+            table = (self.entry * len(caches))()
+            for entry, layer, (k, v) in zip(table, layers, caches, strict=True):
+                self.fill(entry, layer)
+                entry.cache_k, entry.cache_v = k.data_ptr(), v.data_ptr()
+            self._layers, self._caches = table, key
+        return self._layers, caches[0][0].shape[2]
+
+    def __call__(self, h: torch.Tensor, start_pos: int, cos, sin) -> torch.Tensor:
+        model, config = self.model, self.model.config
+        layers, max_seq = self._table()
+        h = h.float().contiguous().clone()  # [1, 1, dim], updated in place
+        with profiling.region(self.function):
+            failed = getattr(self._lib, self.function)(
+                layers, len(model.layers), h.data_ptr(), config.dim, config.n_heads,
+                config.n_kv_heads, config.head_dim, config.ffn_dim, max_seq, start_pos,
+                cos.data_ptr(), sin.data_ptr(), config.rms_norm_eps,
+                model.layers[0].attention.scale, torch.get_num_threads(),
+            )  # fmt: skip
+        if failed:
+            raise MemoryError(f"{self.function}: no memory for one decode step's scratch")
+        return h
+
+
+class PackedTransformer(Transformer):
+    """The quantized mode's model (a file with packed matrices; install() gives it its
+    layers): one kernel call per decode step through every layer where every layer is the
+    mode's (fused_decode; else None: the layers' modules one by one, as for a batch or a
+    prefill)."""
+
+    fused_decode: FusedDecode | None = None
+
+    def run_layers(self, h, start_pos: int, cos, sin, mask) -> torch.Tensor:
+        if self.fused_decode is not None and h.shape[:2] == (1, 1) and mask is None:
+            return self.fused_decode(h, start_pos, cos, sin)
+        return super().run_layers(h, start_pos, cos, sin, mask)
 
 
 def _fusable(matrices: dict[str, RawMatrix], names: list[str]) -> list[RawMatrix] | None:
@@ -403,22 +532,25 @@ def install(
     norm=None,
     feed_forward=None,
     attention=None,
+    fused_decode: type[FusedDecode] | None = None,
 ) -> None:
     """Put `matrices` (parameter name -> RawMatrix) into a Transformer whose other
     parameters are loaded, each product made by `linear(parts, splits=None)`
     (`packed_linear`: the quantized mode; ggml_mode.py passes its own, with its own `norm`,
-    `feed_forward` and `attention` classes).
+    `feed_forward`, `attention` and `fused_decode` classes).
 
     A layer's attention becomes a PackedAttention (wq/wk/wv fused into `wqkv`) and its
     feed-forward a PackedFeedForward (w1/w3 into `w13`) when all their parts are packable
     alike; otherwise each packable projection becomes a `linear` in the plain module.
-    Float32 CPU norms become KernelRMSNorm (or `norm`).
+    Float32 CPU norms become KernelRMSNorm (or `norm`). Where every layer came out the mode's
+    own, a PackedTransformer's decode steps run through them in one call (`fused_decode`).
     """
     if not matrices:
         return  # nothing packed (a float file): the model stays exactly the eager one
     config = model.config
     norm = norm or KernelRMSNorm
     feed_forward_class = feed_forward or PackedFeedForward
+    fused_decode = fused_decode or FusedDecode
     attention_class = attention or PackedAttention
     float_norms = (
         model.norm.weight.dtype == torch.float32 and model.norm.weight.device.type == "cpu"
@@ -457,3 +589,5 @@ def install(
             model.output = PackedLinear(embedding)  # the lookups' packed copy, shared
         else:
             model.output = linear([matrices["tok_embeddings.weight"]])
+    if isinstance(model, PackedTransformer):
+        model.fused_decode = fused_decode(model) if fused_decode.applies(model) else None

@@ -9,8 +9,10 @@ The engine names its own parts in that trace with `region(name)`:
     speculative decode          generate's decode under speculation (drafts and verification)
     serving step                ServingEngine.step: admission, block tables, the decoder...
     serving forward             ...and the step's one forward over every running piece
-    q4_gemm, q8_gemm            the quantized mode's C kernels (packed.py), and its fused
-    decode_attention[_paged]    one-position attention
+    q4_gemm, q8_gemm,           the quantized mode's C kernels (packed.py): products,
+    swiglu_rows,                SwiGLU, one-position attention, and one decode step
+    decode_attention[_paged],   through every layer
+    packed_decode_layers
     ggml_gemm, ggml_attention,  the ggml mode's C kernels (ggml_mode.py); the last is one
     ggml_swiglu_rows,           decode step through every layer
     ggml_decode_layers
@@ -19,9 +21,10 @@ so that time spent in a C kernel (which torch.profiler does not see: ctypes call
 attributed, and a serving step's scheduler cost is its range less its forward's.
 
 While no trace is being taken a region is a shared no-op context: about 0.4 us a `with`
-(measured on the Intel Xeon), so a quantized SmolLM2 decode step's ~150 kernel calls pay about
-60 us of its ~15 ms (0.4%); torch's record_function costs tens of times that per call even
-with no profiler listening (15 us measured here, beside a busy core).
+(measured on the Intel Xeon), so the ~150 kernel calls of a quantized SmolLM2 step decoded
+module by module (a serving step's) pay about 60 us of its ~15 ms (0.4%); torch's
+record_function costs tens of times that per call even with no profiler listening (15 us
+measured here, beside a busy core).
 """
 
 from __future__ import annotations

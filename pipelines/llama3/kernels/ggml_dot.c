@@ -908,8 +908,9 @@ typedef struct {
 
 int64_t ggml_layer_bytes(void) { return (int64_t)sizeof(ggml_layer); }
 
-/* h [dim] in place: the residual stream after every layer. threads: per product. */
-void ggml_decode_layers(const ggml_layer *layers, int64_t n_layers, float *h, int64_t dim,
+/* h [dim] in place: the residual stream after every layer. threads: per product. Returns -1
+ * (h untouched) when its scratch cannot be allocated, else 0. */
+int ggml_decode_layers(const ggml_layer *layers, int64_t n_layers, float *h, int64_t dim,
                         int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn, int64_t max_seq,
                         int64_t pos, const float *cos, const float *sin, float eps, float scale,
                         int threads) {
@@ -921,7 +922,7 @@ void ggml_decode_layers(const ggml_layer *layers, int64_t n_layers, float *h, in
   if (!x || !act) {
     free(x);
     free(act);
-    return;
+    return -1;
   }
   float *qkv = x + dim, *att = qkv + width, *gu = att + attn, *s = gu + 2 * ffn, *y = s + ffn;
   for (int64_t l = 0; l < n_layers; l++) {
@@ -940,4 +941,5 @@ void ggml_decode_layers(const ggml_layer *layers, int64_t n_layers, float *h, in
   }
   free(x);
   free(act);
+  return 0;
 }

@@ -24,7 +24,9 @@
  * cost about as much as the dot products). test_packed.py holds every output of a block to
  * its bits alone.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "half.h"
@@ -605,4 +607,79 @@ void decode_attention_paged(float *qkv, const float *cos, const float *sin, floa
     memcpy(cache_v + at, v, n_kv_heads * head_dim * 4);
     attend(qkv, cache_k, cache_v, slots, n_kv_heads, 1, n_heads, n_kv_heads, head_dim,
            pos + 1, scale, scores, out);
+}
+
+/* SwiGLU of rows of a fused gate/up product, gu [rows, 2 * hidden] (gate then up): out =
+ * (g / (1 + exp(-g))) * up, torch's SiLU formula times up with each step rounded as written,
+ * exp from the C library. The quantized mode's feed-forward calls it for every row (packed.py
+ * PackedFeedForward), so its decode step below computes what the modules compute. */
+void swiglu_rows(const float *gu, int64_t rows, int64_t hidden, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gu + r * 2 * hidden, *up = gate + hidden;
+        float *o = out + r * hidden;
+        for (int64_t i = 0; i < hidden; i++) {
+            const float g = gate[i];
+            o[i] = (g / (1.0f + expf(-g))) * up[i];
+        }
+    }
+}
+
+/* --- one decode step through every layer ---------------------------------------------------
+ * What the quantized mode's modules compute for one new position of one sequence
+ * (KernelRMSNorm, PackedAttention's fused product and decode_attention, PackedLinear,
+ * PackedFeedForward's swiglu_rows, the residual adds), the same functions in the same order,
+ * so the same bits, in one call instead of about a dozen Python-level calls per layer. */
+
+enum { P_QKV, P_O, P_13, P_2, P_COUNT }; /* a layer's products */
+
+typedef struct {
+    const float *attn_norm, *ffn_norm; /* [dim] */
+    const void *q[P_COUNT];            /* packed values: int4 nibbles or int8 */
+    const float *scales[P_COUNT];      /* int4: {scale, offset} per group; int8: scale */
+    int32_t int4[P_COUNT];             /* 1: int4, 0: int8 */
+    int32_t parallel[P_COUNT];         /* 1: the product takes `threads`, 0: one thread */
+    float *cache_k, *cache_v;          /* [n_kv, max_seq, hd], batch row 0 */
+} packed_layer;
+
+int64_t packed_layer_bytes(void) { return (int64_t)sizeof(packed_layer); }
+
+static void layer_product(const packed_layer *L, int p, const float *x, int64_t K, int64_t N,
+                          float *y, float *sums, int threads) {
+    const int t = L->parallel[p] ? threads : 1;
+    if (L->int4[p])
+        q4_gemm(x, 1, K, (const uint8_t *)L->q[p], L->scales[p], N, y, sums, t);
+    else
+        q8_gemm(x, 1, K, (const int8_t *)L->q[p], L->scales[p], N, y, t);
+}
+
+/* h [dim] in place: the residual stream after every layer; cos, sin: the rows of `pos`.
+ * Returns -1 (h untouched) when its scratch cannot be allocated, else 0. */
+int packed_decode_layers(const packed_layer *layers, int64_t n_layers, float *h, int64_t dim,
+                         int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
+                         int64_t max_seq, int64_t pos, const float *cos, const float *sin,
+                         float eps, float scale, int threads) {
+    const int64_t width = (n_heads + 2 * n_kv) * hd, attn = n_heads * hd;
+    int64_t widest = dim > attn ? dim : attn;
+    widest = widest > ffn ? widest : ffn;
+    const int64_t floats = dim + width + attn + 3 * ffn + dim + widest / GROUP + max_seq;
+    float *x = (float *)malloc(sizeof(float) * (size_t)floats);
+    if (!x) return -1;
+    float *qkv = x + dim, *att = qkv + width, *gu = att + attn, *s = gu + 2 * ffn;
+    float *y = s + ffn, *sums = y + dim, *scores = sums + widest / GROUP;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const packed_layer *L = &layers[l];
+        rms_norm(h, L->attn_norm, 1, dim, eps, x);
+        layer_product(L, P_QKV, x, dim, width, qkv, sums, threads);
+        decode_attention(qkv, cos, sin, L->cache_k, L->cache_v, n_heads, n_kv, hd, max_seq, pos,
+                         scale, scores, att);
+        layer_product(L, P_O, att, attn, dim, y, sums, threads);
+        for (int64_t i = 0; i < dim; i++) h[i] = h[i] + y[i];
+        rms_norm(h, L->ffn_norm, 1, dim, eps, x);
+        layer_product(L, P_13, x, dim, 2 * ffn, gu, sums, threads);
+        swiglu_rows(gu, 1, ffn, s);
+        layer_product(L, P_2, s, ffn, dim, y, sums, threads);
+        for (int64_t i = 0; i < dim; i++) h[i] = h[i] + y[i];
+    }
+    free(x);
+    return 0;
 }

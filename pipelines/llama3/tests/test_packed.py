@@ -18,15 +18,16 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pipelines.checkpoints import smollm2_gguf
-from pipelines.llama3 import Llama3Engine, kernel_library, packed, packing, quants
+from pipelines.llama3 import Llama3Engine, ggml_mode, kernel_library, packed, packing, quants
 from pipelines.llama3.gguf_file import GGUFFile
-from pipelines.llama3.model import Attention
+from pipelines.llama3.model import Attention, RMSNorm
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 # Relative to the repository root, where pytest and Bazel's runfiles both start.
 Q4_K_FILE = pathlib.Path("max_tests/integration/architectures/llama3/testdata/tiny_llama_q4_k.gguf")
 
 GGUF_PY_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+ISAS = [isa for isa in ("portable", "avx2", "avx512", "vnni") if kernel_library.runnable(isa)]
 
 
 def _gguf_py_tensor(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):
@@ -291,6 +292,7 @@ def test_decode_attention_follows_the_general_path() -> None:
     kernels = Llama3Engine.from_gguf(Q4_K_FILE, mode="quantized")
     general = Llama3Engine.from_gguf(Q4_K_FILE, mode="quantized")
     model = general.model
+    model.fused_decode = None  # its decode steps through the modules (the kernels' own: below)
     assert model.config.n_heads > model.config.n_kv_heads  # grouped-query attention
     for layer in model.layers:
         assert isinstance(layer.attention, packed.PackedAttention)
@@ -306,6 +308,81 @@ def test_decode_attention_follows_the_general_path() -> None:
         for cache in ("cache_k", "cache_v"):
             written = getattr(mine.attention, cache)[:, :, :used]
             assert torch.equal(written, getattr(theirs.attention, cache)[:, :, :used])
+
+
+@pytest.fixture(scope="module")
+def fused_files(tmp_path_factory) -> list[pathlib.Path]:
+    """Tiny checkpoints of each packable kind: Q4_0, Q8_0 and Q4_1 written here (dim 64, an
+    untied head), the committed Q4_K file (its head Q6_K, kept dense)."""
+    folder = tmp_path_factory.mktemp("fused")
+    files = []
+    for qtype in GGUF_PY_TYPES:
+        files.append(folder / f"tiny_{qtype.name}.gguf")
+        write_tiny_llama(files[-1], dim=64, weight_type=qtype)
+    return [*files, Q4_K_FILE]
+
+
+def _runs(engine: Llama3Engine, fused) -> tuple:
+    """Tokens and logits of a 20-step greedy generation, decoded by `fused` (None: module by
+    module), on one thread and on two."""
+    engine.model.fused_decode, runs = fused, []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            out = engine.generate([1, 17, 99, 5, 42, 7], 20, stop_on_eos=False)
+            runs.append((out.tokens, out.logits.numpy().tobytes()))
+    finally:
+        torch.set_num_threads(threads)
+    return tuple(runs)
+
+
+@pytest.mark.parametrize("mode", ["quantized", "ggml"])
+def test_the_one_call_decode_step_computes_the_modules_bits(mode, fused_files) -> None:
+    """model.fused_decode (one kernel call through every layer) against the same engine's
+    modules: the same tokens and logits, bit for bit, on every packable kind and thread
+    count. The check fails on a planted break: layer 0's table entry given its attention norm
+    in place of its MLP norm."""
+
+    class SwappedNorms(packed.FusedDecode if mode == "quantized" else ggml_mode.FusedDecode):
+        def fill(self, entry, layer) -> None:
+            super().fill(entry, layer)
+            if layer is self.model.layers[0]:
+                entry.ffn_norm = layer.attention_norm.weight.data_ptr()
+
+    for path in fused_files:
+        engine = Llama3Engine.from_gguf(path, mode=mode)
+        fused = engine.model.fused_decode
+        expected_class = packed.FusedDecode if mode == "quantized" else ggml_mode.FusedDecode
+        assert type(fused) is expected_class, path.name  # every layer is the mode's
+        modules = _runs(engine, None)
+        assert _runs(engine, fused) == modules, path.name
+        assert _runs(engine, SwappedNorms(engine.model)) != modules, path.name
+
+
+def test_a_layer_of_another_kind_turns_the_one_call_decode_step_off(fused_files) -> None:
+    engine = Llama3Engine.from_gguf(fused_files[0], mode="quantized")
+    assert packed.FusedDecode.applies(engine.model)
+    engine.model.layers[-1].ffn_norm = RMSNorm(engine.config.dim, engine.config.rms_norm_eps)
+    assert not packed.FusedDecode.applies(engine.model)
+
+
+def test_swiglu_is_silu_times_up_and_the_same_on_every_build() -> None:
+    """The quantized mode's SwiGLU (swiglu_rows, the C library's expf): within 1e-6 of the
+    float64 value (expf within an ulp, then a division and a product), the same bits on every
+    kernel build."""
+    gate = torch.linspace(-110.0, 90.0, 4002)
+    up = torch.linspace(0.5, 2.0, 4002)
+    gate_up = torch.stack([gate[:2001], up[:2001], gate[2001:], up[2001:]]).reshape(2, 4002)
+    outs = []
+    for isa in ISAS:
+        out = torch.empty(2, 2001)
+        kernel_library.load(isa).swiglu_rows(gate_up.data_ptr(), 2, 2001, out.data_ptr())
+        outs.append(out.reshape(-1))
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    expected = (gate.double() * torch.sigmoid(gate.double())) * up.double()
+    error = (outs[0].double() - expected).abs() / expected.abs().clamp(min=1e-30)
+    assert error[gate > -80].max() < 1e-6
 
 
 def test_kernel_rms_norm_equals_torch_up_to_summation_order() -> None:

@@ -35,7 +35,7 @@ WEIGHT_TYPES = {
 # What each mode's decode steps must contain (the C kernels by their region names).
 KERNELS = {
     "eager": ("aten::linear",),
-    "quantized": ("q4_gemm", "decode_attention"),
+    "quantized": ("packed_decode_layers",),
     "ggml": ("ggml_decode_layers",),
 }
 
