@@ -306,6 +306,7 @@ class FusedDecode(packed.FusedDecode):
     functions, in the same order, as this mode's modules, so the same bits."""
 
     function = "ggml_decode_layers"
+    paged = False  # the serving engine's steps run through the modules
     entry = _Layer
     entry_bytes = "ggml_layer_bytes"
 

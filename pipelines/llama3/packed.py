@@ -26,6 +26,7 @@ float32 tolerances. These kernels keep float32 activations and exact scales.
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -75,10 +76,14 @@ class RowProduct(nn.Module):
         """[rows, out] of contiguous float32 rows x [rows, cols]."""
         raise NotImplementedError
 
+    @property
+    def parallel_rows(self) -> int:
+        """The fewest rows whose product uses threads (rows x weight bytes >= PARALLEL_BYTES).
+        Small products run on one thread: waking the pool costs more than it saves there."""
+        return -(-PARALLEL_BYTES // self.weight.nbytes)
+
     def parallel(self, rows: int) -> bool:
-        """Whether a product of `rows` rows uses threads. Small products run on one thread:
-        waking the pool costs more than it saves there."""
-        return rows * self.weight.nbytes >= PARALLEL_BYTES
+        return rows >= self.parallel_rows
 
     def _threads(self, rows: int) -> int:
         return torch.get_num_threads() if self.parallel(rows) else 1
@@ -400,8 +405,8 @@ class _PackedLayer(ctypes.Structure):
         ("ffn_norm", ctypes.c_void_p),
         ("q", ctypes.c_void_p * 4),
         ("scales", ctypes.c_void_p * 4),
+        ("parallel_rows", ctypes.c_int64 * 4),
         ("int4", ctypes.c_int32 * 4),
-        ("parallel", ctypes.c_int32 * 4),
         ("cache_k", ctypes.c_void_p),
         ("cache_v", ctypes.c_void_p),
     ]
@@ -418,6 +423,7 @@ class FusedDecode:
     unsets model.fused_decode."""
 
     function = "packed_decode_layers"  # the library's, and the profile region's name
+    paged = True  # also a serving step of decode rows (decode_paged)
     entry: type[ctypes.Structure] = _PackedLayer
     entry_bytes = "packed_layer_bytes"  # the library's sizeof of its entry
 
@@ -459,23 +465,27 @@ class FusedDecode:
             entry.q[i] = linear.weight.q.data_ptr()
             entry.scales[i] = linear.weight.scales.data_ptr()
             entry.int4[i] = linear.weight.kind == "int4"
-            entry.parallel[i] = linear.parallel(1)
+            entry.parallel_rows[i] = linear.parallel_rows
 
-    def _table(self) -> tuple[ctypes.Array, int]:
+    def _table(self) -> ctypes.Array:
+        """The layers' entries, remade when setup_caches has allocated other caches (a serving
+        engine's model has none: its caches are the pool's)."""
         layers = self.model.layers
         caches = [(layer.attention.cache_k, layer.attention.cache_v) for layer in layers]
-        key = [(k.data_ptr(), v.data_ptr(), k.shape[2]) for k, v in caches]
-        if self._caches != key:  # setup_caches allocated new caches
+        key = [None if k is None else (k.data_ptr(), v.data_ptr()) for k, v in caches]
+        if self._layers is None or self._caches != key:
             table = (self.entry * len(caches))()
             for entry, layer, (k, v) in zip(table, layers, caches, strict=True):
                 self.fill(entry, layer)
-                entry.cache_k, entry.cache_v = k.data_ptr(), v.data_ptr()
+                if k is not None:
+                    entry.cache_k, entry.cache_v = k.data_ptr(), v.data_ptr()
             self._layers, self._caches = table, key
-        return self._layers, caches[0][0].shape[2]
+        return self._layers
 
     def __call__(self, h: torch.Tensor, start_pos: int, cos, sin) -> torch.Tensor:
         model, config = self.model, self.model.config
-        layers, max_seq = self._table()
+        layers = self._table()
+        max_seq = model.layers[0].attention.cache_k.shape[2]
         h = h.float().contiguous().clone()  # [1, 1, dim], updated in place
         with profiling.region(self.function):
             failed = getattr(self._lib, self.function)(
@@ -488,12 +498,49 @@ class FusedDecode:
             raise MemoryError(f"{self.function}: no memory for one decode step's scratch")
         return h
 
+    def takes(self, batch: PagedBatch) -> bool:
+        """Whether `decode_paged` computes this serving batch: decode rows only (no prefill
+        chunk, no verification piece), float32 caches on the CPU."""
+        k = batch.k
+        return (
+            self.paged
+            and all(c == 1 for c in batch.counts)
+            and k.dtype == torch.float32
+            and (k.device.type == "cpu" and k.is_contiguous() and batch.v.is_contiguous())
+        )
+
+    def decode_paged(self, h: torch.Tensor, cos, sin, batch: PagedBatch) -> torch.Tensor:
+        """h [rows, dim] of a serving batch of decode rows (`takes`) after every layer, in one
+        call (packed_decode_paged): row r's attention over its context slots, its new keys and
+        values written at its write slot, as PackedAttention.forward_paged does row by row."""
+        model, config = self.model, self.model.config
+        slots = []
+        for context, write in zip(batch.contexts, batch.write.tolist(), strict=True):
+            slots.append(context.clone())
+            slots[-1][-1] = write  # the new position's slot, the last one read
+        starts = torch.tensor([0, *itertools.accumulate(len(s) for s in slots)])
+        slots = torch.cat(slots).contiguous()
+        h = h.float().contiguous().clone()  # [rows, dim], updated in place
+        cos, sin = cos.contiguous(), sin.contiguous()
+        k, v = batch.k, batch.v
+        with profiling.region("packed_decode_paged"):
+            failed = self._lib.packed_decode_paged(
+                self._table(), len(model.layers), h.data_ptr(), h.shape[0], config.dim,
+                config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim,
+                slots.data_ptr(), starts.data_ptr(), k.data_ptr(), v.data_ptr(),
+                k[0].numel(), cos.data_ptr(), sin.data_ptr(), config.rms_norm_eps,
+                model.layers[0].attention.scale, torch.get_num_threads(),
+            )  # fmt: skip
+        if failed:
+            raise MemoryError("packed_decode_paged: no memory for one serving step's scratch")
+        return h
+
 
 class PackedTransformer(Transformer):
     """The quantized mode's model (a file with packed matrices; install() gives it its
     layers): one kernel call per decode step through every layer where every layer is the
     mode's (fused_decode; else None: the layers' modules one by one, as for a batch or a
-    prefill)."""
+    prefill), and so is a serving step of decode rows only (forward_paged)."""
 
     fused_decode: FusedDecode | None = None
 
@@ -501,6 +548,16 @@ class PackedTransformer(Transformer):
         if self.fused_decode is not None and h.shape[:2] == (1, 1) and mask is None:
             return self.fused_decode(h, start_pos, cos, sin)
         return super().run_layers(h, start_pos, cos, sin, mask)
+
+    def forward_paged(self, tokens, positions, batch: PagedBatch, outputs):
+        """Transformer.forward_paged; a batch of decode rows only in one call where the fused
+        step takes it (FusedDecode.takes)."""
+        fused = self.fused_decode
+        if fused is None or not fused.takes(batch):
+            return super().forward_paged(tokens, positions, batch, outputs)
+        h = self.tok_embeddings(tokens)  # [rows, dim]
+        h = fused.decode_paged(h, self.rope_cos[positions], self.rope_sin[positions], batch)
+        return self._piece_logits(h, outputs)
 
 
 def _fusable(matrices: dict[str, RawMatrix], names: list[str]) -> list[RawMatrix] | None:

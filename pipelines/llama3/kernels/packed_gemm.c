@@ -625,61 +625,109 @@ void swiglu_rows(const float *gu, int64_t rows, int64_t hidden, float *out) {
 }
 
 /* --- one decode step through every layer ---------------------------------------------------
- * What the quantized mode's modules compute for one new position of one sequence
- * (KernelRMSNorm, PackedAttention's fused product and decode_attention, PackedLinear,
- * PackedFeedForward's swiglu_rows, the residual adds), the same functions in the same order,
- * so the same bits, in one call instead of about a dozen Python-level calls per layer. */
+ * What the quantized mode's modules compute for decode rows (one new position each), the same
+ * functions in the same order, so the same bits, in one call instead of about a dozen
+ * Python-level calls per layer: KernelRMSNorm, PackedAttention's fused product and its
+ * one-position attention (decode_attention over one sequence's contiguous cache, or
+ * decode_attention_paged per row over the serving engine's paged caches), PackedLinear,
+ * PackedFeedForward's swiglu_rows, the residual adds. */
 
 enum { P_QKV, P_O, P_13, P_2, P_COUNT }; /* a layer's products */
 
 typedef struct {
-    const float *attn_norm, *ffn_norm; /* [dim] */
-    const void *q[P_COUNT];            /* packed values: int4 nibbles or int8 */
-    const float *scales[P_COUNT];      /* int4: {scale, offset} per group; int8: scale */
-    int32_t int4[P_COUNT];             /* 1: int4, 0: int8 */
-    int32_t parallel[P_COUNT];         /* 1: the product takes `threads`, 0: one thread */
-    float *cache_k, *cache_v;          /* [n_kv, max_seq, hd], batch row 0 */
+    const float *attn_norm, *ffn_norm;  /* [dim] */
+    const void *q[P_COUNT];             /* packed values: int4 nibbles or int8 */
+    const float *scales[P_COUNT];       /* int4: {scale, offset} per group; int8: scale */
+    int64_t parallel_rows[P_COUNT];     /* from this many rows the product takes `threads` */
+    int32_t int4[P_COUNT];              /* 1: int4, 0: int8 */
+    float *cache_k, *cache_v;           /* [n_kv, max_seq, hd], batch row 0 (contiguous) */
 } packed_layer;
 
 int64_t packed_layer_bytes(void) { return (int64_t)sizeof(packed_layer); }
 
-static void layer_product(const packed_layer *L, int p, const float *x, int64_t K, int64_t N,
-                          float *y, float *sums, int threads) {
-    const int t = L->parallel[p] ? threads : 1;
+/* Where each row's attention reads and writes: one sequence's contiguous caches (the table's,
+ * position `pos`), or the paged caches, row r over slots[starts[r] .. starts[r + 1]) (its
+ * new keys and values written at the last), layer l's at k + l * layer_floats. */
+typedef struct {
+    int64_t pos, max_seq;
+    const int64_t *slots, *starts;
+    float *k, *v;
+    int64_t layer_floats;
+} decode_context;
+
+static void layer_product(const packed_layer *L, int p, const float *x, int64_t rows, int64_t K,
+                          int64_t N, float *y, float *sums, int threads) {
+    const int t = rows >= L->parallel_rows[p] ? threads : 1;
     if (L->int4[p])
-        q4_gemm(x, 1, K, (const uint8_t *)L->q[p], L->scales[p], N, y, sums, t);
+        q4_gemm(x, rows, K, (const uint8_t *)L->q[p], L->scales[p], N, y, sums, t);
     else
-        q8_gemm(x, 1, K, (const int8_t *)L->q[p], L->scales[p], N, y, t);
+        q8_gemm(x, rows, K, (const int8_t *)L->q[p], L->scales[p], N, y, t);
 }
 
-/* h [dim] in place: the residual stream after every layer; cos, sin: the rows of `pos`.
- * Returns -1 (h untouched) when its scratch cannot be allocated, else 0. */
+static int decode_rows(const packed_layer *layers, int64_t n_layers, float *h, int64_t rows,
+                       int64_t dim, int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
+                       const decode_context *c, const float *cos, const float *sin, float eps,
+                       float scale, int threads) {
+    const int64_t width = (n_heads + 2 * n_kv) * hd, attn = n_heads * hd;
+    int64_t widest = dim > attn ? dim : attn, context = c->pos + 1;
+    widest = widest > ffn ? widest : ffn;
+    for (int64_t r = 0; c->slots && r < rows; r++)
+        if (c->starts[r + 1] - c->starts[r] > context) context = c->starts[r + 1] - c->starts[r];
+    const int64_t floats = rows * (dim + width + attn + 3 * ffn + dim + widest / GROUP) + context;
+    float *x = (float *)malloc(sizeof(float) * (size_t)floats);
+    if (!x) return -1;
+    float *qkv = x + rows * dim, *att = qkv + rows * width, *gu = att + rows * attn;
+    float *s = gu + rows * 2 * ffn, *y = s + rows * ffn, *sums = y + rows * dim;
+    float *scores = sums + rows * (widest / GROUP);
+    for (int64_t l = 0; l < n_layers; l++) {
+        const packed_layer *L = &layers[l];
+        rms_norm(h, L->attn_norm, rows, dim, eps, x);
+        layer_product(L, P_QKV, x, rows, dim, width, qkv, sums, threads);
+        for (int64_t r = 0; r < rows; r++) {
+            if (c->slots) {
+                const int64_t at = l * c->layer_floats, *slots = c->slots + c->starts[r];
+                decode_attention_paged(qkv + r * width, cos + r * hd, sin + r * hd, c->k + at,
+                                       c->v + at, n_heads, n_kv, hd, slots,
+                                       c->starts[r + 1] - c->starts[r] - 1, scale, scores,
+                                       att + r * attn);
+            } else {
+                decode_attention(qkv, cos, sin, L->cache_k, L->cache_v, n_heads, n_kv, hd,
+                                 c->max_seq, c->pos, scale, scores, att);
+            }
+        }
+        layer_product(L, P_O, att, rows, attn, dim, y, sums, threads);
+        for (int64_t i = 0; i < rows * dim; i++) h[i] = h[i] + y[i];
+        rms_norm(h, L->ffn_norm, rows, dim, eps, x);
+        layer_product(L, P_13, x, rows, dim, 2 * ffn, gu, sums, threads);
+        swiglu_rows(gu, rows, ffn, s);
+        layer_product(L, P_2, s, rows, ffn, dim, y, sums, threads);
+        for (int64_t i = 0; i < rows * dim; i++) h[i] = h[i] + y[i];
+    }
+    free(x);
+    return 0;
+}
+
+/* One sequence's decode step: h [dim] in place, the residual stream after every layer; cos,
+ * sin: the rows of `pos`. Returns -1 (h untouched) when its scratch cannot be allocated. */
 int packed_decode_layers(const packed_layer *layers, int64_t n_layers, float *h, int64_t dim,
                          int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
                          int64_t max_seq, int64_t pos, const float *cos, const float *sin,
                          float eps, float scale, int threads) {
-    const int64_t width = (n_heads + 2 * n_kv) * hd, attn = n_heads * hd;
-    int64_t widest = dim > attn ? dim : attn;
-    widest = widest > ffn ? widest : ffn;
-    const int64_t floats = dim + width + attn + 3 * ffn + dim + widest / GROUP + max_seq;
-    float *x = (float *)malloc(sizeof(float) * (size_t)floats);
-    if (!x) return -1;
-    float *qkv = x + dim, *att = qkv + width, *gu = att + attn, *s = gu + 2 * ffn;
-    float *y = s + ffn, *sums = y + dim, *scores = sums + widest / GROUP;
-    for (int64_t l = 0; l < n_layers; l++) {
-        const packed_layer *L = &layers[l];
-        rms_norm(h, L->attn_norm, 1, dim, eps, x);
-        layer_product(L, P_QKV, x, dim, width, qkv, sums, threads);
-        decode_attention(qkv, cos, sin, L->cache_k, L->cache_v, n_heads, n_kv, hd, max_seq, pos,
-                         scale, scores, att);
-        layer_product(L, P_O, att, attn, dim, y, sums, threads);
-        for (int64_t i = 0; i < dim; i++) h[i] = h[i] + y[i];
-        rms_norm(h, L->ffn_norm, 1, dim, eps, x);
-        layer_product(L, P_13, x, dim, 2 * ffn, gu, sums, threads);
-        swiglu_rows(gu, 1, ffn, s);
-        layer_product(L, P_2, s, ffn, dim, y, sums, threads);
-        for (int64_t i = 0; i < dim; i++) h[i] = h[i] + y[i];
-    }
-    free(x);
-    return 0;
+    const decode_context c = {pos, max_seq, NULL, NULL, NULL, NULL, 0};
+    return decode_rows(layers, n_layers, h, 1, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
+                       scale, threads);
+}
+
+/* A serving step of decode rows only: h [rows, dim] in place; row r (cos, sin: its rows)
+ * attends over slots[starts[r] .. starts[r + 1]) of the paged caches k, v ([layers, slots,
+ * n_kv, hd]: layer_floats = slots * n_kv * hd apart), as PackedAttention.forward_paged's
+ * decode_paged. Returns -1 (h untouched) when its scratch cannot be allocated. */
+int packed_decode_paged(const packed_layer *layers, int64_t n_layers, float *h, int64_t rows,
+                        int64_t dim, int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
+                        const int64_t *slots, const int64_t *starts, float *k, float *v,
+                        int64_t layer_floats, const float *cos, const float *sin, float eps,
+                        float scale, int threads) {
+    const decode_context c = {0, 0, slots, starts, k, v, layer_floats};
+    return decode_rows(layers, n_layers, h, rows, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
+                       scale, threads);
 }

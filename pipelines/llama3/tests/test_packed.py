@@ -21,6 +21,7 @@ from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, ggml_mode, kernel_library, packed, packing, quants
 from pipelines.llama3.gguf_file import GGUFFile
 from pipelines.llama3.model import Attention, RMSNorm
+from pipelines.llama3.serving import Request, ServingEngine
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 # Relative to the repository root, where pytest and Bazel's runfiles both start.
@@ -358,6 +359,37 @@ def test_the_one_call_decode_step_computes_the_modules_bits(mode, fused_files) -
         modules = _runs(engine, None)
         assert _runs(engine, fused) == modules, path.name
         assert _runs(engine, SwappedNorms(engine.model)) != modules, path.name
+
+
+def _served(engine: Llama3Engine, fused) -> dict:
+    """Five requests of different lengths served together (steps of several decode rows), by
+    `fused` (None: module by module): each one's tokens and logits."""
+    engine.model.fused_decode = fused
+    requests = [
+        Request(f"r{i}", [1, 17, 99, 5, 42, 7][: 2 + i], max_new_tokens=6 + 2 * i) for i in range(5)
+    ]
+    served = ServingEngine(engine, block_size=4).serve(requests)
+    return {r: (s.output.tokens, s.output.logits.numpy().tobytes()) for r, s in served.items()}
+
+
+def test_a_serving_step_of_decode_rows_computes_the_modules_bits(fused_files) -> None:
+    """The quantized mode's serving steps of decode rows only, in one call (packed_decode_paged)
+    against the modules' steps: the same tokens and logits, bit for bit. Planted: a row's
+    context without its first slot (the kernel reads what it is given) fails the check."""
+    for path in fused_files:
+        engine = Llama3Engine.from_gguf(path, mode="quantized")
+        fused = engine.model.fused_decode
+        modules = _served(engine, None)
+        assert _served(engine, fused) == modules, path.name
+
+        class FirstKeyDropped(packed.FusedDecode):
+            def decode_paged(self, h, cos, sin, batch):
+                contexts = [c[1:] if len(c) > 1 else c for c in batch.contexts]
+                return super().decode_paged(
+                    h, cos, sin, dataclasses.replace(batch, contexts=contexts)
+                )
+
+        assert _served(engine, FirstKeyDropped(engine.model)) != modules, path.name
 
 
 def test_a_layer_of_another_kind_turns_the_one_call_decode_step_off(fused_files) -> None:
