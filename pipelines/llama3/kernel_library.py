@@ -197,6 +197,10 @@ def load(isa: str) -> ctypes.CDLL:
     lib.ggml_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.ggml_decode_layers.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     lib.ggml_decode_layers.restype = ctypes.c_int
+    lib.ggml_decode_paged.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr]
+    lib.ggml_decode_paged.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_float]
+    lib.ggml_decode_paged.argtypes += [ctypes.c_float, ctypes.c_int, i64]
+    lib.ggml_decode_paged.restype = ctypes.c_int
     functions = (
         "q4_gemm",
         "q8_gemm",

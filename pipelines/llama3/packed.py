@@ -423,7 +423,6 @@ class FusedDecode:
     unsets model.fused_decode."""
 
     function = "packed_decode_layers"  # the library's, and the profile region's name
-    paged = True  # also a serving step of decode rows (decode_paged)
     entry: type[ctypes.Structure] = _PackedLayer
     entry_bytes = "packed_layer_bytes"  # the library's sizeof of its entry
 
@@ -503,8 +502,7 @@ class FusedDecode:
         chunk, no verification piece), float32 caches on the CPU."""
         k = batch.k
         return (
-            self.paged
-            and all(c == 1 for c in batch.counts)
+            all(c == 1 for c in batch.counts)
             and k.dtype == torch.float32
             and (k.device.type == "cpu" and k.is_contiguous() and batch.v.is_contiguous())
         )

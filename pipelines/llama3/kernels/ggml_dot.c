@@ -943,3 +943,68 @@ int ggml_decode_layers(const ggml_layer *layers, int64_t n_layers, float *h, int
   free(act);
   return 0;
 }
+
+/* A serving step of decode rows only (one new position each), as GgmlAttention.forward_paged
+ * and the mode's modules compute it, the same functions in the same order, so the same bits:
+ * h [rows, dim] in place. Row r's context is slots[starts[r] .. starts[r + 1]) of the paged
+ * caches k, v ([layers, slots, n_kv, hd], layer_floats = slots * n_kv * hd apart), its own
+ * position the last: the context's keys and values gathered into a contiguous cache, the
+ * row through ggml_attention there (which rotates it and writes its keys and values at the
+ * last position), those copied to slot write[r] where fresh[r]. Threads: every product; the
+ * attention from `attention_work` score x value multiply-adds. Returns -1 (h untouched) when
+ * its scratch cannot be allocated, else 0. */
+int ggml_decode_paged(const ggml_layer *layers, int64_t n_layers, float *h, int64_t rows,
+                      int64_t dim, int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
+                      const int64_t *slots, const int64_t *starts, const int64_t *write,
+                      const uint8_t *fresh, float *k, float *v, int64_t layer_floats,
+                      const float *cos, const float *sin, float eps, float scale, int threads,
+                      int64_t attention_work) {
+  const int64_t width = (n_heads + 2 * n_kv) * hd, attn = n_heads * hd, kv_row = n_kv * hd;
+  int64_t widest = dim > attn ? dim : attn, context = 1;
+  widest = widest > ffn ? widest : ffn;
+  for (int64_t r = 0; r < rows; r++)
+    if (starts[r + 1] - starts[r] > context) context = starts[r + 1] - starts[r];
+  const int64_t floats = rows * (dim + width + attn + 3 * ffn + dim) + 2 * context * kv_row;
+  float *x = (float *)malloc(sizeof(float) * (size_t)floats);
+  uint8_t *act = (uint8_t *)malloc((size_t)(rows * (2 * widest + 1024)));
+  if (!x || !act) {
+    free(x);
+    free(act);
+    return -1;
+  }
+  float *qkv = x + rows * dim, *att = qkv + rows * width, *gu = att + rows * attn;
+  float *s = gu + rows * 2 * ffn, *y = s + rows * ffn, *keys = y + rows * dim;
+  float *values = keys + context * kv_row;
+  for (int64_t l = 0; l < n_layers; l++) {
+    const ggml_layer *L = &layers[l];
+    float *lk = k + l * layer_floats, *lv = v + l * layer_floats;
+    ggml_rms_norm(h, L->attn_norm, rows, dim, eps, x);
+    ggml_gemm(L->tqkv, x, rows, dim, L->wqkv, width, qkv, act, threads);
+    for (int64_t r = 0; r < rows; r++) {
+      const int64_t n = starts[r + 1] - starts[r], past = n - 1, *ctx = slots + starts[r];
+      for (int64_t t = 0; t < n; t++) /* [slots, n_kv, hd] -> [n_kv, n, hd] */
+        for (int64_t g = 0; g < n_kv; g++) {
+          memcpy(keys + (g * n + t) * hd, lk + ctx[t] * kv_row + g * hd, (size_t)hd * 4);
+          memcpy(values + (g * n + t) * hd, lv + ctx[t] * kv_row + g * hd, (size_t)hd * 4);
+        }
+      const int workers = n * n_heads * hd >= attention_work ? threads : 1;
+      ggml_attention(qkv + r * width, 1, cos + r * hd, sin + r * hd, keys, values, n_heads, n_kv,
+                     hd, n, past, scale, att + r * attn, workers);
+      if (fresh[r])
+        for (int64_t g = 0; g < n_kv; g++) {
+          memcpy(lk + write[r] * kv_row + g * hd, keys + (g * n + past) * hd, (size_t)hd * 4);
+          memcpy(lv + write[r] * kv_row + g * hd, values + (g * n + past) * hd, (size_t)hd * 4);
+        }
+    }
+    ggml_gemm(L->to, att, rows, attn, L->wo, dim, y, act, threads);
+    for (int64_t i = 0; i < rows * dim; i++) h[i] = h[i] + y[i];
+    ggml_rms_norm(h, L->ffn_norm, rows, dim, eps, x);
+    ggml_gemm(L->t13, x, rows, dim, L->w13, 2 * ffn, gu, act, threads);
+    ggml_swiglu_rows(gu, rows, ffn, s);
+    ggml_gemm(L->t2, s, rows, ffn, L->w2, dim, y, act, threads);
+    for (int64_t i = 0; i < rows * dim; i++) h[i] = h[i] + y[i];
+  }
+  free(x);
+  free(act);
+  return 0;
+}

@@ -372,17 +372,18 @@ def _served(engine: Llama3Engine, fused) -> dict:
     return {r: (s.output.tokens, s.output.logits.numpy().tobytes()) for r, s in served.items()}
 
 
-def test_a_serving_step_of_decode_rows_computes_the_modules_bits(fused_files) -> None:
-    """The quantized mode's serving steps of decode rows only, in one call (packed_decode_paged)
+@pytest.mark.parametrize("mode", ["quantized", "ggml"])
+def test_a_serving_step_of_decode_rows_computes_the_modules_bits(mode, fused_files) -> None:
+    """A serving step of decode rows only in one call (packed_decode_paged, ggml_decode_paged)
     against the modules' steps: the same tokens and logits, bit for bit. Planted: a row's
     context without its first slot (the kernel reads what it is given) fails the check."""
     for path in fused_files:
-        engine = Llama3Engine.from_gguf(path, mode="quantized")
+        engine = Llama3Engine.from_gguf(path, mode=mode)
         fused = engine.model.fused_decode
         modules = _served(engine, None)
         assert _served(engine, fused) == modules, path.name
 
-        class FirstKeyDropped(packed.FusedDecode):
+        class FirstKeyDropped(type(fused)):
             def decode_paged(self, h, cos, sin, batch):
                 contexts = [c[1:] if len(c) > 1 else c for c in batch.contexts]
                 return super().decode_paged(
