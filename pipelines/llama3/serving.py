@@ -25,7 +25,9 @@ token is the decoder's (`decoder.Decoder`, the one `Llama3Engine.generate` uses)
 - **Each mode's kernels read the paged cache**: the quantized mode's attention
   (packed.PackedAttention.forward_paged) runs a decode row through `decode_attention_paged`
   over its block table's slots (bit-identical to the contiguous kernel `generate` uses);
-  prefill pieces run SDPA over the gathered keys.
+  prefill pieces run SDPA over the gathered keys. A step of decode rows only is one kernel
+  call through every layer in the quantized and ggml modes (packed.PackedTransformer's
+  forward_paged: `packed_decode_paged`, `ggml_decode_paged`), the same bits as their modules.
 - **Speculative decoding per request** (`Request.speculation`): a decode piece is the token
   just chosen and the draft's proposals (`speculative.py`), scored in the same forward as every
   other piece; the one decoder verifies them (the same decisions as `generate`'s); the rejected
