@@ -330,7 +330,7 @@ class FusedDecode(packed.FusedDecode):
             ]
             if not all(parts):
                 return False
-        return True
+        return len(model.layers) > 0  # a draft of no layers (self_draft(path, 0)) has no step
 
     def fill(self, entry: ctypes.Structure, layer: nn.Module) -> None:
         attention, ffn = layer.attention, layer.feed_forward

@@ -452,7 +452,7 @@ class FusedDecode:
             ]
             if not all(parts):
                 return False
-        return True
+        return len(model.layers) > 0  # a draft of no layers (self_draft(path, 0)) has no step
 
     def fill(self, entry: ctypes.Structure, layer: nn.Module) -> None:
         """`entry` from `layer`'s weights (the caches are set by _table)."""

@@ -398,6 +398,10 @@ def test_a_layer_of_another_kind_turns_the_one_call_decode_step_off(fused_files)
     assert packed.FusedDecode.applies(engine.model)
     engine.model.layers[-1].ffn_norm = RMSNorm(engine.config.dim, engine.config.rms_norm_eps)
     assert not packed.FusedDecode.applies(engine.model)
+    for mode in ("quantized", "ggml"):  # no layers (a self-draft of 0): no step to fuse
+        empty = Llama3Engine.from_gguf(fused_files[0], mode=mode, overrides={"n_layers": 0})
+        assert empty.model.fused_decode is None
+        assert len(empty.generate([1, 2, 3], 3, stop_on_eos=False).tokens) == 3
 
 
 def test_swiglu_is_silu_times_up_and_the_same_on_every_build() -> None:
