@@ -361,7 +361,7 @@ class FusedDecode(packed.FusedDecode):
                 config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim,
                 slots.data_ptr(), starts.data_ptr(), write.data_ptr(), fresh.data_ptr(),
                 k.data_ptr(), v.data_ptr(), k[0].numel(), cos.data_ptr(), sin.data_ptr(),
-                config.rms_norm_eps, model.layers[0].attention.scale, torch.get_num_threads(),
+                self._eps(), model.layers[0].attention.scale, torch.get_num_threads(),
                 PARALLEL_ATTENTION,
             )  # fmt: skip
         if failed:

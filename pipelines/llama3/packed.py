@@ -466,6 +466,11 @@ class FusedDecode:
             entry.int4[i] = linear.weight.kind == "int4"
             entry.parallel_rows[i] = linear.parallel_rows
 
+    def _eps(self) -> float:
+        """The norms' epsilon, read from a layer's norm module (as the attention scale is read
+        from its module): a planted epsilon reaches the one-call step too."""
+        return self.model.layers[0].attention_norm.eps
+
     def _table(self) -> ctypes.Array:
         """The layers' entries, remade when setup_caches has allocated other caches (a serving
         engine's model has none: its caches are the pool's)."""
@@ -490,7 +495,7 @@ class FusedDecode:
             failed = getattr(self._lib, self.function)(
                 layers, len(model.layers), h.data_ptr(), config.dim, config.n_heads,
                 config.n_kv_heads, config.head_dim, config.ffn_dim, max_seq, start_pos,
-                cos.data_ptr(), sin.data_ptr(), config.rms_norm_eps,
+                cos.data_ptr(), sin.data_ptr(), self._eps(),
                 model.layers[0].attention.scale, torch.get_num_threads(),
             )  # fmt: skip
         if failed:
@@ -526,7 +531,7 @@ class FusedDecode:
                 self._table(), len(model.layers), h.data_ptr(), h.shape[0], config.dim,
                 config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim,
                 slots.data_ptr(), starts.data_ptr(), k.data_ptr(), v.data_ptr(),
-                k[0].numel(), cos.data_ptr(), sin.data_ptr(), config.rms_norm_eps,
+                k[0].numel(), cos.data_ptr(), sin.data_ptr(), self._eps(),
                 model.layers[0].attention.scale, torch.get_num_threads(),
             )  # fmt: skip
         if failed:

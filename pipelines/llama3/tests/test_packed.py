@@ -359,6 +359,15 @@ def test_the_one_call_decode_step_computes_the_modules_bits(mode, fused_files) -
         modules = _runs(engine, None)
         assert _runs(engine, fused) == modules, path.name
         assert _runs(engine, SwappedNorms(engine.model)) != modules, path.name
+    # The step reads the norms' epsilon and the attention scale from the modules: a bug planted
+    # there (ggml_mutations' norm_eps, softmax_scale) is computed by the one call as well.
+    for module in engine.model.modules():
+        if isinstance(module, packed.KernelRMSNorm):
+            module.eps *= 10
+        if isinstance(module, packed.PackedAttention):
+            module.scale *= 1.001
+    planted = _runs(engine, None)
+    assert planted != modules and _runs(engine, fused) == planted
 
 
 def _served(engine: Llama3Engine, fused) -> dict:

@@ -56,10 +56,11 @@ class GgmlMutation:
     plant: Callable[[Llama3Engine], None]
 
     def apply(self, engine: Llama3Engine) -> Llama3Engine:
-        """`engine` with the bug; the one-call decode stays only where it computes it too."""
+        """`engine` with the bug; the one-call decode step stays where it computes it too (it
+        reads the norms' epsilon, the attention scale and the rope tables from the modules)."""
         self.plant(engine)
-        if self.name in ("float_activations", "norm_eps"):
-            engine.model.fused_decode = None  # planted in the modules the one call bypasses
+        if self.name == "float_activations":
+            engine.model.fused_decode = None  # planted in the products the one call bypasses
         return engine
 
 
