@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import itertools
 
 import numpy as np
 import torch
@@ -307,30 +306,15 @@ class FusedDecode(packed.FusedDecode):
     step of decode rows, ggml_decode_paged): the same functions, in the same order, as this
     mode's modules, so the same bits."""
 
-    function = "ggml_decode_layers"
+    function, paged_function = "ggml_decode_layers", "ggml_decode_paged"
     entry = _Layer
     entry_bytes = "ggml_layer_bytes"
+    layer_classes = (GgmlAttention, GgmlLinear, GgmlFeedForward, GgmlRMSNorm)
+    attention_work = PARALLEL_ATTENTION
 
     @staticmethod
     def _library():
         return kernels()
-
-    @staticmethod
-    def applies(model: nn.Module) -> bool:
-        """Whether every layer is this mode's: fused products, ggml norms and SwiGLU."""
-        for layer in model.layers:
-            attention, ffn = layer.attention, layer.feed_forward
-            parts = [
-                isinstance(attention, GgmlAttention),
-                isinstance(getattr(attention, "wo", None), GgmlLinear),
-                isinstance(ffn, GgmlFeedForward),
-                isinstance(getattr(ffn, "w2", None), GgmlLinear),
-                isinstance(layer.attention_norm, GgmlRMSNorm),
-                isinstance(layer.ffn_norm, GgmlRMSNorm),
-            ]
-            if not all(parts):
-                return False
-        return len(model.layers) > 0  # a draft of no layers (self_draft(path, 0)) has no step
 
     def fill(self, entry: ctypes.Structure, layer: nn.Module) -> None:
         attention, ffn = layer.attention, layer.feed_forward
@@ -342,31 +326,6 @@ class FusedDecode(packed.FusedDecode):
             setattr(entry, name, linear.weight.blocks.data_ptr())
         entry.tqkv, entry.to = attention.wqkv.weight.code, attention.wo.weight.code
         entry.t13, entry.t2 = ffn.w13.weight.code, ffn.w2.weight.code
-
-    def decode_paged(self, h: torch.Tensor, cos, sin, batch) -> torch.Tensor:
-        """A serving batch of decode rows in one call (ggml_decode_paged): GgmlAttention's
-        forward_paged row by row (each context gathered, ggml_attention over it, the new keys
-        and values written to the row's write slot where fresh), the products over every row."""
-        model, config = self.model, self.model.config
-        starts = torch.tensor([0, *itertools.accumulate(len(c) for c in batch.contexts)])
-        slots = torch.cat(batch.contexts).contiguous()
-        write = batch.write.contiguous()
-        fresh = batch.fresh.to(torch.uint8).contiguous()
-        h = h.float().contiguous().clone()  # [rows, dim], updated in place
-        cos, sin = cos.contiguous(), sin.contiguous()
-        k, v = batch.k, batch.v
-        with profiling.region("ggml_decode_paged"):
-            failed = self._lib.ggml_decode_paged(
-                self._table(), len(model.layers), h.data_ptr(), h.shape[0], config.dim,
-                config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim,
-                slots.data_ptr(), starts.data_ptr(), write.data_ptr(), fresh.data_ptr(),
-                k.data_ptr(), v.data_ptr(), k[0].numel(), cos.data_ptr(), sin.data_ptr(),
-                self._eps(), model.layers[0].attention.scale, torch.get_num_threads(),
-                PARALLEL_ATTENTION,
-            )  # fmt: skip
-        if failed:
-            raise MemoryError("ggml_decode_paged: no memory for one serving step's scratch")
-        return h
 
 
 class GgmlTransformer(packed.PackedTransformer):

@@ -189,18 +189,16 @@ def load(isa: str) -> ctypes.CDLL:
     lib.packed_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.packed_decode_layers.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     lib.packed_decode_layers.restype = ctypes.c_int
-    lib.packed_decode_paged.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr]
-    lib.packed_decode_paged.argtypes += [ptr, ptr, i64, ptr, ptr, ctypes.c_float, ctypes.c_float]
-    lib.packed_decode_paged.argtypes += [ctypes.c_int]
-    lib.packed_decode_paged.restype = ctypes.c_int
     lib.ggml_layer_bytes.argtypes = []
     lib.ggml_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.ggml_decode_layers.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     lib.ggml_decode_layers.restype = ctypes.c_int
-    lib.ggml_decode_paged.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr]
-    lib.ggml_decode_paged.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_float]
-    lib.ggml_decode_paged.argtypes += [ctypes.c_float, ctypes.c_int, i64]
-    lib.ggml_decode_paged.restype = ctypes.c_int
+    for name in ("packed_decode_paged", "ggml_decode_paged"):  # one signature
+        function = getattr(lib, name)
+        function.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
+        function.argtypes += [ptr, ptr, i64, ptr, ptr, ctypes.c_float, ctypes.c_float]
+        function.argtypes += [ctypes.c_int, i64]
+        function.restype = ctypes.c_int
     functions = (
         "q4_gemm",
         "q8_gemm",

@@ -82,11 +82,8 @@ class RowProduct(nn.Module):
         Small products run on one thread: waking the pool costs more than it saves there."""
         return -(-PARALLEL_BYTES // self.weight.nbytes)
 
-    def parallel(self, rows: int) -> bool:
-        return rows >= self.parallel_rows
-
     def _threads(self, rows: int) -> int:
-        return torch.get_num_threads() if self.parallel(rows) else 1
+        return torch.get_num_threads() if rows >= self.parallel_rows else 1
 
     def unsplit(self, x: torch.Tensor) -> torch.Tensor:
         """The product [..., out], whatever `splits` says."""
@@ -422,9 +419,14 @@ class FusedDecode:
     whether every layer is the mode's own; a planted bug in a module the call bypasses
     unsets model.fused_decode."""
 
-    function = "packed_decode_layers"  # the library's, and the profile region's name
+    # The library's functions (also the profile regions' names): one sequence's step, and a
+    # serving step of decode rows (both paged functions take the same arguments).
+    function, paged_function = "packed_decode_layers", "packed_decode_paged"
     entry: type[ctypes.Structure] = _PackedLayer
     entry_bytes = "packed_layer_bytes"  # the library's sizeof of its entry
+    # The classes of a layer's attention, wo/w2 products, feed-forward and norms (applies)
+    layer_classes = (PackedAttention, PackedLinear, PackedFeedForward, KernelRMSNorm)
+    attention_work = 0  # ggml_decode_paged's threading threshold (unused here)
 
     def __init__(self, model: Transformer) -> None:
         self.model, self._lib = model, self._library()
@@ -436,21 +438,22 @@ class FusedDecode:
     def _library():
         return library()
 
-    @staticmethod
-    def applies(model: Transformer) -> bool:
-        """Whether every layer is the quantized mode's: fused q/k/v and gate/up products,
-        packed wo and w2, kernel norms (exactly these classes: a subclass computes otherwise)."""
+    @classmethod
+    def applies(cls, model: Transformer) -> bool:
+        """Whether every layer is the mode's own: its attention with a fused q/k/v product, its
+        feed-forward with a fused gate/up product, its products for wo and w2, its norms
+        (exactly the mode's classes, `layer_classes`: a subclass computes otherwise)."""
+        attention, linear, feed_forward, norm = cls.layer_classes
         for layer in model.layers:
-            attention, ffn = layer.attention, layer.feed_forward
             parts = [
-                type(attention) is PackedAttention,
-                type(getattr(attention, "wo", None)) is PackedLinear,
-                type(ffn) is PackedFeedForward,
-                type(getattr(ffn, "w2", None)) is PackedLinear,
-                type(layer.attention_norm) is KernelRMSNorm,
-                type(layer.ffn_norm) is KernelRMSNorm,
+                (layer.attention, attention),
+                (getattr(layer.attention, "wo", None), linear),
+                (layer.feed_forward, feed_forward),
+                (getattr(layer.feed_forward, "w2", None), linear),
+                (layer.attention_norm, norm),
+                (layer.ffn_norm, norm),
             ]
-            if not all(parts):
+            if not all(type(part) is kind for part, kind in parts):
                 return False
         return len(model.layers) > 0  # a draft of no layers (self_draft(path, 0)) has no step
 
@@ -514,28 +517,28 @@ class FusedDecode:
 
     def decode_paged(self, h: torch.Tensor, cos, sin, batch: PagedBatch) -> torch.Tensor:
         """h [rows, dim] of a serving batch of decode rows (`takes`) after every layer, in one
-        call (packed_decode_paged): row r's attention over its context slots, its new keys and
-        values written at its write slot, as PackedAttention.forward_paged does row by row."""
+        call (`paged_function`): each row's attention over its context slots as the mode's
+        attention module's forward_paged runs it, its new keys and values to its write slot,
+        the products over every row."""
         model, config = self.model, self.model.config
-        slots = []
-        for context, write in zip(batch.contexts, batch.write.tolist(), strict=True):
-            slots.append(context.clone())
-            slots[-1][-1] = write  # the new position's slot, the last one read
-        starts = torch.tensor([0, *itertools.accumulate(len(s) for s in slots)])
-        slots = torch.cat(slots).contiguous()
+        starts = torch.tensor([0, *itertools.accumulate(len(c) for c in batch.contexts)])
+        slots = torch.cat(batch.contexts).contiguous()
+        write = batch.write.contiguous()
+        fresh = batch.fresh.to(torch.uint8).contiguous()
         h = h.float().contiguous().clone()  # [rows, dim], updated in place
         cos, sin = cos.contiguous(), sin.contiguous()
         k, v = batch.k, batch.v
-        with profiling.region("packed_decode_paged"):
-            failed = self._lib.packed_decode_paged(
+        with profiling.region(self.paged_function):
+            failed = getattr(self._lib, self.paged_function)(
                 self._table(), len(model.layers), h.data_ptr(), h.shape[0], config.dim,
                 config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim,
-                slots.data_ptr(), starts.data_ptr(), k.data_ptr(), v.data_ptr(),
-                k[0].numel(), cos.data_ptr(), sin.data_ptr(), self._eps(),
-                model.layers[0].attention.scale, torch.get_num_threads(),
+                slots.data_ptr(), starts.data_ptr(), write.data_ptr(), fresh.data_ptr(),
+                k.data_ptr(), v.data_ptr(), k[0].numel(), cos.data_ptr(), sin.data_ptr(),
+                self._eps(), model.layers[0].attention.scale, torch.get_num_threads(),
+                self.attention_work,
             )  # fmt: skip
         if failed:
-            raise MemoryError("packed_decode_paged: no memory for one serving step's scratch")
+            raise MemoryError(f"{self.paged_function}: no memory for one serving step's scratch")
         return h
 
 

@@ -11,11 +11,13 @@ The engine names its own parts in that trace with `region(name)`:
     serving forward             ...and the step's one forward over every running piece
     q4_gemm, q8_gemm,           the quantized mode's C kernels (packed.py): products,
     swiglu_rows,                SwiGLU, one-position attention, and one decode step
-    decode_attention[_paged],   through every layer
-    packed_decode_layers
-    ggml_gemm, ggml_attention,  the ggml mode's C kernels (ggml_mode.py); the last is one
-    ggml_swiglu_rows,           decode step through every layer
-    ggml_decode_layers
+    decode_attention[_paged],   through every layer (a serving step of decode rows: the
+    packed_decode_layers        _paged one)
+    [_paged]
+    ggml_gemm, ggml_attention,  the ggml mode's C kernels (ggml_mode.py); the last are one
+    ggml_swiglu_rows,           decode step through every layer, and a serving step's
+    ggml_decode_layers          decode rows through every layer
+    ggml_decode_paged
 
 so that time spent in a C kernel (which torch.profiler does not see: ctypes calls) is
 attributed, and a serving step's scheduler cost is its range less its forward's.

@@ -908,62 +908,27 @@ typedef struct {
 
 int64_t ggml_layer_bytes(void) { return (int64_t)sizeof(ggml_layer); }
 
-/* h [dim] in place: the residual stream after every layer. threads: per product. Returns -1
- * (h untouched) when its scratch cannot be allocated, else 0. */
-int ggml_decode_layers(const ggml_layer *layers, int64_t n_layers, float *h, int64_t dim,
-                        int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn, int64_t max_seq,
-                        int64_t pos, const float *cos, const float *sin, float eps, float scale,
-                        int threads) {
-  const int64_t width = (n_heads + 2 * n_kv) * hd, attn = n_heads * hd;
-  int64_t widest = dim > attn ? dim : attn;
-  widest = widest > ffn ? widest : ffn;
-  float *x = (float *)malloc(sizeof(float) * (size_t)(dim + width + attn + 2 * ffn + ffn + dim));
-  uint8_t *act = (uint8_t *)malloc((size_t)(2 * widest + 1024));
-  if (!x || !act) {
-    free(x);
-    free(act);
-    return -1;
-  }
-  float *qkv = x + dim, *att = qkv + width, *gu = att + attn, *s = gu + 2 * ffn, *y = s + ffn;
-  for (int64_t l = 0; l < n_layers; l++) {
-    const ggml_layer *L = &layers[l];
-    ggml_rms_norm(h, L->attn_norm, 1, dim, eps, x);
-    ggml_gemm(L->tqkv, x, 1, dim, L->wqkv, width, qkv, act, threads);
-    ggml_attention(qkv, 1, cos, sin, L->cache_k, L->cache_v, n_heads, n_kv, hd, max_seq, pos,
-                   scale, att, 1);
-    ggml_gemm(L->to, att, 1, attn, L->wo, dim, y, act, threads);
-    for (int64_t i = 0; i < dim; i++) h[i] = h[i] + y[i];
-    ggml_rms_norm(h, L->ffn_norm, 1, dim, eps, x);
-    ggml_gemm(L->t13, x, 1, dim, L->w13, 2 * ffn, gu, act, threads);
-    ggml_swiglu(gu, gu + ffn, ffn, s);
-    ggml_gemm(L->t2, s, 1, ffn, L->w2, dim, y, act, threads);
-    for (int64_t i = 0; i < dim; i++) h[i] = h[i] + y[i];
-  }
-  free(x);
-  free(act);
-  return 0;
-}
+/* Where each row's attention reads and writes: one sequence's contiguous caches (the table's,
+ * position `pos`; one thread), or the paged caches k, v ([layers, slots, n_kv, hd],
+ * layer_floats = slots * n_kv * hd apart), row r over slots[starts[r] .. starts[r + 1]), its
+ * own position the last. */
+typedef struct {
+  int64_t pos, max_seq;
+  const int64_t *slots, *starts, *write;
+  const uint8_t *fresh;
+  float *k, *v;
+  int64_t layer_floats, attention_work;
+} ggml_context;
 
-/* A serving step of decode rows only (one new position each), as GgmlAttention.forward_paged
- * and the mode's modules compute it, the same functions in the same order, so the same bits:
- * h [rows, dim] in place. Row r's context is slots[starts[r] .. starts[r + 1]) of the paged
- * caches k, v ([layers, slots, n_kv, hd], layer_floats = slots * n_kv * hd apart), its own
- * position the last: the context's keys and values gathered into a contiguous cache, the
- * row through ggml_attention there (which rotates it and writes its keys and values at the
- * last position), those copied to slot write[r] where fresh[r]. Threads: every product; the
- * attention from `attention_work` score x value multiply-adds. Returns -1 (h untouched) when
- * its scratch cannot be allocated, else 0. */
-int ggml_decode_paged(const ggml_layer *layers, int64_t n_layers, float *h, int64_t rows,
-                      int64_t dim, int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
-                      const int64_t *slots, const int64_t *starts, const int64_t *write,
-                      const uint8_t *fresh, float *k, float *v, int64_t layer_floats,
-                      const float *cos, const float *sin, float eps, float scale, int threads,
-                      int64_t attention_work) {
+static int decode_rows(const ggml_layer *layers, int64_t n_layers, float *h, int64_t rows,
+                       int64_t dim, int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
+                       const ggml_context *c, const float *cos, const float *sin, float eps,
+                       float scale, int threads) {
   const int64_t width = (n_heads + 2 * n_kv) * hd, attn = n_heads * hd, kv_row = n_kv * hd;
-  int64_t widest = dim > attn ? dim : attn, context = 1;
+  int64_t widest = dim > attn ? dim : attn, context = 0;
   widest = widest > ffn ? widest : ffn;
-  for (int64_t r = 0; r < rows; r++)
-    if (starts[r + 1] - starts[r] > context) context = starts[r + 1] - starts[r];
+  for (int64_t r = 0; c->slots && r < rows; r++)
+    if (c->starts[r + 1] - c->starts[r] > context) context = c->starts[r + 1] - c->starts[r];
   const int64_t floats = rows * (dim + width + attn + 3 * ffn + dim) + 2 * context * kv_row;
   float *x = (float *)malloc(sizeof(float) * (size_t)floats);
   uint8_t *act = (uint8_t *)malloc((size_t)(rows * (2 * widest + 1024)));
@@ -977,24 +942,31 @@ int ggml_decode_paged(const ggml_layer *layers, int64_t n_layers, float *h, int6
   float *values = keys + context * kv_row;
   for (int64_t l = 0; l < n_layers; l++) {
     const ggml_layer *L = &layers[l];
-    float *lk = k + l * layer_floats, *lv = v + l * layer_floats;
     ggml_rms_norm(h, L->attn_norm, rows, dim, eps, x);
     ggml_gemm(L->tqkv, x, rows, dim, L->wqkv, width, qkv, act, threads);
     for (int64_t r = 0; r < rows; r++) {
-      const int64_t n = starts[r + 1] - starts[r], past = n - 1, *ctx = slots + starts[r];
-      for (int64_t t = 0; t < n; t++) /* [slots, n_kv, hd] -> [n_kv, n, hd] */
+      if (!c->slots) {
+        ggml_attention(qkv, 1, cos, sin, L->cache_k, L->cache_v, n_heads, n_kv, hd, c->max_seq,
+                       c->pos, scale, att, 1);
+        continue;
+      }
+      /* the context's keys and values, [slots, n_kv, hd] -> [n_kv, n, hd] */
+      const int64_t n = c->starts[r + 1] - c->starts[r], past = n - 1;
+      const int64_t *ctx = c->slots + c->starts[r];
+      float *lk = c->k + l * c->layer_floats, *lv = c->v + l * c->layer_floats;
+      for (int64_t t = 0; t < n; t++)
         for (int64_t g = 0; g < n_kv; g++) {
           memcpy(keys + (g * n + t) * hd, lk + ctx[t] * kv_row + g * hd, (size_t)hd * 4);
           memcpy(values + (g * n + t) * hd, lv + ctx[t] * kv_row + g * hd, (size_t)hd * 4);
         }
-      const int workers = n * n_heads * hd >= attention_work ? threads : 1;
+      const int workers = n * n_heads * hd >= c->attention_work ? threads : 1;
       ggml_attention(qkv + r * width, 1, cos + r * hd, sin + r * hd, keys, values, n_heads, n_kv,
                      hd, n, past, scale, att + r * attn, workers);
-      if (fresh[r])
-        for (int64_t g = 0; g < n_kv; g++) {
-          memcpy(lk + write[r] * kv_row + g * hd, keys + (g * n + past) * hd, (size_t)hd * 4);
-          memcpy(lv + write[r] * kv_row + g * hd, values + (g * n + past) * hd, (size_t)hd * 4);
-        }
+      if (!c->fresh[r]) continue;
+      for (int64_t g = 0; g < n_kv; g++) {
+        memcpy(lk + c->write[r] * kv_row + g * hd, keys + (g * n + past) * hd, (size_t)hd * 4);
+        memcpy(lv + c->write[r] * kv_row + g * hd, values + (g * n + past) * hd, (size_t)hd * 4);
+      }
     }
     ggml_gemm(L->to, att, rows, attn, L->wo, dim, y, act, threads);
     for (int64_t i = 0; i < rows * dim; i++) h[i] = h[i] + y[i];
@@ -1007,4 +979,35 @@ int ggml_decode_paged(const ggml_layer *layers, int64_t n_layers, float *h, int6
   free(x);
   free(act);
   return 0;
+}
+
+/* One sequence's decode step: h [dim] in place, the residual stream after every layer; cos,
+ * sin: the rows of `pos`. threads: per product. Returns -1 (h untouched) when its scratch
+ * cannot be allocated, else 0. */
+int ggml_decode_layers(const ggml_layer *layers, int64_t n_layers, float *h, int64_t dim,
+                       int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn, int64_t max_seq,
+                       int64_t pos, const float *cos, const float *sin, float eps, float scale,
+                       int threads) {
+  const ggml_context c = {pos, max_seq, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0};
+  return decode_rows(layers, n_layers, h, 1, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
+                     scale, threads);
+}
+
+/* A serving step of decode rows only (one new position each), as GgmlAttention.forward_paged
+ * and the mode's modules compute it, the same functions in the same order, so the same bits:
+ * h [rows, dim] in place. Row r's context is slots[starts[r] .. starts[r + 1]) of the paged
+ * caches: its keys and values gathered into a contiguous cache, the row through
+ * ggml_attention there (which rotates it and writes its keys and values at the last
+ * position), those copied to slot write[r] where fresh[r]. Threads: every product; the
+ * attention from `attention_work` score x value multiply-adds. Returns -1 (h untouched) when
+ * its scratch cannot be allocated, else 0. */
+int ggml_decode_paged(const ggml_layer *layers, int64_t n_layers, float *h, int64_t rows,
+                      int64_t dim, int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
+                      const int64_t *slots, const int64_t *starts, const int64_t *write,
+                      const uint8_t *fresh, float *k, float *v, int64_t layer_floats,
+                      const float *cos, const float *sin, float eps, float scale, int threads,
+                      int64_t attention_work) {
+  const ggml_context c = {0, 0, slots, starts, write, fresh, k, v, layer_floats, attention_work};
+  return decode_rows(layers, n_layers, h, rows, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
+                     scale, threads);
 }

@@ -646,11 +646,12 @@ typedef struct {
 int64_t packed_layer_bytes(void) { return (int64_t)sizeof(packed_layer); }
 
 /* Where each row's attention reads and writes: one sequence's contiguous caches (the table's,
- * position `pos`), or the paged caches, row r over slots[starts[r] .. starts[r + 1]) (its
- * new keys and values written at the last), layer l's at k + l * layer_floats. */
+ * position `pos`), or the paged caches, row r over slots[starts[r] .. starts[r + 1]) with
+ * its own position's slot replaced by write[r] (where its new keys and values go), layer l's
+ * at k + l * layer_floats. */
 typedef struct {
     int64_t pos, max_seq;
-    const int64_t *slots, *starts;
+    const int64_t *slots, *starts, *write;
     float *k, *v;
     int64_t layer_floats;
 } decode_context;
@@ -675,7 +676,12 @@ static int decode_rows(const packed_layer *layers, int64_t n_layers, float *h, i
         if (c->starts[r + 1] - c->starts[r] > context) context = c->starts[r + 1] - c->starts[r];
     const int64_t floats = rows * (dim + width + attn + 3 * ffn + dim + widest / GROUP) + context;
     float *x = (float *)malloc(sizeof(float) * (size_t)floats);
-    if (!x) return -1;
+    int64_t *row_slots = c->slots ? (int64_t *)malloc(sizeof(int64_t) * (size_t)context) : NULL;
+    if (!x || (c->slots && !row_slots)) {
+        free(x);
+        free(row_slots);
+        return -1;
+    }
     float *qkv = x + rows * dim, *att = qkv + rows * width, *gu = att + rows * attn;
     float *s = gu + rows * 2 * ffn, *y = s + rows * ffn, *sums = y + rows * dim;
     float *scores = sums + rows * (widest / GROUP);
@@ -685,11 +691,12 @@ static int decode_rows(const packed_layer *layers, int64_t n_layers, float *h, i
         layer_product(L, P_QKV, x, rows, dim, width, qkv, sums, threads);
         for (int64_t r = 0; r < rows; r++) {
             if (c->slots) {
-                const int64_t at = l * c->layer_floats, *slots = c->slots + c->starts[r];
+                const int64_t at = l * c->layer_floats, pos = c->starts[r + 1] - c->starts[r] - 1;
+                memcpy(row_slots, c->slots + c->starts[r], sizeof(int64_t) * (size_t)pos);
+                row_slots[pos] = c->write[r];
                 decode_attention_paged(qkv + r * width, cos + r * hd, sin + r * hd, c->k + at,
-                                       c->v + at, n_heads, n_kv, hd, slots,
-                                       c->starts[r + 1] - c->starts[r] - 1, scale, scores,
-                                       att + r * attn);
+                                       c->v + at, n_heads, n_kv, hd, row_slots, pos, scale,
+                                       scores, att + r * attn);
             } else {
                 decode_attention(qkv, cos, sin, L->cache_k, L->cache_v, n_heads, n_kv, hd,
                                  c->max_seq, c->pos, scale, scores, att);
@@ -704,6 +711,7 @@ static int decode_rows(const packed_layer *layers, int64_t n_layers, float *h, i
         for (int64_t i = 0; i < rows * dim; i++) h[i] = h[i] + y[i];
     }
     free(x);
+    free(row_slots);
     return 0;
 }
 
@@ -713,21 +721,26 @@ int packed_decode_layers(const packed_layer *layers, int64_t n_layers, float *h,
                          int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
                          int64_t max_seq, int64_t pos, const float *cos, const float *sin,
                          float eps, float scale, int threads) {
-    const decode_context c = {pos, max_seq, NULL, NULL, NULL, NULL, 0};
+    const decode_context c = {pos, max_seq, NULL, NULL, NULL, NULL, NULL, 0};
     return decode_rows(layers, n_layers, h, 1, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
                        scale, threads);
 }
 
 /* A serving step of decode rows only: h [rows, dim] in place; row r (cos, sin: its rows)
  * attends over slots[starts[r] .. starts[r + 1]) of the paged caches k, v ([layers, slots,
- * n_kv, hd]: layer_floats = slots * n_kv * hd apart), as PackedAttention.forward_paged's
- * decode_paged. Returns -1 (h untouched) when its scratch cannot be allocated. */
+ * n_kv, hd]: layer_floats = slots * n_kv * hd apart), its own position's slot replaced by
+ * write[r], as PackedAttention.forward_paged's decode_paged. The arguments are
+ * ggml_decode_paged's; `fresh` and `attention_work` are unused here (the module writes every
+ * decode row's keys; the attention of one row runs on one thread). Returns -1 (h untouched)
+ * when its scratch cannot be allocated. */
 int packed_decode_paged(const packed_layer *layers, int64_t n_layers, float *h, int64_t rows,
                         int64_t dim, int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
-                        const int64_t *slots, const int64_t *starts, float *k, float *v,
-                        int64_t layer_floats, const float *cos, const float *sin, float eps,
-                        float scale, int threads) {
-    const decode_context c = {0, 0, slots, starts, k, v, layer_floats};
+                        const int64_t *slots, const int64_t *starts, const int64_t *write,
+                        const uint8_t *fresh, float *k, float *v, int64_t layer_floats,
+                        const float *cos, const float *sin, float eps, float scale, int threads,
+                        int64_t attention_work) {
+    (void)fresh, (void)attention_work;
+    const decode_context c = {0, 0, slots, starts, write, k, v, layer_floats};
     return decode_rows(layers, n_layers, h, rows, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
                        scale, threads);
 }
