@@ -626,9 +626,110 @@ static inline __attribute__((always_inline)) float ggml_expf(float x) {
   return fmaf(s2, j, s2) * s1;
 }
 
+#if GGML_SIMD
+/* ggml_expf of eight lanes: each lane the scalar function's operations (the same FMAs, the
+ * same bit arithmetic, its two rare branches as blends), so the same bits lane by lane
+ * (checked for all 2^32 inputs when written, NaNs as NaNs; test_ggml_mode's SwiGLU test holds
+ * the builds to each other on a million drawn bit patterns). */
+static inline __m256 ggml_expf8(__m256 x) {
+  const __m256 shift = _mm256_set1_ps(0x1.8p23f);
+  const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), shift);
+  const __m256 n = _mm256_sub_ps(z, shift);
+  const __m256 b = _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.7f7d1cp-20f),
+                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.62e4p-1f), x));
+  const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+  const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_set1_epi32(0x3F800000)));
+  const __m256 u = _mm256_mul_ps(b, b);
+  const __m256 j = _mm256_fmadd_ps(
+      _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b,
+                                      _mm256_set1_ps(0x1.573e2ep-5f)),
+                      u,
+                      _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b,
+                                      _mm256_set1_ps(0x1.fffdb6p-2f))),
+      u, _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b));
+  const __m256 normal = _mm256_fmadd_ps(j, k, k);
+  const __m256 an = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), n); /* fabsf(n) */
+  const __m256 big = _mm256_cmp_ps(an, _mm256_set1_ps(126.0f), _CMP_GT_OQ);
+  if (_mm256_testz_ps(big, big)) return normal;
+  const __m256i g = _mm256_and_si256(
+      _mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+      _mm256_set1_epi32((int)0x82000000u));
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7F000000)));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+  const __m256 scaled = _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1);
+  const __m256 huge = _mm256_cmp_ps(an, _mm256_set1_ps(192.0f), _CMP_GT_OQ);
+  const __m256 far = _mm256_blendv_ps(scaled, _mm256_mul_ps(s1, s1), huge);
+  return _mm256_blendv_ps(normal, far, big);
+}
+#endif
+
+/* x[i] = exp(x[i] - max) for i < n (ggml's soft_max: the exponentials of a row's shifted
+ * scores), eight at a time where the build has the lanes. */
+static void ggml_exp_shifted(float *x, int64_t n, float max) {
+  int64_t i = 0;
+#if GGML_SIMD
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(x + i, ggml_expf8(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(max))));
+#endif
+  for (; i < n; i++) x[i] = ggml_expf(x[i] - max);
+}
+
+/* sums[r] = the n values of row r of x (rows `stride` apart) added in double in order, for
+ * r < rows: one addition at a time per row, the rows' chains interleaved (an addition's
+ * latency, not its throughput, bounds one row alone). */
+static void sums_in_double(const float *x, int64_t stride, int64_t rows, int64_t n,
+                           double *sums) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    const float *x0 = x + r * stride, *x1 = x0 + stride, *x2 = x1 + stride, *x3 = x2 + stride;
+    for (int64_t i = 0; i < n; i++) {
+      s0 += (double)x0[i];
+      s1 += (double)x1[i];
+      s2 += (double)x2[i];
+      s3 += (double)x3[i];
+    }
+    sums[r] = s0, sums[r + 1] = s1, sums[r + 2] = s2, sums[r + 3] = s3;
+  }
+  if (rows - r == 3) {
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0;
+    const float *x0 = x + r * stride, *x1 = x0 + stride, *x2 = x1 + stride;
+    for (int64_t i = 0; i < n; i++) {
+      s0 += (double)x0[i];
+      s1 += (double)x1[i];
+      s2 += (double)x2[i];
+    }
+    sums[r] = s0, sums[r + 1] = s1, sums[r + 2] = s2;
+    return;
+  }
+  for (; r + 2 <= rows; r += 2) {
+    double s0 = 0.0, s1 = 0.0;
+    const float *x0 = x + r * stride, *x1 = x0 + stride;
+    for (int64_t i = 0; i < n; i++) {
+      s0 += (double)x0[i];
+      s1 += (double)x1[i];
+    }
+    sums[r] = s0, sums[r + 1] = s1;
+  }
+  for (; r < rows; r++) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) s += (double)x[r * stride + i];
+    sums[r] = s;
+  }
+}
+
 /* SwiGLU as ggml's swiglu computes it: out = (g / (1 + exp(-g))) * up, SiLU by ggml_expf. */
 void ggml_swiglu(const float *gate, const float *up, int64_t n, float *out) {
-  for (int64_t i = 0; i < n; i++) {
+  int64_t i = 0;
+#if GGML_SIMD
+  for (; i + 8 <= n; i += 8) { /* the same operations lane by lane */
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = ggml_expf8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; i++) {
     const float g = gate[i];
     out[i] = (g / (1.0f + ggml_expf(0.0f - g))) * up[i];
   }
@@ -650,6 +751,9 @@ void ggml_swiglu_rows(const float *gu, int64_t rows, int64_t hidden, float *out)
  * flip on one machine and not another. */
 
 #define ATTN_VECTORS 16 /* head dims up to 128 keep the output row in registers */
+#define KEY_TILE 64       /* keys whose K (then V) rows stay in L1 while a group's heads read them */
+#define ATTN_SCORES 65536 /* scores of a group's heads kept per thread (256 KiB of stack) */
+#define ATTN_GROUP_MAX 64 /* query heads per KV head handled together, at most */
 
 static float dot_lanes(const float *a, const float *b, int64_t n) {
   float lane[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -665,8 +769,7 @@ static float dot_lanes(const float *a, const float *b, int64_t n) {
  * each row's lanes and their sum exactly as dot_lanes computes them (lane k the FMAs of values
  * k, k + 8, ... in order; one vector FMA is eight lanes' fmaf), in four independent chains, so
  * a key's score waits on the FMA latency once for four keys instead of once per key. */
-static inline void dot_lanes4(const float *a, const float *b, int64_t stride, int64_t n,
-                              float out[4]) {
+static inline __m128 dot_lanes4(const float *a, const float *b, int64_t stride, int64_t n) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
   for (int64_t i = 0; i < n; i += 8) {
@@ -674,11 +777,68 @@ static inline void dot_lanes4(const float *a, const float *b, int64_t stride, in
     for (int r = 0; r < 4; r++)
       acc[r] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + r * stride + i), acc[r]);
   }
-  for (int r = 0; r < 4; r++) {
-    float lane[8];
-    _mm256_storeu_ps(lane, acc[r]);
-    out[r] = sum8(lane);
+  /* sum8 of the four rows side by side: the halves added (lane k + lane k + 4), the 4 x 4
+   * transposed, then (r0 + r2) + (r1 + r3) lane by lane */
+  __m128 h[4];
+  for (int r = 0; r < 4; r++)
+    h[r] = _mm_add_ps(_mm256_extractf128_ps(acc[r], 1), _mm256_castps256_ps128(acc[r]));
+  _MM_TRANSPOSE4_PS(h[0], h[1], h[2], h[3]);
+  return _mm_add_ps(_mm_add_ps(h[0], h[2]), _mm_add_ps(h[1], h[3]));
+}
+
+#if defined(__AVX512F__)
+/* weigh_values for `heads` heads of one KV group at once (scores rows `stride` apart, output
+ * rows of 16 nz floats side by side): each V row loaded once for them, their outputs' heads x
+ * nz vectors of sixteen lanes held over the keys, which keeps enough FMAs in flight; per value
+ * the same FMA in the same order as one head alone. */
+static inline __attribute__((always_inline)) void weigh_values_heads(
+    const float *p, int64_t stride, const float *inv, const float *V, int64_t j0, int64_t j1,
+    float *o, const int nz, const int heads) {
+  __m512 acc[3][8];
+  for (int g = 0; g < heads; g++)
+    for (int v = 0; v < nz; v++) acc[g][v] = _mm512_loadu_ps(o + g * 16 * nz + 16 * v);
+  for (int64_t j = j0; j < j1; j++) {
+    __m512 vj[8];
+    for (int v = 0; v < nz; v++) vj[v] = _mm512_loadu_ps(V + j * 16 * nz + 16 * v);
+    for (int g = 0; g < heads; g++) {
+      const __m512 pj = _mm512_set1_ps(p[g * stride + j] * inv[g]);
+      for (int v = 0; v < nz; v++) acc[g][v] = _mm512_fmadd_ps(pj, vj[v], acc[g][v]);
+    }
   }
+  for (int g = 0; g < heads; g++)
+    for (int v = 0; v < nz; v++) _mm512_storeu_ps(o + g * 16 * nz + 16 * v, acc[g][v]);
+}
+#endif
+
+/* o[:8 nv] += sum over keys j0 <= j < j1 of (p[j] * inv) V[j] (rows of 8 nv floats), o's
+ * vectors held in registers over the keys: one FMA per value, in order. */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, float inv,
+                                                                const float *V, int64_t j0,
+                                                                int64_t j1, float *o,
+                                                                const int64_t nv) {
+#if defined(__AVX512F__)
+  if (nv % 2 == 0) { /* sixteen lanes a vector: the same FMA per value */
+    __m512 acc[ATTN_VECTORS / 2];
+    for (int64_t v = 0; v < nv / 2; v++) acc[v] = _mm512_loadu_ps(o + 16 * v);
+    for (int64_t j = j0; j < j1; j++) {
+      const __m512 pj = _mm512_set1_ps(p[j] * inv);
+      const float *vj = V + j * 8 * nv;
+      for (int64_t v = 0; v < nv / 2; v++)
+        acc[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * v), acc[v]);
+    }
+    for (int64_t v = 0; v < nv / 2; v++) _mm512_storeu_ps(o + 16 * v, acc[v]);
+    return;
+  }
+#endif
+  __m256 acc[ATTN_VECTORS];
+  for (int64_t v = 0; v < nv; v++) acc[v] = _mm256_loadu_ps(o + 8 * v);
+  for (int64_t j = j0; j < j1; j++) {
+    const __m256 pj = _mm256_set1_ps(p[j] * inv);
+    const float *vj = V + j * 8 * nv;
+    for (int64_t v = 0; v < nv; v++)
+      acc[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * v), acc[v]);
+  }
+  for (int64_t v = 0; v < nv; v++) _mm256_storeu_ps(o + 8 * v, acc[v]);
 }
 #endif
 
@@ -710,60 +870,107 @@ void ggml_attention(float *qkv, int64_t seq, const float *cos, const float *sin,
       memcpy(cache_v + slot, row + (n_heads + n_kv + j) * hd, (size_t)hd * 4);
     }
   }
-  const int64_t group = n_heads / n_kv, pairs = seq * n_heads;
+  const int64_t group = n_heads / n_kv, units = seq * n_kv, ctx = start + seq;
+  /* The heads of a KV group (which read the same keys and values) go through each tile of
+   * KEY_TILE keys together, so a tile's K and V rows are fetched from L2 once for the group,
+   * not once per head; at most ATTN_SCORES scores per thread on the stack (one head at a time
+   * beyond, as before). Each score, sum and output element is computed by the same operations
+   * in the same order as one head alone: only the loops are interleaved. */
+  int64_t together = group < ATTN_GROUP_MAX ? group : ATTN_GROUP_MAX;
+  while (together > 1 && together * ctx > ATTN_SCORES) together--;
 #pragma omp parallel num_threads(threads)
   {
-    float *p = (float *)__builtin_alloca(sizeof(float) * (size_t)(start + seq));
+    float *scores = (float *)__builtin_alloca(sizeof(float) * (size_t)(together * ctx));
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < pairs; t++) {
-      const int64_t i = t / n_heads, h = t % n_heads, kv = h / group, n = start + i + 1;
-      const float *qh = qkv + i * width + h * hd;
+    for (int64_t t = 0; t < units; t++) {
+      const int64_t i = t / n_kv, kv = t % n_kv, n = start + i + 1;
       const float *K = cache_k + kv * max_seq * hd, *V = cache_v + kv * max_seq * hd;
-      float max = -INFINITY;
-      int64_t j = 0;
+      for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += together) {
+        const int64_t heads = (kv + 1) * group - h0 < together ? (kv + 1) * group - h0 : together;
+        float max[ATTN_GROUP_MAX], inv[ATTN_GROUP_MAX];
+        for (int64_t g = 0; g < heads; g++) max[g] = -INFINITY;
+        for (int64_t j0 = 0; j0 < n; j0 += KEY_TILE) {
+          const int64_t j1 = j0 + KEY_TILE < n ? j0 + KEY_TILE : n;
+          for (int64_t g = 0; g < heads; g++) {
+            const float *qh = qkv + i * width + (h0 + g) * hd;
+            float *p = scores + g * ctx;
+            int64_t j = j0;
 #if GGML_SIMD
-      if (hd % 8 == 0)
-        for (; j + 4 <= n; j += 4) {
-          float dots[4];
-          dot_lanes4(qh, K + j * hd, hd, hd, dots);
-          for (int r = 0; r < 4; r++) {
-            p[j + r] = dots[r] * scale;
-            max = p[j + r] > max ? p[j + r] : max;
+            if (hd % 8 == 0)
+              for (; j + 4 <= j1; j += 4) {
+                _mm_storeu_ps(p + j, _mm_mul_ps(dot_lanes4(qh, K + j * hd, hd, hd),
+                                                _mm_set1_ps(scale)));
+                for (int r = 0; r < 4; r++) max[g] = p[j + r] > max[g] ? p[j + r] : max[g];
+              }
+#endif
+            for (; j < j1; j++) {
+              p[j] = dot_lanes(qh, K + j * hd, hd) * scale;
+              max[g] = p[j] > max[g] ? p[j] : max[g];
+            }
           }
         }
-#endif
-      for (; j < n; j++) {
-        p[j] = dot_lanes(qh, K + j * hd, hd) * scale;
-        max = p[j] > max ? p[j] : max;
-      }
-      double sum = 0.0;
-      for (j = 0; j < n; j++) {
-        p[j] = ggml_expf(p[j] - max);
-        sum += (double)p[j];
-      }
-      const float inv = (float)(1.0 / sum);
-      float *o = out + i * n_heads * hd + h * hd;
-#if GGML_SIMD
-      if (hd % 8 == 0 && hd <= 8 * ATTN_VECTORS) {
-        /* o's vectors held in registers over every j: the same FMA per value, in order */
-        const int64_t nv = hd / 8;
-        __m256 acc[ATTN_VECTORS];
-        for (int64_t v = 0; v < nv; v++) acc[v] = _mm256_setzero_ps();
-        for (j = 0; j < n; j++) {
-          const __m256 pj = _mm256_set1_ps(p[j] * inv);
-          const float *vj = V + j * hd;
-          for (int64_t v = 0; v < nv; v++)
-            acc[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * v), acc[v]);
+        double sums[ATTN_GROUP_MAX];
+        for (int64_t g = 0; g < heads; g++) ggml_exp_shifted(scores + g * ctx, n, max[g]);
+        sums_in_double(scores, ctx, heads, n, sums);
+        for (int64_t g = 0; g < heads; g++) {
+          inv[g] = (float)(1.0 / sums[g]);
+          float *o = out + i * n_heads * hd + (h0 + g) * hd;
+          for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
         }
-        for (int64_t v = 0; v < nv; v++) _mm256_storeu_ps(o + 8 * v, acc[v]);
-        continue;
-      }
+#if GGML_SIMD
+        if (hd % 8 == 0 && hd <= 8 * ATTN_VECTORS) {
+          /* a head's output vectors in registers over a tile's keys (kept in `out` between
+           * tiles): the same FMA per value, in order */
+          const int64_t nv = hd / 8;
+          for (int64_t j0 = 0; j0 < n; j0 += KEY_TILE) {
+            const int64_t j1 = j0 + KEY_TILE < n ? j0 + KEY_TILE : n;
+            int64_t g = 0;
+#if defined(__AVX512F__)
+            /* head_dim 64: three heads at a time; 128: two */
+            float *row = out + i * n_heads * hd + h0 * hd;
+            if (hd == 64)
+              for (; g < heads; g += 3) {
+                const int k = heads - g < 3 ? (int)(heads - g) : 3;
+                const float *p = scores + g * ctx;
+                if (k == 3)
+                  weigh_values_heads(p, ctx, inv + g, V, j0, j1, row + g * hd, 4, 3);
+                else if (k == 2)
+                  weigh_values_heads(p, ctx, inv + g, V, j0, j1, row + g * hd, 4, 2);
+                else
+                  weigh_values_heads(p, ctx, inv + g, V, j0, j1, row + g * hd, 4, 1);
+              }
+            else if (hd == 128)
+              for (; g < heads; g += 2) {
+                const float *p = scores + g * ctx;
+                if (heads - g >= 2)
+                  weigh_values_heads(p, ctx, inv + g, V, j0, j1, row + g * hd, 8, 2);
+                else
+                  weigh_values_heads(p, ctx, inv + g, V, j0, j1, row + g * hd, 8, 1);
+              }
 #endif
-      for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-      for (j = 0; j < n; j++) {
-        const float pj = p[j] * inv;
-        const float *vj = V + j * hd;
-        for (int64_t d = 0; d < hd; d++) o[d] = fmaf(pj, vj[d], o[d]);
+            for (; g < heads; g++) {
+              const float *p = scores + g * ctx;
+              float *o = out + i * n_heads * hd + (h0 + g) * hd;
+              if (nv == 8) /* head_dim 64 (SmolLM2) and 128 (Llama 3): loops the compiler unrolls */
+                weigh_values(p, inv[g], V, j0, j1, o, 8);
+              else if (nv == 16)
+                weigh_values(p, inv[g], V, j0, j1, o, 16);
+              else
+                weigh_values(p, inv[g], V, j0, j1, o, nv);
+            }
+          }
+          continue;
+        }
+#endif
+        for (int64_t g = 0; g < heads; g++) {
+          const float *p = scores + g * ctx;
+          float *o = out + i * n_heads * hd + (h0 + g) * hd;
+          for (int64_t j = 0; j < n; j++) {
+            const float pj = p[j] * inv[g];
+            const float *vj = V + j * hd;
+            for (int64_t d = 0; d < hd; d++) o[d] = fmaf(pj, vj[d], o[d]);
+          }
+        }
       }
     }
   }
