@@ -5,7 +5,8 @@ does not. Before every product with Q4_0, Q4_1, Q4_K or Q8_0 weights, ggml quant
 activation row to 8 bits (the weight type's `vec_dot_type`: Q8_0, Q8_1 or Q8_K) and takes
 integer dot products per block, so its log-probabilities on those files differ from the
 float goldens by 0.4 to 2.3: another program. This mode computes that program, on the GGUF
-blocks as the file stores them, in kernels/ggml_dot.c (whose header gives each rule):
+blocks (Q4_0 and Q4_1 rows repacked two blocks at a time at load: the same bytes and values,
+fewer instructions to unpack), in kernels/ggml_dot.c (whose header gives each rule):
 
     GgmlLinear       y = x . W^T: x quantized per row as ggml does, integer block dots,
                      float accumulation in the order of ggml's AVX2 vec_dot kernels
@@ -50,6 +51,9 @@ WEIGHT_CODES = {
     GGMLQuantizationType.Q4_K: 2,
     GGMLQuantizationType.Q8_0: 3,
 }
+# The codes of Q4_0 and Q4_1 rows repacked at load (paired_rows; ggml_dot.c's pair_q4_0 and
+# pair_q4_1): each pair of blocks computed with the same operations as the two GGUF blocks
+PAIRED_CODES = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 5}
 VEC_DOT_TYPES = {
     GGMLQuantizationType.Q4_0: "Q8_0",
     GGMLQuantizationType.Q4_1: "Q8_1",
@@ -63,9 +67,55 @@ def kernels():
     return library(GGML_ORDER)
 
 
+def _scale_bytes(qtype: GGMLQuantizationType) -> int:
+    return {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}[qtype]
+
+
+def paired_rows(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Rows [rows, row bytes] of Q4_0 or Q4_1 GGUF blocks in ggml_dot.c's pair layout: blocks
+    2i and 2i + 1 become their float16 scales (and minimums) side by side, then 32 bytes whose
+    low nibbles are block 2i's values 0..31 and high nibbles block 2i + 1's; an odd last block
+    stays as it is. gguf_rows undoes it."""
+    scale_bytes, rows = _scale_bytes(qtype), blocks.shape[0]
+    b = blocks.reshape(rows, -1, scale_bytes + 16)
+    n = b.shape[1] // 2
+    first, second = b[:, 0 : 2 * n : 2], b[:, 1 : 2 * n : 2]
+    scales = [first[..., 0:2], second[..., 0:2]]
+    if scale_bytes == 4:
+        scales += [first[..., 2:4], second[..., 2:4]]
+
+    def values(qs: np.ndarray) -> np.ndarray:  # a GGUF block's 32 values, in order
+        return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+    qs = values(first[..., scale_bytes:]) | (values(second[..., scale_bytes:]) << 4)
+    pairs = np.concatenate([*scales, qs], axis=-1).reshape(rows, -1)
+    return np.ascontiguousarray(np.concatenate([pairs, b[:, 2 * n :].reshape(rows, -1)], axis=1))
+
+
+def gguf_rows(paired: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """paired_rows' rows back in the GGUF blocks' layout."""
+    scale_bytes, rows = _scale_bytes(qtype), paired.shape[0]
+    block_bytes = scale_bytes + 16
+    n = paired.shape[1] // block_bytes // 2
+    pairs = paired[:, : 2 * n * block_bytes].reshape(rows, n, 2 * block_bytes)
+    qs = pairs[..., 2 * scale_bytes :]
+
+    def block(values: np.ndarray) -> np.ndarray:  # 32 values -> a GGUF block's 16 bytes
+        return values[..., :16] | (values[..., 16:] << 4)
+
+    halves = scale_bytes // 2  # float16 fields per block: d, or d and m
+    first = [pairs[..., 4 * k : 4 * k + 2] for k in range(halves)] + [block(qs & 0x0F)]
+    second = [pairs[..., 4 * k + 2 : 4 * k + 4] for k in range(halves)] + [block(qs >> 4)]
+    both = np.stack([np.concatenate(first, -1), np.concatenate(second, -1)], axis=2)
+    tail = paired[:, 2 * n * block_bytes :]
+    return np.ascontiguousarray(np.concatenate([both.reshape(rows, -1), tail], axis=1))
+
+
 class GgmlMatrix:
     """A [rows, cols] matrix as GGUF blocks, rows in the engine's order: `blocks` uint8
-    [rows, row bytes] (the parts' rows one after the other, each part's row_order applied)."""
+    [rows, row bytes] (the parts' rows one after the other, each part's row_order applied;
+    Q4_0 and Q4_1 rows in the pair layout, `code` saying so: gguf_blocks() gives the file's
+    layout)."""
 
     # Where and in what it computes: the model reads these as it would a dense weight's.
     dtype = torch.float32
@@ -85,13 +135,21 @@ class GgmlMatrix:
             if part.row_order is not None:
                 raw = raw[part.row_order.numpy()]
             rows.append(raw)
-        self.blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate(rows)))
+        blocks = np.ascontiguousarray(np.concatenate(rows))
         self.qtype, self.code = qtype, WEIGHT_CODES[qtype]
+        if qtype in PAIRED_CODES:
+            blocks, self.code = paired_rows(blocks, qtype), PAIRED_CODES[qtype]
+        self.blocks = torch.from_numpy(blocks)
         self.rows, self.cols = self.blocks.shape[0], cols
 
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()
+
+    def gguf_blocks(self) -> np.ndarray:
+        """The rows [rows, row bytes] as GGUF stores them."""
+        blocks = self.blocks.numpy()
+        return gguf_rows(blocks, self.qtype) if self.qtype in PAIRED_CODES else blocks
 
 
 class GgmlLinear(packed.RowProduct):

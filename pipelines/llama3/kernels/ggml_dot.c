@@ -45,7 +45,9 @@
 #define GGML_VNNI 0
 #endif
 
-enum { W_Q4_0 = 0, W_Q4_1 = 1, W_Q4_K = 2, W_Q8_0 = 3 };
+/* The *_PAIRS codes: Q4_0 and Q4_1 rows repacked at load (ggml_mode.GgmlMatrix) two blocks
+ * at a time, below; the same bytes, values and arithmetic as the GGUF blocks. */
+enum { W_Q4_0 = 0, W_Q4_1 = 1, W_Q4_K = 2, W_Q8_0 = 3, W_Q4_0_PAIRS = 4, W_Q4_1_PAIRS = 5 };
 
 /* Activation blocks, in this file's own layout (ggml's values, float32 scales). */
 typedef struct {
@@ -80,6 +82,27 @@ typedef struct {
   uint8_t scales[12];
   uint8_t qs[128];
 } blk_q4_k;
+
+/* Blocks 2i and 2i + 1 of a Q4_0 or Q4_1 row, repacked: their float16 scales (and minimums)
+ * side by side, then 32 bytes whose low nibbles are block 2i's 32 values in order and whose
+ * high nibbles are block 2i + 1's, so one load and two masks unpack both blocks (a GGUF
+ * block keeps values 0-15 and 16-31 in one block's low and high nibbles). A row of an odd
+ * number of blocks ends in its last block as GGUF stores it. Same size as the two blocks. */
+typedef struct {
+  uint16_t d[2];
+  uint8_t qs[32];
+} pair_q4_0;
+typedef struct {
+  uint16_t d[2], m[2];
+  uint8_t qs[32];
+} pair_q4_1;
+_Static_assert(sizeof(pair_q4_0) == 2 * sizeof(blk_q4_0), "pairs keep the blocks' bytes");
+_Static_assert(sizeof(pair_q4_1) == 2 * sizeof(blk_q4_1), "pairs keep the blocks' bytes");
+
+/* The GGUF type whose activations and arithmetic a (possibly repacked) weight code has. */
+static inline int gguf_type(int wtype) {
+  return wtype == W_Q4_0_PAIRS ? W_Q4_0 : wtype == W_Q4_1_PAIRS ? W_Q4_1 : wtype;
+}
 
 /* The instruction set this build's products use: 2 VNNI, 1 AVX2, 0 plain C. */
 int ggml_dot_isa(void) { return GGML_VNNI ? 2 : GGML_SIMD; }
@@ -186,7 +209,7 @@ static void quantize_row_8_k(const float *x, int64_t K, act8_k *y) {
 
 /* Bytes of one quantized activation row of K values for weight type `wtype`. */
 int64_t ggml_act_row_bytes(int wtype, int64_t K) {
-  switch (wtype) {
+  switch (gguf_type(wtype)) {
   case W_Q4_0:
   case W_Q8_0:
     return (K / 32) * (int64_t)sizeof(act8_0);
@@ -201,6 +224,7 @@ int64_t ggml_act_row_bytes(int wtype, int64_t K) {
 /* The activation rows x [M, K] quantized for `wtype` into out (M * ggml_act_row_bytes). */
 void ggml_quantize_rows(int wtype, const float *x, int64_t M, int64_t K, uint8_t *out) {
   const int64_t row = ggml_act_row_bytes(wtype, K);
+  wtype = gguf_type(wtype);
   for (int64_t m = 0; m < M; m++) {
     uint8_t *dst = out + m * row;
     if (wtype == W_Q4_1)
@@ -332,6 +356,79 @@ static inline void block_q8_0(lanes *acc, const blk_q8_0 *w, const act8_0 *a) {
 #endif
 }
 
+/* Two blocks of a pair, each added to the row's lanes exactly as block_q4_0 / block_q4_1 add
+ * it (the same products, scales and FMAs, block 2i first), the nibbles unpacked once. */
+static inline void pair_scales(const uint16_t *h, int n, float *f) {
+#if GGML_SIMD
+  uint64_t bits = 0;
+  memcpy(&bits, h, (size_t)n * 2);
+  _mm_storeu_ps(f, _mm_cvtph_ps(_mm_cvtsi64_si128((long long)bits)));
+#else
+  for (int k = 0; k < n; k++) f[k] = half_bits_to_float(h[k]);
+#endif
+}
+
+#if GGML_SIMD
+static inline void pair_nibbles(const uint8_t *qs, __m256i *lo, __m256i *hi) {
+  const __m256i bytes = _mm256_loadu_si256((const __m256i *)qs);
+  *lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
+  *hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
+}
+#else
+/* block `half` of the pair's 32 values times an activation block's, as 8 lanes of sums */
+static inline void pair_sums(const uint8_t *qs, int half, int offset, const int8_t *q,
+                             int32_t sums[8]) {
+  for (int k = 0; k < 8; k++) {
+    sums[k] = 0;
+    for (int e = 4 * k; e < 4 * k + 4; e++)
+      sums[k] += ((half ? qs[e] >> 4 : qs[e] & 0x0F) - offset) * q[e];
+  }
+}
+#endif
+
+static inline void pair_q4_0_step(lanes *acc, const pair_q4_0 *w, const act8_0 *a) {
+  float f[4];
+  pair_scales(w->d, 2, f);
+#if GGML_SIMD
+  __m256i lo, hi;
+  pair_nibbles(w->qs, &lo, &hi);
+  const __m256i eight = _mm256_set1_epi8(8);
+  *acc = lanes_fma(f[0] * a[0].d,
+                   dot_ss8(_mm256_sub_epi8(lo, eight), _mm256_loadu_si256((const __m256i *)a[0].q)),
+                   *acc);
+  *acc = lanes_fma(f[1] * a[1].d,
+                   dot_ss8(_mm256_sub_epi8(hi, eight), _mm256_loadu_si256((const __m256i *)a[1].q)),
+                   *acc);
+#else
+  for (int half = 0; half < 2; half++) {
+    int32_t sums[8];
+    pair_sums(w->qs, half, 8, a[half].q, sums);
+    *acc = lanes_fma(f[half] * a[half].d, sums, *acc);
+  }
+#endif
+}
+
+static inline void pair_q4_1_step(lanes *acc, float *mins, const pair_q4_1 *w,
+                                  const act8_1 *a) {
+  float f[4]; /* d0 d1 m0 m1 */
+  pair_scales(w->d, 4, f);
+#if GGML_SIMD
+  __m256i lo, hi;
+  pair_nibbles(w->qs, &lo, &hi);
+  *mins = fmaf(f[2], a[0].s, *mins);
+  *acc = lanes_fma(f[0] * a[0].d, dot_us8(lo, _mm256_loadu_si256((const __m256i *)a[0].q)), *acc);
+  *mins = fmaf(f[3], a[1].s, *mins);
+  *acc = lanes_fma(f[1] * a[1].d, dot_us8(hi, _mm256_loadu_si256((const __m256i *)a[1].q)), *acc);
+#else
+  for (int half = 0; half < 2; half++) {
+    int32_t sums[8];
+    *mins = fmaf(f[2 + half], a[half].s, *mins);
+    pair_sums(w->qs, half, 0, a[half].q, sums);
+    *acc = lanes_fma(f[half] * a[half].d, sums, *acc);
+  }
+#endif
+}
+
 /* Q4_K's eight 6-bit scales and mins (ggml's get_scale_min_k4). */
 static inline void scales_mins_k4(const uint8_t *q, int32_t sc[8], int32_t mn[8]) {
   for (int j = 0; j < 8; j++) {
@@ -388,7 +485,7 @@ static inline void block_q4_k(lanes *acc, float accm[4], const blk_q4_k *w, cons
 }
 
 static inline int64_t weight_row_bytes(int wtype, int64_t K) {
-  switch (wtype) {
+  switch (gguf_type(wtype)) {
   case W_Q4_0:
     return (K / 32) * (int64_t)sizeof(blk_q4_0);
   case W_Q4_1:
@@ -439,6 +536,31 @@ static void dot_rows(int wtype, const uint8_t *w, int64_t wrow, int R, const uin
                           (const act8_1 *)a + b));
     for (int r = 0; r < R; r++) y[r] = lanes_sum(acc[r]) + mins[r];
     break;
+  case W_Q4_0_PAIRS: {
+    const int64_t pairs = K / 64;
+    for (int64_t b = 0; b < pairs; b++)
+      EACH_ROW(pair_q4_0_step(&acc[r], (const pair_q4_0 *)(w + r * wrow) + b,
+                              (const act8_0 *)a + 2 * b));
+    if ((K / 32) % 2) {
+      EACH_ROW(block_q4_0(&acc[r], (const blk_q4_0 *)((const pair_q4_0 *)(w + r * wrow) + pairs),
+                          (const act8_0 *)a + 2 * pairs));
+    }
+    for (int r = 0; r < R; r++) y[r] = lanes_sum(acc[r]);
+    break;
+  }
+  case W_Q4_1_PAIRS: {
+    const int64_t pairs = K / 64;
+    for (int64_t b = 0; b < pairs; b++)
+      EACH_ROW(pair_q4_1_step(&acc[r], &mins[r], (const pair_q4_1 *)(w + r * wrow) + b,
+                              (const act8_1 *)a + 2 * b));
+    if ((K / 32) % 2) {
+      EACH_ROW(block_q4_1(&acc[r], &mins[r],
+                          (const blk_q4_1 *)((const pair_q4_1 *)(w + r * wrow) + pairs),
+                          (const act8_1 *)a + 2 * pairs));
+    }
+    for (int r = 0; r < R; r++) y[r] = lanes_sum(acc[r]) + mins[r];
+    break;
+  }
   default:
     for (int64_t b = 0; b < K / 256; b++)
       EACH_ROW(block_q4_k(&acc[r], accm[r], (const blk_q4_k *)(w + r * wrow) + b,
@@ -490,6 +612,52 @@ static void dot_cols(int wtype, const uint8_t *w, const uint8_t *a, int64_t arow
       }
     }
     for (int c = 0; c < C; c++) y[c * ystride] = lanes_sum(acc[c]);
+    return;
+  case W_Q4_0_PAIRS:
+  case W_Q4_1_PAIRS:
+    /* per column the blocks in order, each as the GGUF cases below compute it */
+    for (int64_t b = 0; b < K / 64; b++) {
+      __m256i v[2];
+      float f[4];
+      if (wtype == W_Q4_0_PAIRS) {
+        const pair_q4_0 *wp = (const pair_q4_0 *)w + b;
+        pair_scales(wp->d, 2, f);
+        pair_nibbles(wp->qs, &v[0], &v[1]);
+        for (int half = 0; half < 2; half++) {
+          const __m256i qw = _mm256_sub_epi8(v[half], _mm256_set1_epi8(8));
+          for (int c = 0; c < C; c++) {
+            const act8_0 *ab = (const act8_0 *)(a + c * arow) + 2 * b + half;
+            acc[c] = lanes_fma(f[half] * ab->d,
+                               dot_ss8(qw, _mm256_loadu_si256((const __m256i *)ab->q)), acc[c]);
+          }
+        }
+      } else {
+        const pair_q4_1 *wp = (const pair_q4_1 *)w + b;
+        pair_scales(wp->d, 4, f);
+        pair_nibbles(wp->qs, &v[0], &v[1]);
+        for (int half = 0; half < 2; half++)
+          for (int c = 0; c < C; c++) {
+            const act8_1 *ab = (const act8_1 *)(a + c * arow) + 2 * b + half;
+            mins[c] = fmaf(f[2 + half], ab->s, mins[c]);
+            acc[c] = lanes_fma(f[half] * ab->d,
+                               dot_us8(v[half], _mm256_loadu_si256((const __m256i *)ab->q)),
+                               acc[c]);
+          }
+      }
+    }
+    if ((K / 32) % 2) { /* the row's last block, as GGUF stores it */
+      const int64_t last = K / 32 - 1;
+      for (int c = 0; c < C; c++) {
+        if (wtype == W_Q4_0_PAIRS)
+          block_q4_0(&acc[c], (const blk_q4_0 *)((const pair_q4_0 *)w + last / 2),
+                     (const act8_0 *)(a + c * arow) + last);
+        else
+          block_q4_1(&acc[c], &mins[c], (const blk_q4_1 *)((const pair_q4_1 *)w + last / 2),
+                     (const act8_1 *)(a + c * arow) + last);
+      }
+    }
+    for (int c = 0; c < C; c++)
+      y[c * ystride] = wtype == W_Q4_1_PAIRS ? lanes_sum(acc[c]) + mins[c] : lanes_sum(acc[c]);
     return;
   case W_Q4_1:
     for (int64_t b = 0; b < K / 32; b++) {

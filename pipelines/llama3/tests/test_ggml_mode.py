@@ -100,11 +100,14 @@ def test_the_c_quantizers_are_the_torch_transcriptions_bit_for_bit(qtype) -> Non
     assert got["d"].tobytes() == d.float().reshape(8, -1).numpy().tobytes()
 
 
-def _product(lib, qtype, w: np.ndarray, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+def _product(
+    lib, qtype, w: np.ndarray, x: torch.Tensor, threads: int = 1, code: int | None = None
+) -> torch.Tensor:
+    """x . w^T by ggml_gemm, w's rows in the layout of `code` (the GGUF type's by default)."""
     rows, cols = w.shape[0], x.shape[1]
     blocks = torch.from_numpy(np.ascontiguousarray(w))
     y = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    code = ggml_mode.WEIGHT_CODES[qtype]
+    code = ggml_mode.WEIGHT_CODES[qtype] if code is None else code
     act = torch.empty(x.shape[0] * lib.ggml_act_row_bytes(code, cols), dtype=torch.uint8)
     lib.ggml_gemm(code, x.data_ptr(), x.shape[0], cols, blocks.data_ptr(), rows, y.data_ptr(),
                   act.data_ptr(), threads)  # fmt: skip
@@ -154,6 +157,38 @@ def test_every_build_and_thread_count_computes_the_same_bits(qtype) -> None:
             y = _product(kernel_library.load(isa), qtype, w, x, threads)
             assert torch.equal(y, first), (isa, threads)
     assert kernel_library.load(ISAS[-1]).ggml_dot_isa() == kernel_library.DOT_ISA[ISAS[-1]]
+
+
+@pytest.mark.parametrize("qtype", list(ggml_mode.PAIRED_CODES), ids=lambda t: t.name)
+def test_rows_repacked_in_pairs_compute_the_gguf_blocks_bits(qtype) -> None:
+    """GgmlMatrix repacks Q4_0 and Q4_1 rows two blocks at a time: every build's products on
+    them equal the GGUF blocks' to the bit, decode (one row) and prefill (column groups) alike,
+    for rows of an odd block count too (the last block kept as it is)."""
+    code = ggml_mode.PAIRED_CODES[qtype]
+    for cols in (512, 288, 608):  # 16, 9 and 19 blocks
+        w = _weights(qtype, 37, cols, seed=12)
+        paired = ggml_mode.paired_rows(w, qtype)
+        assert paired.shape == w.shape
+        assert np.array_equal(ggml_mode.gguf_rows(paired, qtype), w)
+        # a planted layout: each pair's blocks swapped (same bytes, another order)
+        swapped = ggml_mode.paired_rows(_swap_pairs(w, qtype), qtype)
+        for rows in (1, 5, 9):
+            x = _activations(max(rows, 4), cols, seed=13 + rows)[:rows].contiguous()
+            for isa in ISAS:
+                lib = kernel_library.load(isa)
+                expected = _product(lib, qtype, w, x)
+                for threads in (1, 2):
+                    got = _product(lib, qtype, paired, x, threads, code=code)
+                    assert torch.equal(got, expected), (isa, cols, rows, threads)
+                assert not torch.equal(_product(lib, qtype, swapped, x, code=code), expected)
+
+
+def _swap_pairs(w: np.ndarray, qtype) -> np.ndarray:
+    block_bytes = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}[qtype]
+    b = w.reshape(w.shape[0], -1, block_bytes).copy()
+    n = b.shape[1] // 2 * 2
+    b[:, 0:n:2], b[:, 1:n:2] = b[:, 1:n:2].copy(), b[:, 0:n:2].copy()
+    return b.reshape(w.shape)
 
 
 def test_rms_norm_sums_the_squares_in_double_in_order() -> None:
@@ -217,7 +252,7 @@ def test_matrices_keep_the_engines_row_order_and_refuse_other_types() -> None:
     w = _weights(GGMLQuantizationType.Q8_0, 8, 64, seed=8)
     order = torch.tensor([3, 1, 2, 0, 7, 6, 5, 4])
     matrix = ggml_mode.GgmlMatrix([RawMatrix(w, GGMLQuantizationType.Q8_0, 8, 64, order)])
-    assert np.array_equal(matrix.blocks.numpy(), w[order.numpy()])
+    assert np.array_equal(matrix.gguf_blocks(), w[order.numpy()])
     with pytest.raises(ValueError, match="no Q6_K products"):
         raw = np.zeros((8, 210), dtype=np.uint8)
         ggml_mode.GgmlMatrix([RawMatrix(raw, GGMLQuantizationType.Q6_K, 8, 256)])

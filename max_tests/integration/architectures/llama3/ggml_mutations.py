@@ -25,7 +25,7 @@ def _float_activations(engine: Llama3Engine) -> None:
         if isinstance(module, ggml_mode.GgmlLinear):
             matrix = module.weight
             dense = quants.dequantize(
-                matrix.blocks.numpy().reshape(-1), matrix.qtype, (matrix.rows, matrix.cols)
+                matrix.gguf_blocks().reshape(-1), matrix.qtype, (matrix.rows, matrix.cols)
             )
 
             module._product = lambda x, dense=dense: F.linear(x, dense)
