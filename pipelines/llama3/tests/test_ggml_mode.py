@@ -237,6 +237,64 @@ def test_swiglu_is_silu_times_up_and_the_same_on_every_build() -> None:
         assert bool(same.all()), (isa, gate[~same][:4].tolist())
 
 
+def _attention(lib, shape, threads: int):
+    """ggml_attention on drawn q/k/v rows and caches: (out, rotated qkv, cache_k, cache_v)."""
+    seed, seq, n_heads, n_kv, hd, start = shape
+    rng = np.random.default_rng(seed)
+    width, max_seq = (n_heads + 2 * n_kv) * hd, start + seq + 3
+    qkv = torch.from_numpy((rng.standard_normal((seq, width)) * 3).astype(np.float32))
+    cos = torch.from_numpy(rng.uniform(-1, 1, (seq, hd)).astype(np.float32))
+    sin = torch.from_numpy(rng.uniform(-1, 1, (seq, hd)).astype(np.float32))
+    cache_k = torch.from_numpy(rng.standard_normal((n_kv, max_seq, hd)).astype(np.float32))
+    cache_v = torch.from_numpy(rng.standard_normal((n_kv, max_seq, hd)).astype(np.float32))
+    out = torch.zeros(seq, n_heads * hd)
+    lib.ggml_attention(qkv.data_ptr(), seq, cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
+                       cache_v.data_ptr(), n_heads, n_kv, hd, max_seq, start, hd**-0.5,
+                       out.data_ptr(), threads)  # fmt: skip
+    return out, qkv, cache_k, cache_v
+
+
+# (seed, queries, heads, kv heads, head dim, cached positions): a decode row and prefill
+# chunks; KV groups of 1, 3 (SmolLM2), 4 (Llama 3) and 5; head dims 64 and 128 (the AVX-512
+# builds' several-heads value loops), 136 (no vector path), 12 and 40; partial key tiles; a
+# context long enough that a group's heads are scored in two turns (ATTN_SCORES)
+ATTENTION_SHAPES = [
+    (1, 1, 9, 3, 64, 200), (2, 37, 9, 3, 64, 11), (3, 13, 1, 1, 16, 0), (4, 7, 4, 2, 12, 3),
+    (5, 9, 2, 1, 136, 2), (6, 33, 8, 8, 128, 5), (7, 3, 4, 2, 40, 1), (8, 9, 8, 2, 128, 30),
+    (9, 6, 5, 1, 64, 7), (10, 4, 3, 1, 128, 90), (11, 2, 9, 3, 64, 25000),
+]  # fmt: skip
+
+
+def test_attention_is_the_same_on_every_build_and_is_softmax_attention() -> None:
+    first = {
+        shape: _attention(kernel_library.load(ISAS[0]), shape, 1) for shape in ATTENTION_SHAPES
+    }
+    for isa in ISAS:
+        for shape in ATTENTION_SHAPES:
+            for threads in (1, 2):
+                got = _attention(kernel_library.load(isa), shape, threads)
+                assert all(torch.equal(a, b) for a, b in zip(got, first[shape], strict=True)), (
+                    isa, shape, threads,
+                )  # fmt: skip
+    for shape in ATTENTION_SHAPES:  # softmax(q k^T / sqrt(hd)) v in float64, from the results
+        _, seq, n_heads, n_kv, hd, start = shape
+        out, qkv, cache_k, cache_v = (t.double() for t in first[shape])
+        q = qkv[:, : n_heads * hd].reshape(seq, n_heads, hd)
+        assert torch.equal(
+            cache_k[:, start : start + seq].float(),
+            qkv[:, n_heads * hd : (n_heads + n_kv) * hd]
+            .reshape(seq, n_kv, hd)
+            .transpose(0, 1)
+            .float(),
+        )
+        for h in range(n_heads):
+            keys, values = cache_k[h // (n_heads // n_kv)], cache_v[h // (n_heads // n_kv)]
+            for i in range(seq):
+                scores = keys[: start + i + 1] @ q[i, h] * hd**-0.5
+                expected = torch.softmax(scores, 0) @ values[: start + i + 1]
+                assert (out[i, h * hd : (h + 1) * hd] - expected).abs().max() < 1e-5
+
+
 def test_the_rope_tables_refuse_angles_their_reduction_cannot_take() -> None:
     """Past 2^26 rad the range reduction is no longer exact: refused, nothing written."""
     cos, sin = torch.full((1, 2), 7.0), torch.full((1, 2), 7.0)
