@@ -97,10 +97,15 @@ NAMES = [
 ]
 
 
-def _load_run_drop(path: pathlib.Path, device: str, dtype: torch.dtype, mode: str) -> None:
+def _load_run_drop(
+    path: pathlib.Path, device: str, dtype: torch.dtype, mode: str, kept: list | None = None
+) -> None:
+    """One cycle; `kept` (a planted leak) keeps the engine alive."""
     engine = Llama3Engine.from_gguf(path, device=device, dtype=dtype, mode=mode)
     logits = engine.generate(PROMPT, 2, stop_on_eos=False).logits
     assert torch.isfinite(logits).all()
+    if kept is not None:
+        kept.append(engine)
     del engine
     gc.collect()
     _release_freed_heap()
@@ -166,3 +171,14 @@ def test_parsed_checkpoint_cache_stays_at_its_cap(tmp_path: pathlib.Path) -> Non
     }
     assert not mapped & set(resolved[:-cap]), "an evicted checkpoint is still mapped"
     assert set(resolved[-cap:]) <= mapped
+
+
+def test_a_kept_engine_is_caught() -> None:
+    """The planted leak: each cycle's engine kept alive grows the process past the bound."""
+    path, kept, rss = TESTDATA / "tiny_llama.gguf", [], []
+    for _ in range(CYCLES):
+        _load_run_drop(path, "cpu", torch.float32, "eager", kept)
+        rss.append(rss_mib())
+    per_cycle = (rss[-1] - rss[0]) / (CYCLES - 1)
+    print(f"\nan engine kept each cycle: {per_cycle:.2f} MiB a cycle")
+    assert per_cycle >= RSS_GROWTH_BOUND_MIB
