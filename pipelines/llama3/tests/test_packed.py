@@ -339,11 +339,21 @@ def _runs(engine: Llama3Engine, fused) -> tuple:
 
 
 @pytest.mark.parametrize("mode", ["quantized", "ggml"])
-def test_the_one_call_decode_step_computes_the_modules_bits(mode, fused_files) -> None:
+def test_the_one_call_decode_step_computes_the_modules_bits(mode, fused_files, monkeypatch) -> None:
     """model.fused_decode (one kernel call through every layer) against the same engine's
-    modules: the same tokens and logits, bit for bit, on every packable kind and thread
-    count. The check fails on a planted break: layer 0's table entry given its attention norm
-    in place of its MLP norm."""
+    modules: the same tokens and logits, bit for bit, on every packable kind, thread count
+    and kernel build (the ggml mode's the same on every build, too). The check fails on a
+    planted break: layer 0's table entry given its attention norm in place of its MLP norm."""
+    first_build = {}
+    for isa in ISAS:
+        monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
+        for path in fused_files:
+            engine = Llama3Engine.from_gguf(path, mode=mode)
+            modules = _runs(engine, None)
+            assert _runs(engine, engine.model.fused_decode) == modules, (isa, path.name)
+            if mode == "ggml":
+                assert first_build.setdefault(path, modules) == modules, (isa, path.name)
+    monkeypatch.delenv(kernel_library.KERNELS_ENV)
 
     class SwappedNorms(packed.FusedDecode if mode == "quantized" else ggml_mode.FusedDecode):
         def fill(self, entry, layer) -> None:
@@ -382,10 +392,23 @@ def _served(engine: Llama3Engine, fused) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["quantized", "ggml"])
-def test_a_serving_step_of_decode_rows_computes_the_modules_bits(mode, fused_files) -> None:
+def test_a_serving_step_of_decode_rows_computes_the_modules_bits(
+    mode, fused_files, monkeypatch
+) -> None:
     """A serving step of decode rows only in one call (packed_decode_paged, ggml_decode_paged)
-    against the modules' steps: the same tokens and logits, bit for bit. Planted: a row's
-    context without its first slot (the kernel reads what it is given) fails the check."""
+    against the modules' steps: the same tokens and logits, bit for bit, on every kernel build
+    (the ggml mode's the same on every build). Planted: a row's context without its first slot
+    (the kernel reads what it is given) fails the check."""
+    first_build = {}
+    for isa in ISAS:
+        monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
+        for path in fused_files:
+            engine = Llama3Engine.from_gguf(path, mode=mode)
+            modules = _served(engine, None)
+            assert _served(engine, engine.model.fused_decode) == modules, (isa, path.name)
+            if mode == "ggml":
+                assert first_build.setdefault(path, modules) == modules, (isa, path.name)
+    monkeypatch.delenv(kernel_library.KERNELS_ENV)
     for path in fused_files:
         engine = Llama3Engine.from_gguf(path, mode=mode)
         fused = engine.model.fused_decode
