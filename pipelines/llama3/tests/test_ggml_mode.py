@@ -295,6 +295,23 @@ def test_attention_is_the_same_on_every_build_and_is_softmax_attention() -> None
                 assert (out[i, h * hd : (h + 1) * hd] - expected).abs().max() < 1e-5
 
 
+def test_the_rope_tables_are_the_same_on_every_build() -> None:
+    """The tables through 8,400 positions (what a long case adds besides attention), with and
+    without rope factors: the same bits from every build (test_same_bits holds the default
+    build's to the correctly rounded values)."""
+    factors = torch.linspace(1.0, 8.0, 32)
+    tables = []
+    for isa in ISAS:
+        for freq in (None, factors):
+            cos, sin = torch.empty(8400, 64), torch.empty(8400, 64)
+            ptr = None if freq is None else freq.data_ptr()
+            lib = kernel_library.load(isa)
+            assert lib.ggml_rope_tables(8400, 64, 5e5, ptr, cos.data_ptr(), sin.data_ptr()) == 0
+            tables.append((cos, sin))
+    for index, (cos, sin) in enumerate(tables):  # each against the first build's, alike
+        assert torch.equal(cos, tables[index % 2][0]) and torch.equal(sin, tables[index % 2][1])
+
+
 def test_the_rope_tables_refuse_angles_their_reduction_cannot_take() -> None:
     """Past 2^26 rad the range reduction is no longer exact: refused, nothing written."""
     cos, sin = torch.full((1, 2), 7.0), torch.full((1, 2), 7.0)
