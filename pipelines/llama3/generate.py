@@ -35,7 +35,13 @@ from pipelines.llama3.constrained import Constraint, ConstraintError
 from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
 from pipelines.llama3.sampling import ORDERS, SamplerSettings
-from pipelines.llama3.speculative import NgramDraft, Speculation, self_draft
+from pipelines.llama3.speculative import (
+    DraftMismatch,
+    NgramDraft,
+    Speculation,
+    file_draft,
+    self_draft,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -102,9 +108,16 @@ def _parser() -> argparse.ArgumentParser:
         "the n-gram (self-speculation; 0: the embedding straight into the head)",
     )
     parser.add_argument(
+        "--draft",
+        metavar="GGUF",
+        help="with --speculate: this draft checkpoint (the checkpoint's vocabulary, e.g. "
+        "//tools/gen_tiny_model:write_draft's) drafts instead of the n-gram",
+    )
+    parser.add_argument(
         "--draft-samples",
         action="store_true",
-        help="with --draft-layers and a sampler: the draft samples its proposals, verified by "
+        help="with --draft-layers or --draft and a sampler: the draft samples its proposals, "
+        "verified by "
         "rejection sampling (the target's distribution, other draws than without speculation)",
     )
     constraint = parser.add_argument_group(
@@ -186,8 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     speculation = None
     if args.draft_layers is not None and not args.speculate:
         parser.error("--draft-layers drafts for speculative decoding: give --speculate=K too")
-    if args.draft_samples and (args.draft_layers is None or sampling is None):
-        parser.error("--draft-samples: give --draft-layers=N and a sampler (--temperature=T)")
+    if args.draft is not None and not args.speculate:
+        parser.error("--draft drafts for speculative decoding: give --speculate=K too")
+    if args.draft is not None and args.draft_layers is not None:
+        parser.error("--draft and --draft-layers are two drafts: give one")
+    if args.draft is not None and not os.path.isfile(args.draft):
+        parser.error(f"--draft={args.draft} is not a file; give a draft GGUF checkpoint")
+    model_draft = args.draft_layers is not None or args.draft is not None
+    if args.draft_samples and (not model_draft or sampling is None):
+        parser.error(
+            "--draft-samples: give --draft-layers=N or --draft=GGUF and a sampler (--temperature=T)"
+        )
     if args.speculate:
         try:
             speculation = Speculation(NgramDraft(), args.speculate)
@@ -209,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{engine.config.n_layers - 1} of the checkpoint's {engine.config.n_layers} layers"
             )
         draft = self_draft(gguf_path, args.draft_layers, args.mode, sample=args.draft_samples)
+        speculation = dataclasses.replace(speculation, draft=draft)
+    if args.draft is not None:
+        try:
+            draft = file_draft(args.draft, engine, args.mode, sample=args.draft_samples)
+        except (CheckpointError, DraftMismatch) as error:
+            print(f"error: --draft={args.draft}: {error}", file=sys.stderr)
+            return 2
         speculation = dataclasses.replace(speculation, draft=draft)
     if engine.tokenizer is None:
         print(
@@ -238,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if out.speculation is not None:
         name = "n-gram" if args.draft_layers is None else f"{args.draft_layers}-layer self"
+        name = name if args.draft is None else os.path.basename(args.draft)
         name += ", sampling" if args.draft_samples else ""
         print(f"speculation ({name} draft, k={args.speculate}): {out.speculation.summary()}")
     if taken is not None:

@@ -36,10 +36,12 @@ to p by the G-test), but the draws are not those of sampling without speculation
 Drafts: `NgramDraft` (prompt lookup, model-free): the tokens that followed the most recent
 earlier occurrence of the history's last n tokens (n from `max_n` down to 1); `ModelDraft`:
 another engine's greedy tokens, its KV cache kept across steps (`self_draft`: the target
-checkpoint's first layers and its head, loaded as a model of its own). Teacher-forced
-(`forced_tokens`), the forced sequence is the draft: the decoder feeds every forced token, so
-every proposal is accepted and each block is a verification forward over the sequence being
-checked, which is how the golden lanes hold speculation to the goldens (test_llama_speculative).
+checkpoint's first layers and its head, loaded as a model of its own; `file_draft`: a draft
+checkpoint with the target's vocabulary, such as tools/gen_tiny_model's write_draft writes).
+Teacher-forced (`forced_tokens`), the forced sequence is the draft: the decoder feeds every
+forced token, so every proposal is accepted and each block is a verification forward over the
+sequence being checked, which is how the golden lanes hold speculation to the goldens
+(test_llama_speculative).
 
 With a constraint (constrained.py) the decoder's rows are masked as without speculation; a
 model draft chooses each proposal from its own logits masked after the proposals before it
@@ -202,6 +204,31 @@ def self_draft(path, layers: int, mode: str = "eager", sample: bool = False) -> 
     from pipelines.llama3.engine import Llama3Engine  # engine.py imports this module
 
     engine = Llama3Engine.from_gguf(path, mode=mode, overrides={"n_layers": layers})
+    return (SamplingDraft if sample else ModelDraft)(engine)
+
+
+class DraftMismatch(ValueError):
+    """A draft checkpoint whose vocabulary is not its target's."""
+
+
+def file_draft(path, target, mode: str = "eager", sample: bool = False) -> ModelDraft:
+    """The draft checkpoint at `path` as a draft for the engine `target`: refused (DraftMismatch,
+    naming both) unless its tokens are the target's, id for id; with `sample`, a SamplingDraft."""
+    from pipelines.llama3.engine import Llama3Engine  # engine.py imports this module
+
+    engine = Llama3Engine.from_gguf(path, device=target.device, mode=mode)
+    ours, theirs = engine.config.vocab_size, target.config.vocab_size
+    same = ours == theirs and (
+        engine.tokenizer is None
+        or target.tokenizer is None
+        or engine.tokenizer.backend.get_vocab(True) == target.tokenizer.backend.get_vocab(True)
+    )
+    if not same:
+        raise DraftMismatch(
+            f"the draft {path} has another vocabulary than its target ({ours} tokens, the "
+            f"target {theirs}, or other tokens): a draft proposes the target's token ids; "
+            "write one with //tools/gen_tiny_model:write_draft --target=TARGET"
+        )
     return (SamplingDraft if sample else ModelDraft)(engine)
 
 

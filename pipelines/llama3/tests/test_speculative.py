@@ -34,6 +34,7 @@ from pipelines.llama3 import Llama3Engine, sampling, speculative
 from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import Request, ServingEngine
 from pipelines.llama3.speculative import NgramDraft, Speculation
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 TESTDATA = Path(
     os.environ.get("PIPELINES_TESTDATA", "max_tests/integration/architectures/llama3/testdata")
@@ -429,6 +430,54 @@ def test_a_model_draft_keeps_the_tokens_in_generate_and_served(engine, capsys) -
     # the whole model (1 layer) drafting for itself: measured 36/36 eager and quantized, 35/39
     # for the ggml mode (the eager draft lacks its 8-bit activations: near ties go otherwise)
     assert accepted / proposed > 0.8
+
+
+def test_the_draft_checkpoint_is_the_targets_bigram_and_keeps_the_tokens(engine, capsys) -> None:
+    """testdata's tiny_llama_draft.gguf (tools/gen_tiny_model's write_draft of the float32
+    file) as the draft of every mode: its logits are the float32 file's 0-layer self-draft's,
+    bit for bit (its one block of zeros adds nothing); generate's and the served tokens are
+    those without speculation (K 1, 4 and 8 on its own target, the eager mode's; K 4 on the Q4_K
+    file of the other modes, another random model, which accepts none); on its own target 15%
+    of the proposals over PROMPTS and the three K are accepted (35% at K 4 on PROMPTS[0]; 33%
+    in llama-server)."""
+    path = TESTDATA / "tiny_llama_draft.gguf"
+    draft = speculative.file_draft(path, engine, engine.mode)
+    bigram = speculative.self_draft(TESTDATA / "tiny_llama.gguf", 0, engine.mode).engine
+    prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
+    with torch.inference_mode():
+        ours = draft.engine.generate(prompts[0], 8, stop_on_eos=False)
+        assert torch.equal(ours.logits, bigram.generate(prompts[0], 8, stop_on_eos=False).logits)
+        references = [engine.generate(p, STEPS, stop_on_eos=False) for p in prompts]
+    proposed = accepted = 0
+    for k in (1, 4, 8) if engine.mode == "eager" else (4,):
+        speculation = Speculation(draft, k)
+        with torch.inference_mode():
+            solo = [
+                engine.generate(p, STEPS, stop_on_eos=False, speculation=speculation)
+                for p in prompts
+            ]
+            requests = [
+                Request(str(i), p, STEPS, ignore_eos=True, speculation=speculation)
+                for i, p in enumerate(prompts)
+            ]
+            served = ServingEngine(engine, block_size=4).serve(requests)
+        for i, reference in enumerate(references):
+            assert solo[i].tokens == reference.tokens, (k, PROMPTS[i])
+            assert served[str(i)].output.tokens == reference.tokens, (k, PROMPTS[i])
+        proposed += sum(sum(out.speculation.proposed) for out in solo)
+        accepted += sum(sum(out.speculation.accepted) for out in solo)
+    with capsys.disabled():
+        print(f"\ndraft checkpoint for {engine.mode}: {accepted}/{proposed} accepted")
+    if engine.mode == "eager":  # its own target (the others: the Q4_K file, another model)
+        assert accepted / proposed > 0.1
+
+
+def test_a_draft_checkpoint_of_another_vocabulary_is_refused(tmp_path) -> None:
+    other = tmp_path / "other_vocabulary.gguf"
+    write_tiny_llama(other, dim=64)
+    target = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    with pytest.raises(speculative.DraftMismatch, match="another vocabulary than its target"):
+        speculative.file_draft(other, target)
 
 
 def test_the_model_draft_proposes_its_own_greedy_tokens() -> None:

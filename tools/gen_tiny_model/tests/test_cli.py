@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from goldens.cli_files import user_path
-from tools.gen_tiny_model import gen_tiny_model
+from tools.gen_tiny_model import gen_tiny_model, write_draft
 from tools.gen_tiny_model.gen_tiny_model import main
 
 VALID = [
@@ -107,3 +107,49 @@ def test_help_shows_an_example(capsys):
         gen_tiny_model.build_parser().parse_args(["--help"])
     assert exit_info.value.code == 0
     assert "./bazelw run //tools:gen_tiny_model -- --output=" in capsys.readouterr().out
+
+
+TINY = "max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target=nowhere.gguf"], "--target=nowhere.gguf is not a file"),
+        (
+            ["--target=max_tests/integration/architectures/llama3/testdata/config.json"],
+            "not a readable GGUF file",
+        ),
+        ([f"--target={TINY}", "--intermediate-dim=0"], "must be at least 1"),
+    ],
+)
+def test_write_draft_refuses_bad_input_with_exit_2_and_writes_nothing(
+    tmp_path, capsys, args, message
+):
+    output = tmp_path / "draft.gguf"
+    with pytest.raises(SystemExit) if "at least" in message else _returns(2):
+        assert write_draft.main([*args, f"--output={output}"]) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_draft_same_target_same_bytes_and_an_output_folder_is_refused(tmp_path, capsys):
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    assert write_draft.main([f"--target={TINY}", f"--output={first}"]) == 0
+    assert write_draft.main([f"--target={TINY}", f"--output={second}"]) == 0
+    assert first.read_bytes() == second.read_bytes()
+    assert write_draft.main([f"--target={TINY}", f"--output={tmp_path}"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+class _returns:
+    """A no-op context (the command returns its status instead of raising)."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.gen_tiny_model import gen_tiny_model, llama3_tokenizer, write_hf_config
+from tools.gen_tiny_model import gen_tiny_model, llama3_tokenizer, write_draft, write_hf_config
 
 TESTDATA = Path("max_tests/integration/architectures/llama3/testdata")
 PLACEHOLDER = "$PWD/" + TESTDATA.as_posix()
@@ -15,6 +15,7 @@ COMMANDS = {
     "//tools/gen_tiny_model:write_tokenizer": llama3_tokenizer.main,
     "//tools/gen_tiny_model:write_hf_config": write_hf_config.main,
     "//tools:gen_tiny_model": gen_tiny_model.main,
+    "//tools/gen_tiny_model:write_draft": write_draft.main,
 }
 # Pinned so a changed generator (or numpy, gguf, tokenizers) shows here, not only as a
 # mismatch with files that might have been regenerated in the same change.
@@ -23,6 +24,7 @@ PINNED_SHA256 = {
     "tiny_llama_bf16.gguf": "396647168e5b1be2ea2fb5738bddbff20f6b0c6cdb7aa76c8bde1f4491197e5d",
     "tiny_llama_q4_k.gguf": "d91958e577829c325e82a8a87be5904373086e03cfce4d9bcebc6bbd27621ffa",
     "tiny_llama_nvfp4.gguf": "804cfe84aabe1251b4d34586091ee966e9251c47d18025ac31a0d6d5a4e8c2a0",
+    "tiny_llama_draft.gguf": "dd2afa2335d87d16d4b645b7882e5ebca1e8120056f3d87bc0e98566e9de647a",
 }
 
 
@@ -43,7 +45,7 @@ def _sha256(path: Path) -> str:
 @pytest.mark.slow
 def test_readme_commands_regenerate_committed_files(tmp_path):
     commands = _readme_commands()
-    assert len(commands) == 7, "README.md lost a regeneration command"
+    assert len(commands) == 8, "README.md lost a regeneration command"
     written = []
     for label, args in commands:
         args = [a.replace(PLACEHOLDER, str(tmp_path)) for a in args]
@@ -60,6 +62,7 @@ def test_readme_commands_regenerate_committed_files(tmp_path):
             "tiny_llama_bf16.gguf",
             "tiny_llama_q4_k.gguf",
             "tiny_llama_nvfp4.gguf",
+            "tiny_llama_draft.gguf",
         ]
     )
     mismatched = [n for n in written if _sha256(tmp_path / n) != _sha256(TESTDATA / n)]
