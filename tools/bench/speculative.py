@@ -17,6 +17,9 @@ Example:
     bazel run //tools:bench_speculative
     bazel run //tools:bench_speculative -- --mode=ggml --k=8 --new-tokens=128
     bazel run //tools:bench_speculative -- --draft-layers=24 --no-llama-server
+    bazel run //tools:bench_speculative -- --mode=eager \
+        --gguf=$PWD/max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf \
+        --draft=$PWD/max_tests/integration/architectures/llama3/testdata/tiny_llama_draft.gguf
 
 The self-draft of all layers accepts nearly every proposal and costs as much as the target:
 it measures the machinery (draft, verify, KV rollback), not a useful draft; an untrained early
@@ -29,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 
 import torch
@@ -36,6 +40,7 @@ import torch
 from goldens.cli_files import write_atomically
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, speculative
+from pipelines.llama3.gguf_file import CheckpointError
 from tools.bench.record import json_output
 from tools.bench.sampled import LlamaServerSide, llama_server_missing
 
@@ -90,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="the model draft's layers (default: all, the checkpoint drafting for itself)",
+    )
+    parser.add_argument(
+        "--draft",
+        default=None,
+        metavar="GGUF",
+        help="a draft checkpoint as the model draft of both sides instead of the self-draft "
+        "(//tools/gen_tiny_model:write_draft writes one; llama-server's --model-draft)",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
     parser.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest kept")
@@ -180,14 +192,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {gguf} stores no tokenizer; the bench's prompt needs one", file=sys.stderr)
         return 2
     input_ids = engine.tokenizer.encode(PROMPT)
-    print(f"loading the model draft: {layers} of {engine.config.n_layers} layers", file=sys.stderr)
-    draft = speculative.self_draft(gguf, layers, mode=args.mode)
+    if args.draft is not None and args.draft_layers is not None:
+        parser.error("--draft and --draft-layers are two model drafts: give one")
+    if args.draft is None:
+        print(
+            f"loading the model draft: {layers} of {engine.config.n_layers} layers", file=sys.stderr
+        )
+        draft = speculative.self_draft(gguf, layers, mode=args.mode)
+        note, model_draft = f"{layers}-layer self-draft", gguf
+    else:
+        try:
+            draft = speculative.file_draft(args.draft, engine, args.mode)
+        except (CheckpointError, speculative.DraftMismatch) as error:
+            print(f"error: --draft={args.draft}: {error}", file=sys.stderr)
+            return 2
+        note, model_draft = f"draft checkpoint {os.path.basename(args.draft)}", args.draft
     rows = [
         _engine_row(engine, None, "none", input_ids, args),
         _engine_row(engine, speculative.NgramDraft(), "n-gram", input_ids, args),
         _engine_row(engine, draft, "model", input_ids, args),
     ]
-    rows[2].note = f"{layers}-layer self-draft"
+    rows[2].note = note
     skipped = llama_server_missing(args.no_llama_server)
     if not skipped:
         k = ("--spec-draft-n-max", str(args.k))
@@ -195,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
             ("none", ()),
             ("n-gram", ("--spec-type", "ngram-simple", *k)),
             # --model-draft alone loads the draft and does not speculate: draft-simple does
-            ("model", ("--model-draft", gguf, "--spec-type", "draft-simple", *k)),
+            ("model", ("--model-draft", model_draft, "--spec-type", "draft-simple", *k)),
         ):
             print(f"llama-server, draft {name}", file=sys.stderr)
             rows.append(_llama_row(gguf, name, extra, input_ids, args))
-        rows[-1].note = "the same checkpoint as --model-draft"
+        rows[-1].note = "the same checkpoint as --model-draft" if args.draft is None else note
     lines = _lines(rows, args, args.mode)
     if skipped:
         lines.append(skipped)
