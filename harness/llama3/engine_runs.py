@@ -36,6 +36,7 @@ class Run:
     seconds: float
     positions: list[int] = dataclasses.field(default_factory=list)  # prompt positions
     prompt_logits: np.ndarray | None = None  # [len(positions), vocab] float32, same prefill
+    speculation: object | None = None  # a speculative run's speculative.Stats
 
 
 class Speculating:
@@ -66,7 +67,10 @@ def load_engine(
 def _run(spec: CaseSpec, input_ids: list[int], out, seconds: float, positions) -> Run:
     prompt_logits = None if out.prompt_logits is None else out.prompt_logits.float().numpy()
     logits = out.logits.float().numpy()
-    return Run(spec, input_ids, list(out.tokens), logits, seconds, list(positions), prompt_logits)
+    return Run(
+        spec, input_ids, list(out.tokens), logits, seconds, list(positions), prompt_logits,
+        out.speculation,
+    )  # fmt: skip
 
 
 def run_case(engine: Llama3Engine, spec: CaseSpec) -> Run:
