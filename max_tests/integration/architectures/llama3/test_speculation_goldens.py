@@ -11,8 +11,8 @@ head), the whole checkpoint drafting for itself, and testdata's draft checkpoint
 vocabulary), at K 1, 4 and 8 on the tiny float32 and bfloat16 files and K 4 elsewhere, in
 every mode with goldens (eager and quantized against the own goldens, ggml against its own):
 accepted, rejected and bonus tokens all occur, and each run is judged against the golden like
-any other (its tokens the golden's, its rows within the tolerance). A rejected proposal's keys and values left in use fails there, as it cannot in the
-teacher-forced lane.
+any other (its tokens the golden's, its rows within the tolerance). A rejected proposal's keys
+and values left in use fails there, as it cannot in the teacher-forced lane.
 """
 
 from __future__ import annotations
