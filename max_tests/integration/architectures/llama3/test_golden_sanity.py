@@ -171,3 +171,21 @@ def test_every_constrained_continuation_is_a_short_member(variant, reference, go
         f"{name}: recorded {sorted(recorded)}, cases.yaml {sorted(expected)}"
     )
     assert not problems, f"{name}:\n  " + "\n  ".join(problems)
+
+
+def test_a_shipped_checkpoint_missing_fails_where_goldens_are_required(monkeypatch) -> None:
+    """The lanes skip a variant without a file, except a checkpoint the project ships or pins
+    under $GOLDENS_REQUIRED=1 (every bazel test): that fails (the Llama-3.1-8B file, the
+    user's to give, skips)."""
+    from harness.llama3.variants import skip_unavailable
+
+    shipped = Variant("smollm2", "q4_1", "real", "smollm2", None, "not fetched")
+    users = Variant("llama3_1", "unknown", "real", "llama3_1", None, "no file given")
+    monkeypatch.setenv("GOLDENS_REQUIRED", "1")
+    with pytest.raises(pytest.fail.Exception, match="a shipped checkpoint missing fails"):
+        skip_unavailable(shipped)
+    with pytest.raises(pytest.skip.Exception):
+        skip_unavailable(users)
+    monkeypatch.delenv("GOLDENS_REQUIRED")
+    with pytest.raises(pytest.skip.Exception):
+        skip_unavailable(shipped)

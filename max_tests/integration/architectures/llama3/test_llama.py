@@ -34,7 +34,7 @@ from goldens.tolerances import tolerance
 from harness.llama3 import constrained_goldens, diagnosis, engine_runs, failure_report, judge
 from harness.llama3 import variants as variants_module
 from harness.llama3.sampling_goldens import SamplingReport, check_forced
-from harness.llama3.variants import LLAMA3_1_ENV, Variant, variants
+from harness.llama3.variants import LLAMA3_1_ENV, Variant, skip_unavailable, variants
 from pipelines.llama3.engine import MODES
 from pipelines.llama3.speculative import Speculation
 
@@ -81,8 +81,7 @@ def _cases() -> list:
 def test_llama(
     variant: Variant, mode: str, k: int, goldens, record_property, tmp_path: Path
 ) -> None:
-    if variant.path is None:
-        pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
+    skip_unavailable(variant)
     # the ggml mode on q4_k and q4_1: its own goldens; everything else: own and torch
     references = [
         (*goldens.load(reference, variant), reference)

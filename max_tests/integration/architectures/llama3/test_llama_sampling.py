@@ -54,7 +54,7 @@ from harness.llama3.sampling_goldens import (
     settings_of,
     solo_outputs,
 )
-from harness.llama3.variants import GGML_ENCODINGS, Variant, variants
+from harness.llama3.variants import GGML_ENCODINGS, Variant, skip_unavailable, variants
 from pipelines.llama3 import sampling
 from pipelines.llama3.speculative import Speculation, self_draft
 from pipelines.llama3.tests.constrained_mutations import MUTATIONS as CONSTRAINED_MUTATIONS
@@ -121,8 +121,7 @@ def _tokens(outputs: dict) -> dict:
 
 @pytest.mark.parametrize(("variant", "mode"), _cases())
 def test_llama_sampling(variant: Variant, mode: str, goldens, record_property) -> None:
-    if variant.path is None:
-        pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
+    skip_unavailable(variant)
     engine = engine_runs.load_engine(variant, "cpu", mode=mode)
     golden, tol = _golden(goldens, variant, mode)
     assert any(case.sampling for case in golden.cases), (

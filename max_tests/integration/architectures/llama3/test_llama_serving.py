@@ -26,7 +26,7 @@ import pytest
 
 from goldens.tolerances import tolerance
 from harness.llama3 import engine_runs, failure_report, judge, scenarios
-from harness.llama3.variants import Variant, variants
+from harness.llama3.variants import Variant, skip_unavailable, variants
 from pipelines.llama3.serving import ServingEngine
 
 VARIANTS = variants()
@@ -185,8 +185,7 @@ def _cases() -> list:
 def test_llama_serving(
     variant: Variant, mode: str, scenario: str, goldens, record_property, tmp_path: Path
 ) -> None:
-    if variant.path is None:
-        pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
+    skip_unavailable(variant)
     lane = os.environ.get(LANE_ENV, "all")
     engine, solo_memo = _engine(variant, mode)
     served_memo: dict = {}

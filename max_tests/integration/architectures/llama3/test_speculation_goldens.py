@@ -24,7 +24,7 @@ import pytest
 from goldens.record import case_specs
 from goldens.tolerances import tolerance
 from harness.llama3 import engine_runs, judge
-from harness.llama3.variants import GGML_ENCODINGS, variants
+from harness.llama3.variants import GGML_ENCODINGS, skip_unavailable, variants
 from pipelines.llama3 import speculative
 from pipelines.llama3.speculative import NgramDraft, Speculation
 
@@ -98,8 +98,7 @@ def _free_cases() -> list:
 def test_free_running_speculation_with_each_draft_passes_the_goldens(
     variant, mode, goldens, record_property
 ) -> None:
-    if variant.path is None:
-        pytest.skip(f"{variant.model}: {variant.unavailable_reason}")
+    skip_unavailable(variant)
     reference, tol = _lane(variant, mode)
     full, source = goldens.load(reference, variant)
     golden = judge.in_lane(full, variant.model, "short")
