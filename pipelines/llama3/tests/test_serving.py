@@ -103,11 +103,15 @@ def test_a_ragged_batch_gives_every_request_its_own_numbers(served, config) -> N
 
 
 def test_the_quantized_batch_is_bitwise_where_the_kernels_see_the_same_rows(served) -> None:
-    """Whole-prompt prefill and decode through the same kernels: row for row the same."""
+    """Whole-prompt prefill and decode through the same kernels: row for row the same in the
+    quantized and ggml modes; the eager mode's BLAS rows of another height within the bound."""
     engine, requests, solo = served
     results = ServingEngine(engine).serve(requests)
+    worst = _worst(results, requests, solo)
     if engine.mode in ("quantized", "ggml"):
-        assert _worst(results, requests, solo) == 0.0
+        assert worst == 0.0, worst
+    else:
+        assert worst < LOGPROB_ATOL, worst
 
 
 def test_a_pool_too_small_preempts_and_resumed_requests_continue_exactly(served) -> None:
