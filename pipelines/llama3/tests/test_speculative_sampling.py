@@ -338,4 +338,18 @@ def test_generate_drafts_by_sampling_on_request_and_refuses_it_without_a_sampler
     with pytest.raises(SystemExit) as refused:
         generate.main([*common, "--speculate", "4", "--draft-layers", "0", "--draft-samples"])
     assert refused.value.code == 2
-    assert "--draft-samples: give --draft-layers=N and a sampler" in capsys.readouterr().err
+    assert "--draft-samples: give --draft-layers=N or --draft=GGUF and a sampler" in (
+        capsys.readouterr().err
+    )
+    # a draft checkpoint samples the same way; its misuses exit 2 naming the option
+    draft = str(TESTDATA / "tiny_llama_draft.gguf")
+    assert generate.main([*sampled, "--speculate", "4", "--draft", draft, "--draft-samples"]) == 0
+    assert "speculation (tiny_llama_draft.gguf, sampling draft, k=4):" in capsys.readouterr().out
+    for extra, message in (
+        (["--draft", draft], "--draft drafts for speculative decoding: give --speculate=K"),
+        (["--speculate", "4", "--draft", draft, "--draft-layers", "0"], "two drafts: give one"),
+        (["--speculate", "4", "--draft", "nowhere.gguf"], "--draft=nowhere.gguf is not a file"),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            generate.main([*common, *extra])
+        assert refused.value.code == 2 and message in capsys.readouterr().err, extra
