@@ -26,7 +26,7 @@ class UsageError(Exception):
     """Bad command-line input: one line on stderr, exit status 2, nothing written."""
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -53,15 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ENCODINGS,
         help="storage of the 2-D weights; norms stay float32",
     )
-    parser.add_argument("--n-layers", type=_positive_int, required=True)
-    parser.add_argument("--n-heads", type=_positive_int, required=True)
-    parser.add_argument("--n-kv-heads", type=_positive_int, required=True)
+    parser.add_argument("--n-layers", type=positive_int, required=True)
+    parser.add_argument("--n-heads", type=positive_int, required=True)
+    parser.add_argument("--n-kv-heads", type=positive_int, required=True)
     parser.add_argument(
-        "--hidden-dim", type=_positive_int, required=True, help="divisible by --n-heads"
+        "--hidden-dim", type=positive_int, required=True, help="divisible by --n-heads"
     )
     parser.add_argument(
         "--intermediate-dim",
-        type=_positive_int,
+        type=positive_int,
         help="MLP width (default: 4 x hidden dim)",
     )
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="default: %(default)s")

@@ -26,24 +26,11 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from goldens.cli_files import OneLineParser, PathError, atomic_path, output_directory, user_path
 from pipelines.llama3.gguf_file import CheckpointError, GGUFFile
+from tools.gen_tiny_model.gen_tiny_model import UsageError, positive_int
 
 PROG = "write_draft"
 # The target's tensors the draft keeps (those present: a tied head has no output.weight)
 KEPT = ("token_embd.weight", "rope_freqs.weight", "output_norm.weight", "output.weight")
-
-
-class UsageError(Exception):
-    """Bad command-line input: one line on stderr, exit status 2, nothing written."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, help="the GGUF Llama checkpoint to draft for")
     parser.add_argument("--output", required=True, help="GGUF file to write")
     parser.add_argument(
-        "--intermediate-dim", type=_positive_int, default=16, help="MLP width (%(default)s)"
+        "--intermediate-dim", type=positive_int, default=16, help="MLP width (%(default)s)"
     )
     return parser
 

@@ -338,22 +338,29 @@ def _runs(engine: Llama3Engine, fused) -> tuple:
     return tuple(runs)
 
 
+def _one_call_on_every_build(mode, fused_files, monkeypatch, outputs) -> None:
+    """On every runnable kernel build and packable file: `outputs(engine, fused)` (tokens and
+    logits) of the one-call step equal to the modules' (fused None), bit for bit; the ggml
+    mode's the same on every build."""
+    first_build = {}
+    for isa in ISAS:
+        monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
+        for path in fused_files:
+            engine = Llama3Engine.from_gguf(path, mode=mode)
+            modules = outputs(engine, None)
+            assert outputs(engine, engine.model.fused_decode) == modules, (isa, path.name)
+            if mode == "ggml":
+                assert first_build.setdefault(path, modules) == modules, (isa, path.name)
+    monkeypatch.delenv(kernel_library.KERNELS_ENV)
+
+
 @pytest.mark.parametrize("mode", ["quantized", "ggml"])
 def test_the_one_call_decode_step_computes_the_modules_bits(mode, fused_files, monkeypatch) -> None:
     """model.fused_decode (one kernel call through every layer) against the same engine's
     modules: the same tokens and logits, bit for bit, on every packable kind, thread count
     and kernel build (the ggml mode's the same on every build, too). The check fails on a
     planted break: layer 0's table entry given its attention norm in place of its MLP norm."""
-    first_build = {}
-    for isa in ISAS:
-        monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
-        for path in fused_files:
-            engine = Llama3Engine.from_gguf(path, mode=mode)
-            modules = _runs(engine, None)
-            assert _runs(engine, engine.model.fused_decode) == modules, (isa, path.name)
-            if mode == "ggml":
-                assert first_build.setdefault(path, modules) == modules, (isa, path.name)
-    monkeypatch.delenv(kernel_library.KERNELS_ENV)
+    _one_call_on_every_build(mode, fused_files, monkeypatch, _runs)
 
     class SwappedNorms(packed.FusedDecode if mode == "quantized" else ggml_mode.FusedDecode):
         def fill(self, entry, layer) -> None:
@@ -367,7 +374,6 @@ def test_the_one_call_decode_step_computes_the_modules_bits(mode, fused_files, m
         expected_class = packed.FusedDecode if mode == "quantized" else ggml_mode.FusedDecode
         assert type(fused) is expected_class, path.name  # every layer is the mode's
         modules = _runs(engine, None)
-        assert _runs(engine, fused) == modules, path.name
         assert _runs(engine, SwappedNorms(engine.model)) != modules, path.name
     # The step reads the norms' epsilon and the attention scale from the modules: a bug planted
     # there (ggml_mutations' norm_eps, softmax_scale) is computed by the one call as well.
@@ -399,21 +405,11 @@ def test_a_serving_step_of_decode_rows_computes_the_modules_bits(
     against the modules' steps: the same tokens and logits, bit for bit, on every kernel build
     (the ggml mode's the same on every build). Planted: a row's context without its first slot
     (the kernel reads what it is given) fails the check."""
-    first_build = {}
-    for isa in ISAS:
-        monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
-        for path in fused_files:
-            engine = Llama3Engine.from_gguf(path, mode=mode)
-            modules = _served(engine, None)
-            assert _served(engine, engine.model.fused_decode) == modules, (isa, path.name)
-            if mode == "ggml":
-                assert first_build.setdefault(path, modules) == modules, (isa, path.name)
-    monkeypatch.delenv(kernel_library.KERNELS_ENV)
+    _one_call_on_every_build(mode, fused_files, monkeypatch, _served)
     for path in fused_files:
         engine = Llama3Engine.from_gguf(path, mode=mode)
         fused = engine.model.fused_decode
         modules = _served(engine, None)
-        assert _served(engine, fused) == modules, path.name
 
         class FirstKeyDropped(type(fused)):
             def decode_paged(self, h, cos, sin, batch):

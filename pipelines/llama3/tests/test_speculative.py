@@ -396,6 +396,26 @@ def test_served_rejected_keys_left_in_use_fail_parity(engine) -> None:
     assert mismatched or worst >= LOGPROB_ATOL, (mismatched, worst)
 
 
+def _drafted_keeps_the_tokens(engine, prompts, references, speculation) -> tuple[int, int]:
+    """Every prompt generated and served (one batch, blocks of 4) with `speculation`: the
+    tokens asserted those of `references` (no speculation); the proposals made and accepted
+    in generate."""
+    with torch.inference_mode():
+        solo = [
+            engine.generate(p, STEPS, stop_on_eos=False, speculation=speculation) for p in prompts
+        ]
+        requests = [
+            Request(str(i), p, STEPS, ignore_eos=True, speculation=speculation)
+            for i, p in enumerate(prompts)
+        ]
+        served = ServingEngine(engine, block_size=4).serve(requests)
+    for i, reference in enumerate(references):
+        assert solo[i].tokens == reference.tokens, (speculation, PROMPTS[i])
+        assert served[str(i)].output.tokens == reference.tokens, (speculation, PROMPTS[i])
+    proposed = sum(sum(out.speculation.proposed) for out in solo)
+    return proposed, sum(sum(out.speculation.accepted) for out in solo)
+
+
 def test_a_model_draft_keeps_the_tokens_in_generate_and_served(engine, capsys) -> None:
     """A model as the draft (speculative.ModelDraft), eager whatever the target's mode: the
     target file's first layers and head (`self_draft`; the tiny files have one layer: 0, the
@@ -410,21 +430,7 @@ def test_a_model_draft_keeps_the_tokens_in_generate_and_served(engine, capsys) -
         references = [engine.generate(p, STEPS, stop_on_eos=False) for p in prompts]
     for layers in (0, 1):
         speculation = Speculation(speculative.self_draft(path, layers), 4)
-        with torch.inference_mode():
-            solo = [
-                engine.generate(p, STEPS, stop_on_eos=False, speculation=speculation)
-                for p in prompts
-            ]
-            requests = [
-                Request(str(i), p, STEPS, ignore_eos=True, speculation=speculation)
-                for i, p in enumerate(prompts)
-            ]
-            served = ServingEngine(engine, block_size=4).serve(requests)
-        for i, reference in enumerate(references):
-            assert solo[i].tokens == reference.tokens, (layers, PROMPTS[i])
-            assert served[str(i)].output.tokens == reference.tokens, (layers, PROMPTS[i])
-        proposed = sum(sum(out.speculation.proposed) for out in solo)
-        accepted = sum(sum(out.speculation.accepted) for out in solo)
+        proposed, accepted = _drafted_keeps_the_tokens(engine, prompts, references, speculation)
         with capsys.disabled():
             print(f"\nself-draft of {layers} layers for {engine.mode}: {accepted}/{proposed}")
     # the whole model (1 layer) drafting for itself: measured 36/36 eager and quantized, 35/39
@@ -450,22 +456,8 @@ def test_the_draft_checkpoint_is_the_targets_bigram_and_keeps_the_tokens(engine,
         references = [engine.generate(p, STEPS, stop_on_eos=False) for p in prompts]
     proposed = accepted = 0
     for k in (1, 4, 8) if engine.mode == "eager" else (4,):
-        speculation = Speculation(draft, k)
-        with torch.inference_mode():
-            solo = [
-                engine.generate(p, STEPS, stop_on_eos=False, speculation=speculation)
-                for p in prompts
-            ]
-            requests = [
-                Request(str(i), p, STEPS, ignore_eos=True, speculation=speculation)
-                for i, p in enumerate(prompts)
-            ]
-            served = ServingEngine(engine, block_size=4).serve(requests)
-        for i, reference in enumerate(references):
-            assert solo[i].tokens == reference.tokens, (k, PROMPTS[i])
-            assert served[str(i)].output.tokens == reference.tokens, (k, PROMPTS[i])
-        proposed += sum(sum(out.speculation.proposed) for out in solo)
-        accepted += sum(sum(out.speculation.accepted) for out in solo)
+        counts = _drafted_keeps_the_tokens(engine, prompts, references, Speculation(draft, k))
+        proposed, accepted = proposed + counts[0], accepted + counts[1]
     with capsys.disabled():
         print(f"\ndraft checkpoint for {engine.mode}: {accepted}/{proposed} accepted")
     if engine.mode == "eager":  # its own target (the others: the Q4_K file, another model)

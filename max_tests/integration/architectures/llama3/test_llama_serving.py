@@ -310,24 +310,35 @@ def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
     ]
 
 
+def _batch_delta(engine, golden, solo) -> float:
+    """Max |Δ log-prob| of `golden`'s cases served as one batch against their solo runs."""
+    (batch, *_) = scenarios.SERVINGS["batch"]
+    return scenarios.max_logprob_delta(scenarios.served_runs(engine, golden, batch).runs, solo)
+
+
+def _nudge_served_logits(monkeypatch, amount: float) -> None:
+    """Planted: every served step's first logit moved by `amount` before the decoder sees it."""
+    step = ServingEngine._step
+
+    def nudged(self, seq, logits):
+        logits = logits.clone()
+        logits[0] += amount
+        step(self, seq, logits)
+
+    monkeypatch.setattr(ServingEngine, "_step", nudged)
+
+
 def test_a_batch_that_moves_a_bitwise_lane_by_one_ulp_fails(goldens, monkeypatch) -> None:
     """One served logit nudged by 1e-5 (inside every tolerance) fails the bitwise claim of
     the quantized Q4_K batch lane, and only it."""
     variant, golden = _tiny_short(goldens, "q4_k")
     engine = engine_runs.load_engine(variant, "cpu", mode="quantized")
     solo = engine_runs.forced_runs(engine, golden)
-    (batch, *_) = scenarios.SERVINGS["batch"]
-    delta = scenarios.max_logprob_delta(scenarios.served_runs(engine, golden, batch).runs, solo)
-    assert not_bitwise("quantized", "q4_k", "batch", "short", delta) == []
-    step = ServingEngine._step
-
-    def nudged(self, seq, logits):
-        logits = logits.clone()
-        logits[0] += 1e-5
-        step(self, seq, logits)
-
-    monkeypatch.setattr(ServingEngine, "_step", nudged)
-    delta = scenarios.max_logprob_delta(scenarios.served_runs(engine, golden, batch).runs, solo)
+    assert (
+        not_bitwise("quantized", "q4_k", "batch", "short", _batch_delta(engine, golden, solo)) == []
+    )
+    _nudge_served_logits(monkeypatch, 1e-5)
+    delta = _batch_delta(engine, golden, solo)
     assert 0 < delta < 1e-4
     (failure,) = not_bitwise("quantized", "q4_k", "batch", "short", delta)
     assert "documented as bitwise" in failure
@@ -340,18 +351,11 @@ def test_a_served_row_past_its_invariance_bound_fails(goldens, monkeypatch) -> N
     variant, golden = _tiny_short(goldens, "bfloat16")
     engine = engine_runs.load_engine(variant, "cpu")
     solo = engine_runs.forced_runs(engine, golden)
-    (batch, *_) = scenarios.SERVINGS["batch"]
-    delta = scenarios.max_logprob_delta(scenarios.served_runs(engine, golden, batch).runs, solo)
-    assert not_bitwise("eager", "bfloat16", "batch", "short", delta) == []
-    step = ServingEngine._step
-
-    def moved(self, seq, logits):
-        logits = logits.clone()
-        logits[0] += 1e-3
-        step(self, seq, logits)
-
-    monkeypatch.setattr(ServingEngine, "_step", moved)
-    delta = scenarios.max_logprob_delta(scenarios.served_runs(engine, golden, batch).runs, solo)
+    assert (
+        not_bitwise("eager", "bfloat16", "batch", "short", _batch_delta(engine, golden, solo)) == []
+    )
+    _nudge_served_logits(monkeypatch, 1e-3)
+    delta = _batch_delta(engine, golden, solo)
     assert INVARIANCE_BOUNDS["bfloat16"] < delta < 0.05
     (failure,) = not_bitwise("eager", "bfloat16", "batch", "short", delta)
     assert "past the batch-invariance bound" in failure
@@ -365,9 +369,7 @@ def test_a_ggml_paged_key_error_fails_the_bitwise_lane(goldens, monkeypatch) -> 
     variant, golden = _tiny_short(goldens, "q4_k")
     engine = engine_runs.load_engine(variant, "cpu", mode="ggml")
     solo = engine_runs.forced_runs(engine, golden)
-    (batch, *_) = scenarios.SERVINGS["batch"]
-    delta = scenarios.max_logprob_delta(scenarios.served_runs(engine, golden, batch).runs, solo)
-    assert not_bitwise("ggml", "q4_k", "batch", "short", delta) == []
+    assert not_bitwise("ggml", "q4_k", "batch", "short", _batch_delta(engine, golden, solo)) == []
     forward_paged = ggml_mode.GgmlAttention.forward_paged
 
     def large_keys(self, x, cos, sin, cache_k, cache_v, batch):
@@ -376,8 +378,7 @@ def test_a_ggml_paged_key_error_fails_the_bitwise_lane(goldens, monkeypatch) -> 
         return out
 
     monkeypatch.setattr(ggml_mode.GgmlAttention, "forward_paged", large_keys)
-    delta = scenarios.max_logprob_delta(scenarios.served_runs(engine, golden, batch).runs, solo)
-    (failure,) = not_bitwise("ggml", "q4_k", "batch", "short", delta)
+    (failure,) = not_bitwise("ggml", "q4_k", "batch", "short", _batch_delta(engine, golden, solo))
     assert "documented as bitwise" in failure
 
 
