@@ -13,8 +13,12 @@ the steps: admission, block tables, prefix hashing, the decoder).
 Then the HTTP servers (`--clients`, default 16): this engine's server (pipelines/llama3/
 server.py, in --server-modes) and llama.cpp's `llama-server` (--parallel CLIENTS, its default
 f16 KV cache, the same threads), each on a free loopback port, answer CLIENTS concurrent
-clients, one completion each (the same prompts, --new-tokens greedy tokens, no EOS stop),
-after one warm-up round: total tokens/s, p50/p99 latency and the ratio server/llama-server.
+clients, one completion each (--new-tokens greedy tokens, no EOS stop), in two rounds after a
+warm-up round of other prompts: `new prompts` (prompts neither server has seen: every prompt
+computed in full) and `repeated prompts` (the same prompts again: each server's prompt cache
+may serve them; llama-server keeps a slot's tokens and reuses all but the last, this engine
+reuses whole KV blocks of --block-size 16, so of a 32-token prompt the first 16), with total
+tokens/s, p50/p99 latency and the ratio server/llama-server per round.
 
 Example:
     bazel run //tools:bench_serving
@@ -186,18 +190,24 @@ def _clients(url: str, prompts: list[list[int]], new: int) -> tuple[float, list[
     return time.perf_counter() - start, latencies
 
 
-def _server_row(name: str, url: str, prompts: list[list[int]], args) -> float:
-    _clients(url, prompts, args.new_tokens)  # warm up: first requests, caches, threads
-    seconds, latencies = _clients(url, prompts, args.new_tokens)
-    total = len(prompts) * (args.prompt_tokens + args.new_tokens) / seconds
-    latencies.sort()
-    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-    print(
-        f"{name:<24} {len(prompts):>7} {total:>8.1f} {statistics.median(latencies) * 1e3:>8.0f} "
-        f"{p99 * 1e3:>8.0f}",
-        end="",
-    )
-    return total
+ROUNDS = ("new prompts", "repeated prompts")
+
+
+def _server_rows(name: str, url: str, rounds: dict[str, list[list[int]]], args) -> dict:
+    """Total tokens/s of each round (ROUNDS), after a warm-up round of other prompts."""
+    _clients(url, rounds["warm-up"], args.new_tokens)  # first requests, caches, threads
+    totals = {}
+    for label in ROUNDS:
+        prompts = rounds[label]
+        seconds, latencies = _clients(url, prompts, args.new_tokens)
+        totals[label] = len(prompts) * (args.prompt_tokens + args.new_tokens) / seconds
+        latencies.sort()
+        p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+        print(
+            f"{name:<24} {label:<17} {len(prompts):>7} {totals[label]:>8.1f} "
+            f"{statistics.median(latencies) * 1e3:>8.0f} {p99 * 1e3:>8.0f}"
+        )
+    return totals
 
 
 def servers(args: argparse.Namespace) -> None:
@@ -206,22 +216,23 @@ def servers(args: argparse.Namespace) -> None:
     from goldens.engines.llama_server import LlamaServer
 
     engine = Llama3Engine.from_gguf(smollm2_gguf(), mode="eager")
-    prompts = _prompts(engine, args.clients, args.prompt_tokens)
+    # Prompts are rotations of WORDS: the warm-up's start at other words than the measured
+    # ones, so no server's cache holds a measured prompt before its `new prompts` round.
+    both = _prompts(engine, 2 * args.clients, args.prompt_tokens)
+    fresh = both[: args.clients]
+    rounds = {"warm-up": both[args.clients :], ROUNDS[0]: fresh, ROUNDS[1]: fresh}
     print(
         f"\nHTTP servers, {args.clients} concurrent clients, one completion each "
         f"({args.prompt_tokens} prompt + {args.new_tokens} new tokens), {args.threads} threads"
     )
-    print(
-        f"{'server':<24} {'clients':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}  vs llama-server"
-    )
+    print(f"{'server':<24} {'round':<17} {'clients':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     ours = {}
     for mode in [m for m in args.server_modes.split(",") if m]:
         served = Llama3Engine.from_gguf(smollm2_gguf(), mode=mode)
         context = args.prompt_tokens + args.new_tokens + 16
         server = build(served, "smollm2", max_batch=args.clients, max_context=context)
         with RunningServer(server) as running:
-            ours[mode] = _server_row(f"this engine ({mode})", running.url, prompts, args)
-        print()
+            ours[mode] = _server_rows(f"this engine ({mode})", running.url, rounds, args)
     theirs = None
     if shutil.which("llama-server") is None:
         print("llama-server: not installed (tools/llama_cpp/install.sh)")
@@ -232,13 +243,13 @@ def servers(args: argparse.Namespace) -> None:
         extra += ("--cache-type-k", "f16", "--cache-type-v", "f16")
         try:
             with LlamaServer(smollm2_gguf(), extra_args=extra) as peer:
-                theirs = _server_row("llama-server", peer.url, prompts, args)
-                print()
+                theirs = _server_rows("llama-server", peer.url, rounds, args)
         except EngineError as error:
             print(f"llama-server: {error}")
     if theirs:
-        for mode, total in ours.items():
-            print(f"this engine ({mode}) / llama-server: {total / theirs:.2f}")
+        for mode, totals in ours.items():
+            ratios = ", ".join(f"{label} {totals[label] / theirs[label]:.2f}" for label in ROUNDS)
+            print(f"this engine ({mode}) / llama-server: {ratios}")
 
 
 def batched(args: argparse.Namespace, modes: list[str]) -> None:
