@@ -81,6 +81,7 @@ PRESSURE_MINIMUMS = {
     "evictions": 1,
     "hits on blocks a running sequence holds": 1,
     "evicted hashes looked up again": 1,
+    "prompts read whole from the cache": 1,
     "preemptions": 1,
     "steps mixing prefill and decode rows": 1,
 }
@@ -308,6 +309,7 @@ def _pressure(engine, golden, requests, serving, serving_class, config) -> Serve
         "evictions": pool.evictions,
         "hits on blocks a running sequence holds": pool.shared_hits,
         "evicted hashes looked up again": pool.refound,
+        "prompts read whole from the cache": pool.whole_prompts,
         "preemptions": server.preemptions,
         "steps mixing prefill and decode rows": server.mixed_steps,
     }

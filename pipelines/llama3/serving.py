@@ -17,6 +17,10 @@ token is the decoder's (`decoder.Decoder`, the one `Llama3Engine.generate` uses)
 - **Prefix caching**: a full block is published under a hash chained on its parent block's
   hash; a new request reuses the longest run of its full blocks already in the pool
   (reference counted; a block nobody uses stays cached and is evicted least recently used).
+  The last prompt token is always computed (its logits are the first step's): a prompt found
+  whole in the cache, its last block full, takes a copy of that block's other positions into
+  a block of its own (`_copy_positions`) and computes only the last one, so a repeated prompt
+  costs one row, not a block.
 - **Admission**: a waiting request is admitted when the pool, less the blocks the running
   sequences take this step, has room for its first piece.
 - **Preemption**: when the pool has no free block for a running sequence, the most recently
@@ -39,10 +43,10 @@ token is the decoder's (`decoder.Decoder`, the one `Llama3Engine.generate` uses)
 Each request's result is a `GenerationOutput`, as from `Llama3Engine.generate`. The single
 sequence path stays `generate` (its contiguous cache); the golden tests hold both to the same
 goldens (their `solo` lane and the serving scenarios). The methods `_slot`, `_write_slot`,
-`_positions`, `_context_slots`, `_block_hash`, `_resume_from` and `_new_pool` are the seams the
-scenario mutations of the golden tests replace; `_accepted_end` and `_free_rejected` those of
-the speculation tests. CPU and CUDA share this code (torch operators only);
-it is tested on the CPU only.
+`_positions`, `_context_slots`, `_block_hash`, `_resume_from`, `_new_pool` and
+`_copy_positions` are the seams the scenario mutations and the pool's planted bugs replace;
+`_accepted_end` and `_free_rejected` those of the speculation tests. CPU and CUDA share this
+code (torch operators only); it is tested on the CPU only.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ class BlockPool:
         self.evictions = 0  # cached blocks taken for new keys
         self.evicted: set[bytes] = set()  # the hashes evicted so far
         self.refound = 0  # lookups of an evicted hash (a miss: the prefix is computed again)
+        self.whole_prompts = 0  # prompts read whole but their last position (a block copied)
 
     def available(self) -> int:
         return len(self.free) + len(self.evictable)
@@ -266,6 +271,14 @@ class ServingEngine:
     def _resume_from(self, seq: _Sequence) -> list[int]:
         """The positions a preempted sequence recomputes when it is admitted again: all."""
         return list(range(len(seq.fed)))
+
+    def _copy_positions(self, source: int, copy: int, count: int) -> None:
+        """Every layer's keys and values of block `source`'s first `count` positions into
+        block `copy` (a prompt found whole in the cache: all of its last block but the last
+        position, which the request computes)."""
+        pool = self.pool
+        pool.k[:, copy, :count] = pool.k[:, source, :count]
+        pool.v[:, copy, :count] = pool.v[:, source, :count]
 
     # --- serving ---------------------------------------------------------------------------
 
@@ -433,9 +446,11 @@ class ServingEngine:
         pool = self.pool
         missed = None  # the first prefix block's key that is not cached
         peeked = []  # the cached blocks of seq.hashes (empty on arrival and after preemption)
+        last = None  # the key of the prompt's full last block, cached: copied but one position
         if self.prefix_caching and not seq.preemptions:
             # At least the last prompt token is computed: its logits are the first step's.
-            for b in range((len(seq.fed) - 1) // self.block_size):
+            full = (len(seq.fed) - 1) // self.block_size
+            for b in range(full):
                 key = self._key_of_block(seq, b)  # chained on seq.hashes[b - 1]
                 block = pool.peek(key)
                 if block is None:
@@ -443,10 +458,18 @@ class ServingEngine:
                     break
                 seq.hashes.append(key)
                 peeked.append(block)
+            if missed is None and len(seq.fed) == (full + 1) * self.block_size:
+                key = self._key_of_block(seq, full)
+                if pool.peek(key) is not None:
+                    last = key
         # Decided before anything is taken: a refused admission references and counts nothing.
-        # A cached block nobody holds leaves the evictable ones when it is taken.
-        taken = sum(pool.refs[block] == 0 for block in set(peeked))
+        # A cached block nobody holds leaves the evictable ones when it is taken (the copied
+        # one too, until its positions are copied: the copy's block must not evict it).
+        sources = peeked + ([pool.peek(last)] if last is not None else [])
+        taken = sum(pool.refs[block] == 0 for block in set(sources))
         seq.table, seq.computed = peeked, len(peeked) * self.block_size
+        if last is not None:
+            seq.computed = len(seq.fed) - 1  # its piece: the last token, in the copy's block
         room = pool.available() - taken - (reserve or 0)
         if room < (1 if reserve is None else max(1, self._blocks_wanted(seq))):
             seq.hashes.clear()
@@ -455,6 +478,13 @@ class ServingEngine:
         seq.table = [pool.lookup(key) for key in seq.hashes]
         if missed is not None:
             pool.lookup(missed)  # a miss, counted (an evicted hash looked up again)
+        if last is not None:
+            source = pool.lookup(last)  # held while copied
+            copy = pool.allocate()  # room was checked: a free block, or another cached one
+            self._copy_positions(source, copy, self.block_size - 1)
+            pool.release(source)
+            seq.table.append(copy)
+            pool.whole_prompts += 1
         seq.cached_prefix = seq.computed
         if recompute is not None:
             seq.skip = set(range(len(seq.fed))) - set(recompute)

@@ -41,6 +41,14 @@ class UncountedHit(BlockPool):
         return super().lookup(key)
 
 
+class ShortWholePromptCopy(ServingEngine):
+    """A prompt found whole in the cache gets one position fewer of its last block copied:
+    the position before its last keeps whatever its new block held."""
+
+    def _copy_positions(self, source: int, copy: int, count: int) -> None:
+        super()._copy_positions(source, copy, count - 1)
+
+
 def serving_with(pool_class: type[BlockPool]) -> type[ServingEngine]:
     """ServingEngine whose block pool is a `pool_class` (its `_new_pool` seam)."""
 

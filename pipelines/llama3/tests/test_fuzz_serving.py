@@ -7,8 +7,9 @@ testing/fuzz.py) draws, on a random tiny model (`write_tiny_llama` of
 tools/gen_tiny_model/tiny_llama.py, 263 tokens):
 
 - 2 to 8 requests: prompts of 1 to 12 own tokens behind one preamble of up to 24 tokens (most
-  behind all of it, so that blocks are shared, cached, evicted and found again), 1 to 5 new
-  tokens each;
+  behind all of it, so that blocks are shared, cached, evicted and found again), or, for about
+  a quarter, an earlier request's prompt cut to its full blocks (a prompt found whole in the
+  cache), 1 to 5 new tokens each;
 - the step each request arrives at (0 to 10), and for some the step it is cancelled at;
 - block size (1, 2, 4 or 8), chunk size (whole prompts, or 1 to 8 tokens), prefix caching on
   or off, a batch limit, and a pool of the fewest blocks the longest request needs plus 0, 1,
@@ -25,13 +26,16 @@ schedule that fails.
 
 Planted scheduler bugs that no golden lane finds (those lanes never evict, never share a
 block between live sequences and never cancel), each caught within FUZZ_EXAMPLES (150)
-examples (measured: at examples 55, 48 and 4; the file takes ~15 s on 2 cores):
+examples (measured, plain pytest: at examples 72, 12, 6 and 112; the file takes ~15 s on 2
+cores):
 
 - eviction that leaves the evicted block's hash in the prefix cache (a later request reads
   another sequence's keys as its prefix);
 - a cache hit that does not count its reader (the block is freed, then overwritten, while a
   second live sequence still reads it);
-- a cancel that forgets to give its blocks back.
+- a cancel that forgets to give its blocks back;
+- a prompt found whole in the cache given one position fewer of its last block
+  (pool_mutations.ShortWholePromptCopy).
 """
 
 from __future__ import annotations
@@ -46,7 +50,12 @@ from hypothesis import strategies as st
 
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.serving import Request, ServingEngine, blocks_for
-from pipelines.llama3.tests.pool_mutations import EvictionKeepsTheHash, UncountedHit, serving_with
+from pipelines.llama3.tests.pool_mutations import (
+    EvictionKeepsTheHash,
+    ShortWholePromptCopy,
+    UncountedHit,
+    serving_with,
+)
 from testing.fuzz import first_failure, fuzz_settings
 from tools.gen_tiny_model.tiny_llama import byte_vocab, write_tiny_llama
 
@@ -77,16 +86,22 @@ def schedules(draw) -> Schedule:
     vocab = len(byte_vocab().tokens)
     token = st.integers(0, vocab - 1)
     preamble = draw(st.lists(token, min_size=0, max_size=24))
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
     arrivals = []
     for _ in range(draw(st.integers(2, 8))):
         # most requests behind the whole preamble (blocks shared, cached, evicted, found)
         shared = draw(st.sampled_from([len(preamble), len(preamble), draw(st.integers(0, 24))]))
         own = draw(st.lists(token, min_size=1, max_size=12))
+        prompt = tuple(preamble[:shared] + own)
+        if arrivals and draw(st.integers(0, 3)) == 0:
+            # an earlier prompt's full blocks (or all of it, if it has none) as a whole prompt:
+            # found whole in the cache once the earlier one has computed them
+            earlier = draw(st.sampled_from([a.prompt for a in arrivals]))
+            prompt = earlier[: len(earlier) // block_size * block_size] or earlier
         at = draw(st.integers(0, 10))
         cancel = draw(st.one_of(st.none(), st.integers(at, at + 8)))
         new_tokens = draw(st.integers(1, 5))
-        arrivals.append(Arrival(tuple(preamble[:shared] + own), new_tokens, at, cancel))
-    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+        arrivals.append(Arrival(prompt, new_tokens, at, cancel))
     needs = [blocks_for(len(a.prompt) + a.new_tokens, block_size) for a in arrivals]
     # from the fewest blocks the longest request needs: a few more (evictions, preemptions)
     # or enough for every request at once
@@ -180,6 +195,7 @@ def _serve(
         counts["prefix cache hits"] += serving.pool.hits
         counts["evictions"] += serving.pool.evictions
         counts["hits on a block a live sequence holds"] += serving.pool.shared_hits
+        counts["prompts read whole from the cache"] += serving.pool.whole_prompts
     held = [b for b, refs in enumerate(serving.pool.refs) if refs]
     if held:
         problems.append(f"blocks {held} still referenced after every request ended")
@@ -196,19 +212,21 @@ def test_every_schedule_serves_the_solo_numbers_and_frees_the_pool(engine, sched
 # What the drawn schedules must exercise, at least (measured: see the test's output).
 # Derandomized, the examples are the same on every run of one setup, but plain pytest and
 # Bazel's runner draw different ones. Measured over the FUZZ_EXAMPLES schedules (hypothesis
-# 6.155), under Bazel / plain pytest: evictions 505 / 345, hits on a block a live sequence
-# holds 291 / 42, prefix cache hits 465 / 178, preemptions 28 / 114, cancelled mid-prefill
-# 144 / 75 and mid-decode 53 / 70; each minimum is about half the lower figure. (Preemptions
+# 6.155), under Bazel / plain pytest, since some arrivals repeat an earlier prompt's full
+# blocks: evictions 136 / 183, hits on a block a live sequence holds 21 / 181, prefix cache
+# hits 78 / 652, preemptions 87 / 216, cancelled mid-prefill 156 / 124 and mid-decode 69 / 50,
+# prompts read whole from the cache 15 / 51; each minimum is half the lower figure. (Preemptions
 # were several times more before admissions stopped taking the blocks running sequences need
 # in their step: most were sequences admitted and preempted in the same step. The lookups of
 # an admission refused after them are not counted as hits.)
 MINIMUMS = {
-    "evictions": 170,
-    "hits on a block a live sequence holds": 21,
-    "prefix cache hits": 89,
-    "preemptions": 14,
-    "cancelled mid-prefill": 35,
-    "cancelled mid-decode": 26,
+    "evictions": 68,
+    "hits on a block a live sequence holds": 10,
+    "prefix cache hits": 39,
+    "preemptions": 43,
+    "cancelled mid-prefill": 62,
+    "cancelled mid-decode": 25,
+    "prompts read whole from the cache": 7,
 }
 
 
@@ -243,8 +261,14 @@ class _CancelKeepsBlocks(ServingEngine):
         (serving_with(EvictionKeepsTheHash), "logits off the solo run"),
         (serving_with(UncountedHit), "logits off the solo run|still referenced|raised"),
         (_CancelKeepsBlocks, "still referenced|raised"),
+        (ShortWholePromptCopy, "logits off the solo run"),
     ],
-    ids=["eviction-keeps-the-hash", "uncounted-cache-hit", "cancel-keeps-blocks"],
+    ids=[
+        "eviction-keeps-the-hash",
+        "uncounted-cache-hit",
+        "cancel-keeps-blocks",
+        "short-whole-prompt-copy",
+    ],
 )
 def test_a_planted_scheduler_bug_fails_a_drawn_schedule(engine, monkeypatch, serving_class, match):
     monkeypatch.setitem(globals(), "_serve", _planted(serving_class))

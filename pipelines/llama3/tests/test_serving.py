@@ -16,6 +16,7 @@ import torch
 from pipelines.llama3 import Llama3Engine, sampling
 from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import BlockPool, PoolExhausted, Request, ServingEngine
+from pipelines.llama3.tests.pool_mutations import ShortWholePromptCopy
 
 TESTDATA = Path(
     os.environ.get("PIPELINES_TESTDATA", "max_tests/integration/architectures/llama3/testdata")
@@ -155,6 +156,45 @@ def test_equal_block_tokens_after_a_different_history_are_not_shared(served) -> 
     results = serving.serve([shifted, sharing, first])
     # Block 0 from `sharing`; block 1 has `shifted`'s first block's tokens, not its history.
     assert results[first.id].cached_prefix == 4
+
+
+def _whole_prompt_again(served, serving_class: type[ServingEngine]) -> list[str]:
+    """A prompt served, then served again: the second time every position but the last is
+    read from the cache (its last block copied), and the request still gives generate's
+    tokens and logits (bitwise in the ggml mode). What differs, as a list."""
+    engine, requests, solo = served
+    request, reference = requests[2], solo[2]
+    size = len(request.prompt)
+    block = next((d for d in range(2, size // 2 + 1) if size % d == 0), size)  # a full last block
+    serving = serving_class(engine, block_size=block, prefix_caching=True, max_batch=1)
+    serving.serve([request])
+    again = dataclasses.replace(request, id="again")
+    served_again = serving.serve([again])["again"]
+    problems = []
+    if served_again.cached_prefix != size - 1 or serving.pool.whole_prompts != 1:
+        problems.append(
+            f"read {served_again.cached_prefix} of {size} positions from the cache "
+            f"({serving.pool.whole_prompts} whole prompts), not {size - 1} (1)"
+        )
+    if any(serving.pool.refs):
+        problems.append(f"{sum(map(bool, serving.pool.refs))} blocks held after both finished")
+    out = served_again.output
+    if out.tokens != reference.tokens:
+        problems.append(f"tokens {out.tokens}, generate's {reference.tokens}")
+    else:
+        worst = _worst({"again": served_again}, [again], [reference])
+        if worst > (0.0 if engine.mode == "ggml" else LOGPROB_ATOL):
+            problems.append(f"max |Δ log-prob| {worst:.3g} from generate")
+    return problems
+
+
+def test_a_prompt_found_whole_in_the_cache_computes_only_its_last_position(served) -> None:
+    assert _whole_prompt_again(served, ServingEngine) == []
+
+
+def test_a_planted_short_copy_of_a_whole_cached_prompt_fails(served) -> None:
+    problems = _whole_prompt_again(served, ShortWholePromptCopy)
+    assert any("from generate" in p or "tokens" in p for p in problems), problems
 
 
 def test_the_pool_counts_references_and_evicts_the_least_recently_used(served) -> None:
