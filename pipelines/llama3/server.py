@@ -17,9 +17,17 @@ docs/constrained_decoding.md); `GET /v1/models`; `GET /health`; and
 `GET /metrics` (JSON: requests by outcome, pending, KV blocks in use, steps, preemptions).
 A chat endpoint is not served: the checkpoints it is tested on have no chat template.
 
-How it runs: one worker thread owns the `serving.ServingEngine` (continuous batching over a
-paged KV cache, prefix caching on) and loops: take new requests and cancellations, run one
-scheduler step, hand each request its new tokens. HTTP requests are answered by Flask on
+How it runs: one worker owns the `serving.ServingEngine` (continuous batching over a paged KV
+cache, prefix caching on) and loops: take new requests and cancellations, run one scheduler
+step, hand each request its new tokens. `serve` runs that loop on its main thread, the one
+that loaded the engine (`RunningServer.serve_here`); in-process users (the tests) run it on a
+thread of its own (`RunningServer.start`). The main thread is faster: OpenMP (the kernels'
+and torch's threads) keeps a team of threads per thread that starts parallel work, and the
+loading thread's stays alive; with a second team on a 2-core machine libgomp counts more
+threads than cores and stops spinning between parallel regions, so every region waits for
+its threads to wake (Intel Xeon, 2 cores, SmolLM2 Q4_1 ggml, 16 requests: a decode step of 16
+rows ~95 ms on a worker thread, ~60 ms on the loading thread; one 16-row product 0.38 and
+0.22 ms). HTTP requests are answered by Flask on
 werkzeug's threaded server, one thread per connection, which wait on their own queue: a
 request is never handed another's tokens because every event carries its request's id.
 A streaming client that goes away is noticed at the next write and its request cancelled
@@ -28,7 +36,7 @@ field and the fix, in OpenAI's error shape; a body over `--max-body` bytes gets 
 
 Flask is the framework because it is maintained, already locked for the S3 lane's server,
 and streams from a generator; the engine's throughput is bound by its one worker, not by
-the HTTP layer (docs/serving.md has the figures).
+the HTTP layer (README.md's `bench_serving` row has the figures against llama-server).
 """
 
 from __future__ import annotations
@@ -125,11 +133,20 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def run_here(self) -> None:
+        """The loop on the calling thread, until `stop_soon` (a signal handler's, say)."""
+        self._run()
+
+    def stop_soon(self) -> None:
+        """Ask the loop to end after its step: every request still open is cancelled."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
-        self._thread.join(timeout=30)
+
+    def stop(self) -> None:
+        self.stop_soon()
+        if self._thread.ident is not None:  # started on its own thread (`start`)
+            self._thread.join(timeout=30)
 
     def submit(self, requests: list[Request], listener: queue.Queue) -> None:
         with self._lock:
@@ -762,6 +779,16 @@ class RunningServer:
         self._thread.join(timeout=30)
         self.server.worker.stop()
 
+    def serve_here(self) -> None:
+        """HTTP on a thread of its own and the engine's loop on this one (module docstring)
+        until `server.worker.stop_soon()`; then the HTTP server stops too."""
+        self._thread.start()
+        try:
+            self.server.worker.run_here()
+        finally:
+            self.http.shutdown()
+            self._thread.join(timeout=30)
+
     def __enter__(self) -> RunningServer:
         return self.start()
 
@@ -882,12 +909,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"error: cannot listen on {args.host}:{args.port}: {error} (--port)", file=sys.stderr)
         return 2
-    stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    signal.signal(signal.SIGINT, lambda *_: stopped.set())
-    with running:
-        print(f"serving {server.model_name} at {running.url}", flush=True)
-        stopped.wait()
+    signal.signal(signal.SIGTERM, lambda *_: server.worker.stop_soon())
+    signal.signal(signal.SIGINT, lambda *_: server.worker.stop_soon())
+    print(f"serving {server.model_name} at {running.url}", flush=True)
+    running.serve_here()  # the engine's steps on this thread, the one that loaded it
     print("stopped", file=sys.stderr)
     return 0
 

@@ -11,14 +11,15 @@ cost per scheduler step (`sched ms/step`: the wall time outside the model's forw
 the steps: admission, block tables, prefix hashing, the decoder).
 
 Then the HTTP servers (`--clients`, default 16): this engine's server (pipelines/llama3/
-server.py, in --server-modes) and llama.cpp's `llama-server` (--parallel CLIENTS, its default
-f16 KV cache, the same threads), each on a free loopback port, answer CLIENTS concurrent
-clients, one completion each (--new-tokens greedy tokens, no EOS stop), in two rounds after a
-warm-up round of other prompts: `new prompts` (prompts neither server has seen: every prompt
-computed in full) and `repeated prompts` (the same prompts again: each server's prompt cache
-may serve them; llama-server keeps a slot's tokens and reuses all but the last, this engine
-reuses whole KV blocks of --block-size 16, so of a 32-token prompt the first 16), with total
-tokens/s, p50/p99 latency and the ratio server/llama-server per round.
+server.py, in --server-modes, a process of its own as `serve` runs it) and llama.cpp's
+`llama-server` (--parallel CLIENTS, its default f16 KV cache, the same threads), each on a free
+loopback port, answer CLIENTS concurrent clients, one completion each (--new-tokens greedy
+tokens, no EOS stop), in two rounds after a warm-up round of other prompts: `new prompts`
+(prompts neither server has seen: every prompt computed in full) and `repeated prompts` (the
+same prompts again: each server's prompt cache may serve them; llama-server keeps a slot's
+tokens and reuses all but the last, this engine reuses the prompt's cached KV blocks and, a
+prompt found whole, copies its last block but the last position), with total tokens/s,
+p50/p99 latency and the ratio server/llama-server per round.
 
 Example:
     bazel run //tools:bench_serving
@@ -33,10 +34,13 @@ the warm-up batch compiles them, outside the timings).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
+import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,7 +52,6 @@ import torch
 
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine
-from pipelines.llama3.server import RunningServer, build
 from pipelines.llama3.serving import Request, ServingEngine
 
 # Prompt words: request i takes LENGTHS[i % len(LENGTHS)] of them (mixed lengths).
@@ -210,6 +213,31 @@ def _server_rows(name: str, url: str, rounds: dict[str, list[list[int]]], args) 
     return totals
 
 
+@contextlib.contextmanager
+def _own_server(mode: str, args: argparse.Namespace):
+    """This engine's server in a process of its own, as `./bazelw run //pipelines/llama3:serve`
+    runs it (and as llama-server runs): its OpenAI base URL; stopped by SIGTERM after."""
+    context = args.prompt_tokens + args.new_tokens + 16
+    gguf = os.path.abspath(smollm2_gguf())  # the server reads paths from the caller's directory
+    command = [sys.executable, "-m", "pipelines.llama3.server", f"--gguf={gguf}"]
+    command += [f"--mode={mode}", "--port=0", f"--threads={args.threads}"]
+    command += [f"--max-batch={args.clients}", f"--max-context={context}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = process.stdout.readline()  # "serving NAME at URL", once it listens
+        match = re.search(r" at (http://\S+)", line)
+        if match is None:
+            raise RuntimeError(f"this engine's server did not start: {line!r}")
+        yield match.group(1)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def servers(args: argparse.Namespace) -> None:
     """The HTTP rows: this engine's server per mode, then llama-server, and the ratios."""
     from goldens.engines.base import EngineError
@@ -228,11 +256,8 @@ def servers(args: argparse.Namespace) -> None:
     print(f"{'server':<24} {'round':<17} {'clients':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     ours = {}
     for mode in [m for m in args.server_modes.split(",") if m]:
-        served = Llama3Engine.from_gguf(smollm2_gguf(), mode=mode)
-        context = args.prompt_tokens + args.new_tokens + 16
-        server = build(served, "smollm2", max_batch=args.clients, max_context=context)
-        with RunningServer(server) as running:
-            ours[mode] = _server_rows(f"this engine ({mode})", running.url, rounds, args)
+        with _own_server(mode, args) as url:
+            ours[mode] = _server_rows(f"this engine ({mode})", url, rounds, args)
     theirs = None
     if shutil.which("llama-server") is None:
         print("llama-server: not installed (tools/llama_cpp/install.sh)")
