@@ -549,34 +549,150 @@ static void rotate_heads(float *qkv, const float *cos, const float *sin, int64_t
 /* Grouped-query attention of one query position over T keys and values: key t of KV head g
  * is at cache + ((slots ? slots[t] : t) * t_stride + g * g_stride) * head_dim, for the
  * contiguous cache (t_stride 1, g_stride max_seq) and the paged one (slots, t_stride
- * n_kv_heads, g_stride 1) alike, in one summation order. */
+ * n_kv_heads, g_stride 1) alike, in one summation order. Each query head h: its scores
+ * q_h . k_t * scale in t order, their peak, exp(score - peak) summed in t order, then out_h =
+ * sum over t, in order, of (exp_t / total) * v_t. A KV head's query heads (`group` of them)
+ * are computed side by side, so each key and value row is read once for all of them rather
+ * than once per head; per head the operations and their order are the ones above, so the
+ * same bits (test_packed's decode attention checks). `scores`: scratch of T floats, used
+ * when the group does not fit GROUP_HEADS. */
+#define GROUP_HEADS 16
+#if PACKED_SIMD
+/* r[j] lane c = r[c] lane j. */
+static inline void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/* out[c] = dot8(q, k[c], n) * scale for 8 keys (n % 8 == 0): each key's 8 lanes as dot8
+ * accumulates them (a product, then a sum, per lane), then its lanes added in dot8's order
+ * from 0.0f, the 8 keys side by side after a transpose instead of one chain of 8 dependent
+ * scalar additions per key: the same operations per key, so the same bits. */
+static inline void dot8_keys8(const float *q, const float *const k[8], int64_t n, float scale,
+                              float *out) {
+    __m256 acc[8];
+    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int c = 0; c < 8; c++)
+            acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(qv, _mm256_loadu_ps(k[c] + i)));
+    }
+    transpose8(acc);
+    __m256 sum = _mm256_add_ps(_mm256_setzero_ps(), acc[0]);
+    for (int j = 1; j < 8; j++) sum = _mm256_add_ps(sum, acc[j]);
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+#endif
+
+static void attend_heads(const float *qkv, const float *cache_k, const float *cache_v,
+                         const int64_t *slots, int64_t t_stride, int64_t g_offset,
+                         const int64_t *heads, int64_t count, int64_t head_dim, int64_t T,
+                         float scale, float *scores, float *out) {
+    float peak[GROUP_HEADS], total[GROUP_HEADS];
+    int64_t t = 0;
+#if PACKED_SIMD
+    for (; head_dim % 8 == 0 && t + 8 <= T; t += 8) {
+        const float *k[8];
+        for (int c = 0; c < 8; c++)
+            k[c] = cache_k + ((slots ? slots[t + c] : t + c) * t_stride + g_offset) * head_dim;
+        for (int64_t j = 0; j < count; j++)
+            dot8_keys8(qkv + heads[j] * head_dim, k, head_dim, scale, scores + j * T + t);
+    }
+#endif
+    for (; t < T; t++) {
+        const float *k = cache_k + ((slots ? slots[t] : t) * t_stride + g_offset) * head_dim;
+        for (int64_t j = 0; j < count; j++)
+            scores[j * T + t] = dot8(qkv + heads[j] * head_dim, k, head_dim) * scale;
+    }
+    for (int64_t j = 0; j < count; j++) {
+        float sum = 0.0f, *sj = scores + j * T;
+        peak[j] = -__builtin_inff();
+        for (int64_t u = 0; u < T; u++)
+            if (sj[u] > peak[j]) peak[j] = sj[u];
+        for (int64_t t = 0; t < T; t++) {
+            sj[t] = __builtin_expf(sj[t] - peak[j]);
+            sum += sj[t];
+        }
+        total[j] = sum;
+        float *o = out + heads[j] * head_dim;
+        for (int64_t i = 0; i < head_dim; i++) o[i] = 0.0f;
+    }
+#if PACKED_SIMD
+    /* each head's output 64 values at a time in registers across every t: o[i] + p * v[i]
+     * (a product, then a sum) in t order, as the loop below, without a store and a load of
+     * o[i] per t */
+    if (head_dim % 64 == 0) {
+        for (int64_t j = 0; j < count; j++)
+            for (int64_t c0 = 0; c0 < head_dim; c0 += 64) {
+                float *o = out + heads[j] * head_dim + c0;
+                __m256 acc[8];
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_loadu_ps(o + 8 * u);
+                for (int64_t t = 0; t < T; t++) {
+                    const float *vt = cache_v +
+                                      ((slots ? slots[t] : t) * t_stride + g_offset) * head_dim +
+                                      c0;
+                    const __m256 p = _mm256_set1_ps(scores[j * T + t] / total[j]);
+                    for (int u = 0; u < 8; u++) {
+                        const __m256 v = _mm256_loadu_ps(vt + 8 * u);
+                        acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(p, v));
+                    }
+                }
+                for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + 8 * u, acc[u]);
+            }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        const float *vt = cache_v + ((slots ? slots[t] : t) * t_stride + g_offset) * head_dim;
+        for (int64_t j = 0; j < count; j++) {
+            const float p = scores[j * T + t] / total[j];
+            float *o = out + heads[j] * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) o[i] += p * vt[i];
+        }
+    }
+}
+
 static void attend(const float *qkv, const float *cache_k, const float *cache_v,
                    const int64_t *slots, int64_t t_stride, int64_t g_stride, int64_t n_heads,
                    int64_t n_kv_heads, int64_t head_dim, int64_t T, float scale, float *scores,
                    float *out) {
     const int64_t group = n_heads / n_kv_heads;
-    for (int64_t h = 0; h < n_heads; h++) {
-        const float *q = qkv + h * head_dim;
-        const int64_t g = (h / group) * g_stride;
-        float peak = -__builtin_inff();
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t row = (slots ? slots[t] : t) * t_stride + g;
-            scores[t] = dot8(q, cache_k + row * head_dim, head_dim) * scale;
-            if (scores[t] > peak) peak = scores[t];
+    float *shared = group > 1 && group <= GROUP_HEADS
+                        ? (float *)malloc(sizeof(float) * (size_t)(group * T))
+                        : NULL;
+    for (int64_t kv = 0; kv < n_kv_heads; kv++) {
+        int64_t heads[GROUP_HEADS];
+        if (shared) { /* the group's heads together */
+            for (int64_t j = 0; j < group; j++) heads[j] = kv * group + j;
+            attend_heads(qkv, cache_k, cache_v, slots, t_stride, kv * g_stride, heads, group,
+                         head_dim, T, scale, shared, out);
+            continue;
         }
-        float total = 0.0f;
-        for (int64_t t = 0; t < T; t++) {
-            scores[t] = __builtin_expf(scores[t] - peak);
-            total += scores[t];
-        }
-        float *o = out + h * head_dim;
-        for (int64_t i = 0; i < head_dim; i++) o[i] = 0.0f;
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t row = (slots ? slots[t] : t) * t_stride + g;
-            const float p = scores[t] / total, *vt = cache_v + row * head_dim;
-            for (int64_t i = 0; i < head_dim; i++) o[i] += p * vt[i];
+        for (int64_t j = 0; j < group; j++) { /* one head at a time, in the caller's scratch */
+            heads[0] = kv * group + j;
+            attend_heads(qkv, cache_k, cache_v, slots, t_stride, kv * g_stride, heads, 1,
+                         head_dim, T, scale, scores, out);
         }
     }
+    free(shared);
 }
 
 void decode_attention(float *qkv, const float *cos, const float *sin, float *cache_k,

@@ -450,6 +450,63 @@ def test_swiglu_is_silu_times_up_and_the_same_on_every_build() -> None:
     assert error[gate > -80].max() < 1e-6
 
 
+# (heads, kv heads, head dim, positions): SmolLM2's group of 3 at 64 and Llama 3's 4 at 128
+# (the vector builds' grouped paths: eight keys' scores at once, outputs held in registers),
+# one KV head per query head, head dims 8, 16 and 40 (the scalar paths), a group past
+# GROUP_HEADS (16), and context lengths off a multiple of 8.
+ATTENTION_SHAPES = [(9, 3, 64, 1030), (32, 8, 128, 77), (4, 4, 16, 9), (8, 1, 40, 8)]
+ATTENTION_SHAPES += [(6, 2, 8, 1), (34, 2, 64, 21)]
+
+
+def _decode_attention(lib, shape, paged: bool, nudge: bool = False) -> bytes:
+    """decode_attention (contiguous) or decode_attention_paged on seeded inputs: the output and
+    both caches' bytes; `nudge` moves one cached key by one ulp."""
+    heads, kv, hd, positions = shape
+    g = torch.Generator().manual_seed(positions)
+    qkv = torch.randn((heads + 2 * kv) * hd, generator=g) * 3
+    cos, sin = torch.rand(hd, generator=g), torch.rand(hd, generator=g)
+    slots = torch.randperm(positions + 4, generator=g)[:positions].to(torch.int64)
+    keys = torch.randn(positions + 4, kv, hd, generator=g)
+    values = torch.randn(positions + 4, kv, hd, generator=g)
+    if not paged:
+        keys, values = keys[:positions].transpose(0, 1).contiguous(), values[:positions]
+        values = values.transpose(0, 1).contiguous()
+    if nudge:  # position 0's first key value, of KV head 0 (read, not written: positions > 1)
+        first = keys[slots[0], 0] if paged else keys[0, 0]
+        first[0] = torch.nextafter(first[0], torch.tensor(10.0))
+    scores, out = torch.empty(positions), torch.empty(heads * hd)
+    args = (qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr())
+    if paged:
+        lib.decode_attention_paged(
+            *args, heads, kv, hd, slots.data_ptr(), positions - 1, 0.125,
+            scores.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+    else:
+        lib.decode_attention(
+            *args, heads, kv, hd, positions, positions - 1, 0.125, scores.data_ptr(),
+            out.data_ptr(),
+        )  # fmt: skip
+    return out.numpy().tobytes() + keys.numpy().tobytes() + values.numpy().tobytes()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_attention_is_the_same_on_every_build(paged) -> None:
+    """The quantized mode's decode attention: the vector builds compute a KV head's query heads
+    side by side, eight keys' scores at once and the outputs in registers, the portable build
+    one value at a time; every build gives the portable build's bytes (output and caches), on
+    every shape. A cached key moved by one ulp moves them (the check can fail)."""
+    for shape in ATTENTION_SHAPES:
+        portable = _decode_attention(kernel_library.load("portable"), shape, paged)
+        for isa in ISAS:
+            assert _decode_attention(kernel_library.load(isa), shape, paged) == portable, (
+                isa,
+                shape,
+            )
+        if shape[3] > 1:
+            nudged = _decode_attention(kernel_library.load(ISAS[-1]), shape, paged, True)
+            assert nudged != portable, shape
+
+
 def test_kernel_rms_norm_equals_torch_up_to_summation_order() -> None:
     kernel = packed.KernelRMSNorm(576, 1e-5)
     kernel.weight.data = torch.randn(576, generator=torch.Generator().manual_seed(6))
