@@ -80,7 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=16, help="generated per request")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     parser.add_argument(
-        "--clients", type=int, default=16, help="concurrent HTTP clients (0: no server rows)"
+        "--clients",
+        type=int,
+        default=16,
+        help="concurrent HTTP clients, at most 22 (0: no server rows)",
     )
     parser.add_argument(
         "--server-modes", default="ggml,quantized", help="this engine's server, per mode"
@@ -313,7 +316,14 @@ def batched(args: argparse.Namespace, modes: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.clients <= len(WORDS) // 2:  # the server rows' prompts: rotations of WORDS
+        parser.error(
+            f"--clients={args.clients}: every client and its warm-up twin get a prompt of "
+            f"their own, rotations of a {len(WORDS)}-word text: pass 0 to "
+            f"{len(WORDS) // 2} (0: no server rows)"
+        )
     torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     if modes:

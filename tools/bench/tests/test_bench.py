@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tools.bench import bench
+from tools.bench import bench, serving
 
 PROMPT, NEW = 10, 11  # 10 decode steps: decode tok/s = 10 / decode seconds
 
@@ -131,3 +131,13 @@ def test_the_sampled_decode_section_names_each_side_and_its_ratios():
 def test_a_bad_sampler_is_refused_naming_it(text, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         bench.settings_from_text(text)
+
+
+@pytest.mark.parametrize("clients", [-1, 23])
+def test_bench_serving_refuses_clients_its_prompts_cannot_keep_apart(clients, capsys) -> None:
+    """The server rows need a prompt per client and per warm-up twin (rotations of a 44-word
+    text): past 22 clients a warm-up prompt would be a measured one, so it exits 2 first."""
+    with pytest.raises(SystemExit) as exit_info:
+        serving.main(["--modes=", f"--clients={clients}"])
+    assert exit_info.value.code == 2
+    assert f"--clients={clients}: " in capsys.readouterr().err
