@@ -176,8 +176,8 @@ def _whole_prompt_again(served, serving_class: type[ServingEngine]) -> list[str]
             f"read {served_again.cached_prefix} of {size} positions from the cache "
             f"({serving.pool.whole_prompts} whole prompts), not {size - 1} (1)"
         )
-    if any(serving.pool.refs):
-        problems.append(f"{sum(map(bool, serving.pool.refs))} blocks held after both finished")
+    if _held(serving):
+        problems.append(f"{_held(serving)} blocks held after both finished")
     out = served_again.output
     if out.tokens != reference.tokens:
         problems.append(f"tokens {out.tokens}, generate's {reference.tokens}")
