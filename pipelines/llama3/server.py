@@ -49,8 +49,11 @@ import json
 import os
 import pathlib
 import queue
+import re
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -794,6 +797,62 @@ class RunningServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class ServerProcess:
+    """`serve` in a process of its own, as `./bazelw run //pipelines/llama3:serve` runs it
+    (and as llama-server runs): entered, `url` is its OpenAI base URL once it listens; left,
+    it gets SIGTERM and `code` is its exit status (0: stopped cleanly). `options` are serve's
+    flags after --gguf and --mode; --port=0 (a free port) is added. Its stderr goes to a file,
+    so a chatty server never blocks on a full pipe; `stderr` is its end once stopped.
+
+        with ServerProcess(gguf, "ggml", "--threads=2") as server:
+            post(server.url + "/completions", ...)
+    """
+
+    def __init__(self, gguf: str | os.PathLike, mode: str, *options: str) -> None:
+        self.command = [sys.executable, "-m", "pipelines.llama3.server"]
+        self.command += [f"--gguf={os.path.abspath(gguf)}", f"--mode={mode}", "--port=0", *options]
+        self.url = ""
+        self.code: int | None = None
+        self.stderr = ""
+        self._process: subprocess.Popen | None = None
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in __exit__)
+
+    def _tail(self) -> str:
+        """The last 2,000 characters the server wrote to stderr (kept in `stderr` on exit)."""
+        self._stderr.seek(0)
+        self.stderr = self._stderr.read()[-2000:]
+        self._stderr.close()
+        return self.stderr
+
+    def __enter__(self) -> ServerProcess:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # the caller's packages
+        self._process = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env
+        )
+        line = self._process.stdout.readline()  # "serving NAME at URL", once it listens
+        match = re.search(r" at (http://\S+)", line)
+        if match is None:
+            self._process.kill()
+            self._process.wait()
+            self._process.stdout.close()
+            raise RuntimeError(f"the server did not start: {line!r} {self._tail()}")
+        self.url = match.group(1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+        try:
+            self.code = self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+            raise RuntimeError("the server did not stop within 30 s of SIGTERM") from None
+        finally:
+            self._process.stdout.close()
+            self._tail()
 
 
 def build(

@@ -447,6 +447,7 @@ class ServingEngine:
         missed = None  # the first prefix block's key that is not cached
         peeked = []  # the cached blocks of seq.hashes (empty on arrival and after preemption)
         last = None  # the key of the prompt's full last block, cached: copied but one position
+        last_block = None  # that cached block
         if self.prefix_caching and not seq.preemptions:
             # At least the last prompt token is computed: its logits are the first step's.
             full = (len(seq.fed) - 1) // self.block_size
@@ -460,12 +461,13 @@ class ServingEngine:
                 peeked.append(block)
             if missed is None and len(seq.fed) == (full + 1) * self.block_size:
                 key = self._key_of_block(seq, full)
-                if pool.peek(key) is not None:
+                last_block = pool.peek(key)
+                if last_block is not None:
                     last = key
         # Decided before anything is taken: a refused admission references and counts nothing.
         # A cached block nobody holds leaves the evictable ones when it is taken (the copied
         # one too, until its positions are copied: the copy's block must not evict it).
-        sources = peeked + ([pool.peek(last)] if last is not None else [])
+        sources = peeked + ([last_block] if last is not None else [])
         taken = sum(pool.refs[block] == 0 for block in set(sources))
         seq.table, seq.computed = peeked, len(peeked) * self.block_size
         if last is not None:

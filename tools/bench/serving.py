@@ -37,10 +37,8 @@ import argparse
 import contextlib
 import http.client
 import json
-import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -218,27 +216,14 @@ def _server_rows(name: str, url: str, rounds: dict[str, list[list[int]]], args) 
 
 @contextlib.contextmanager
 def _own_server(mode: str, args: argparse.Namespace):
-    """This engine's server in a process of its own, as `./bazelw run //pipelines/llama3:serve`
-    runs it (and as llama-server runs): its OpenAI base URL; stopped by SIGTERM after."""
+    """This engine's server in a process of its own, as `serve` runs it (and as llama-server
+    runs): its OpenAI base URL; stopped by SIGTERM after."""
+    from pipelines.llama3.server import ServerProcess
+
     context = args.prompt_tokens + args.new_tokens + 16
-    gguf = os.path.abspath(smollm2_gguf())  # the server reads paths from the caller's directory
-    command = [sys.executable, "-m", "pipelines.llama3.server", f"--gguf={gguf}"]
-    command += [f"--mode={mode}", "--port=0", f"--threads={args.threads}"]
-    command += [f"--max-batch={args.clients}", f"--max-context={context}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        line = process.stdout.readline()  # "serving NAME at URL", once it listens
-        match = re.search(r" at (http://\S+)", line)
-        if match is None:
-            raise RuntimeError(f"this engine's server did not start: {line!r}")
-        yield match.group(1)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    options = (f"--threads={args.threads}", f"--max-batch={args.clients}")
+    with ServerProcess(smollm2_gguf(), mode, *options, f"--max-context={context}") as server:
+        yield server.url
 
 
 def servers(args: argparse.Namespace) -> None:

@@ -21,6 +21,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from tools.remote import processes
+
 BUILDGRID_VERSION = "0.9.1"
 BUILDBOX_PROGRAMS = ("buildbox-casd", "buildbox-worker", "buildbox-run-hosttools")
 POSTGRES_PROGRAMS = ("initdb", "postgres", "pg_isready")
@@ -49,7 +51,7 @@ def _can_install() -> str | None:
 
 
 def _run_logged(cmd: list[str], log: Path) -> None:
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    env = processes.own_env(DEBIAN_FRONTEND="noninteractive")
     with log.open("a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()

@@ -25,6 +25,14 @@ def log_file(state: Path, name: str) -> Path:
     return state / "logs" / f"{name}.log"
 
 
+def own_env(**extra: str) -> dict[str, str]:
+    """This process's environment for the stack's programs, less PYTHONPATH: BuildGrid, its
+    migrations and pip run in their own virtual environment, where the caller's PYTHONPATH
+    (another interpreter's site-packages) would shadow its packages."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    return {**env, **extra}
+
+
 def spawn(state: Path, name: str, cmd: list[str], program: str | None = None) -> subprocess.Popen:
     """Starts `cmd` in the background, logging to its log file; records it and returns it.
 
@@ -43,6 +51,7 @@ def spawn(state: Path, name: str, cmd: list[str], program: str | None = None) ->
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=own_env(),
         )
     pid_file(state, name).write_text(f"{proc.pid} {program or Path(cmd[0]).name}\n")
     return proc

@@ -167,7 +167,10 @@ def _start_postgres(state: Path, pg_port: int, bin_dir: Path, bgd: Path) -> tupl
     migrate_log = processes.log_file(state, "migrate")
     with migrate_log.open("a") as out:
         if subprocess.run(
-            [str(bgd), "migrate", "apply", url], stdout=out, stderr=subprocess.STDOUT
+            [str(bgd), "migrate", "apply", url],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=processes.own_env(),
         ).returncode:
             raise StartFailed(f"BuildGrid's database migration failed; log: {migrate_log}")
     return url, pg_dir

@@ -602,25 +602,36 @@ static inline void dot8_keys8(const float *q, const float *const k[8], int64_t n
 }
 #endif
 
+/* The cached row (key or value) of position t for the KV group at g_offset: slots map a
+ * position to its row in a paged cache (NULL: the contiguous cache's row t). */
+static inline const float *cached_row(const float *cache, const int64_t *slots, int64_t t,
+                                      int64_t t_stride, int64_t g_offset, int64_t head_dim) {
+    return cache + ((slots ? slots[t] : t) * t_stride + g_offset) * head_dim;
+}
+
+/* Query heads first .. first + count - 1 (one KV group's, or one of them) over T cached
+ * positions; scores holds count rows of T. */
 static void attend_heads(const float *qkv, const float *cache_k, const float *cache_v,
-                         const int64_t *slots, int64_t t_stride, int64_t g_offset,
-                         const int64_t *heads, int64_t count, int64_t head_dim, int64_t T,
-                         float scale, float *scores, float *out) {
+                         const int64_t *slots, int64_t t_stride, int64_t g_offset, int64_t first,
+                         int64_t count, int64_t head_dim, int64_t T, float scale, float *scores,
+                         float *out) {
     float peak[GROUP_HEADS], total[GROUP_HEADS];
+    const float *q = qkv + first * head_dim; /* head first + j's query: q + j * head_dim */
+    out += first * head_dim;
     int64_t t = 0;
 #if PACKED_SIMD
     for (; head_dim % 8 == 0 && t + 8 <= T; t += 8) {
         const float *k[8];
         for (int c = 0; c < 8; c++)
-            k[c] = cache_k + ((slots ? slots[t + c] : t + c) * t_stride + g_offset) * head_dim;
+            k[c] = cached_row(cache_k, slots, t + c, t_stride, g_offset, head_dim);
         for (int64_t j = 0; j < count; j++)
-            dot8_keys8(qkv + heads[j] * head_dim, k, head_dim, scale, scores + j * T + t);
+            dot8_keys8(q + j * head_dim, k, head_dim, scale, scores + j * T + t);
     }
 #endif
     for (; t < T; t++) {
-        const float *k = cache_k + ((slots ? slots[t] : t) * t_stride + g_offset) * head_dim;
+        const float *k = cached_row(cache_k, slots, t, t_stride, g_offset, head_dim);
         for (int64_t j = 0; j < count; j++)
-            scores[j * T + t] = dot8(qkv + heads[j] * head_dim, k, head_dim) * scale;
+            scores[j * T + t] = dot8(q + j * head_dim, k, head_dim) * scale;
     }
     for (int64_t j = 0; j < count; j++) {
         float sum = 0.0f, *sj = scores + j * T;
@@ -632,7 +643,7 @@ static void attend_heads(const float *qkv, const float *cache_k, const float *ca
             sum += sj[t];
         }
         total[j] = sum;
-        float *o = out + heads[j] * head_dim;
+        float *o = out + j * head_dim;
         for (int64_t i = 0; i < head_dim; i++) o[i] = 0.0f;
     }
 #if PACKED_SIMD
@@ -642,13 +653,12 @@ static void attend_heads(const float *qkv, const float *cache_k, const float *ca
     if (head_dim % 64 == 0) {
         for (int64_t j = 0; j < count; j++)
             for (int64_t c0 = 0; c0 < head_dim; c0 += 64) {
-                float *o = out + heads[j] * head_dim + c0;
+                float *o = out + j * head_dim + c0;
                 __m256 acc[8];
                 for (int u = 0; u < 8; u++) acc[u] = _mm256_loadu_ps(o + 8 * u);
                 for (int64_t t = 0; t < T; t++) {
-                    const float *vt = cache_v +
-                                      ((slots ? slots[t] : t) * t_stride + g_offset) * head_dim +
-                                      c0;
+                    const float *vt =
+                        cached_row(cache_v, slots, t, t_stride, g_offset, head_dim) + c0;
                     const __m256 p = _mm256_set1_ps(scores[j * T + t] / total[j]);
                     for (int u = 0; u < 8; u++) {
                         const __m256 v = _mm256_loadu_ps(vt + 8 * u);
@@ -661,10 +671,10 @@ static void attend_heads(const float *qkv, const float *cache_k, const float *ca
     }
 #endif
     for (int64_t t = 0; t < T; t++) {
-        const float *vt = cache_v + ((slots ? slots[t] : t) * t_stride + g_offset) * head_dim;
+        const float *vt = cached_row(cache_v, slots, t, t_stride, g_offset, head_dim);
         for (int64_t j = 0; j < count; j++) {
             const float p = scores[j * T + t] / total[j];
-            float *o = out + heads[j] * head_dim;
+            float *o = out + j * head_dim;
             for (int64_t i = 0; i < head_dim; i++) o[i] += p * vt[i];
         }
     }
@@ -679,18 +689,14 @@ static void attend(const float *qkv, const float *cache_k, const float *cache_v,
                         ? (float *)malloc(sizeof(float) * (size_t)(group * T))
                         : NULL;
     for (int64_t kv = 0; kv < n_kv_heads; kv++) {
-        int64_t heads[GROUP_HEADS];
         if (shared) { /* the group's heads together */
-            for (int64_t j = 0; j < group; j++) heads[j] = kv * group + j;
-            attend_heads(qkv, cache_k, cache_v, slots, t_stride, kv * g_stride, heads, group,
-                         head_dim, T, scale, shared, out);
+            attend_heads(qkv, cache_k, cache_v, slots, t_stride, kv * g_stride, kv * group,
+                         group, head_dim, T, scale, shared, out);
             continue;
         }
-        for (int64_t j = 0; j < group; j++) { /* one head at a time, in the caller's scratch */
-            heads[0] = kv * group + j;
-            attend_heads(qkv, cache_k, cache_v, slots, t_stride, kv * g_stride, heads, 1,
-                         head_dim, T, scale, scores, out);
-        }
+        for (int64_t j = 0; j < group; j++) /* one head at a time, in the caller's scratch */
+            attend_heads(qkv, cache_k, cache_v, slots, t_stride, kv * g_stride, kv * group + j,
+                         1, head_dim, T, scale, scores, out);
     }
     free(shared);
 }

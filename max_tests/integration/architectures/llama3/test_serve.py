@@ -13,50 +13,23 @@ the float32 file in the eager mode (own and torch goldens) and the q4_k file in 
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from harness.llama3 import checkpoint_mutations
 from harness.llama3.variants import variants
+from pipelines.llama3.server import ServerProcess
 from tools.golden_check import golden_check
 
 TINY = {v.encoding: v for v in variants("tinyllama")}
-STARTUP_S = 120
 
 
 @contextlib.contextmanager
 def _served(gguf, mode: str = "eager"):
     """The server on `gguf` in `mode`: its OpenAI base URL; stopped (and checked) after."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, "-m", "pipelines.llama3.server", "--gguf", str(gguf)]
-    process = subprocess.Popen(
-        [*command, "--mode", mode, "--port", "0", "--threads", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        line = process.stdout.readline()  # "serving NAME at URL", once it listens
-        match = re.search(r" at (http://\S+)", line)
-        if match is None:
-            process.kill()
-            pytest.fail(f"the server did not start: {line!r} {process.stderr.read()[-2000:]}")
-        yield match.group(1)
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            pytest.fail("the server did not stop within 30 s of SIGTERM")
-    assert code == 0, f"the server exited {code}: {process.stderr.read()[-2000:]}"
+    with ServerProcess(gguf, mode, "--threads=1") as server:  # RuntimeError: did not start/stop
+        yield server.url
+    assert server.code == 0, f"the server exited {server.code}: {server.stderr}"
 
 
 def _check(url: str, checkpoint: str, tmp_path, *more: str) -> int:
