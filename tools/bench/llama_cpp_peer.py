@@ -115,8 +115,8 @@ def _tail(text: str, lines: int = 3) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:]) or "(nothing)"
 
 
-def _backend(stderr: str) -> str | None:
-    """The ggml backend library llama-bench loaded, from its `load_backend:` line on stderr.
+def loaded_backend(stderr: str) -> str | None:
+    """The ggml backend library a llama.cpp tool loaded, from its `load_backend:` lines on stderr.
 
     Debian's packages load one CPU variant per CPU (libggml-cpu-icelake.so, -haswell, ...);
     a static build prints no such line.
@@ -151,7 +151,7 @@ class LlamaBenchPeer:
         # "version: 0.7.0 (build 11669, commit Debian)" on stdout or stderr, by version.
         match = re.search(r"version: (\S+)", version.stdout + version.stderr)
         self.version = match.group(1) if match else None
-        self.backend = _backend(version.stderr)
+        self.backend = loaded_backend(version.stderr)
         self.build: dict[str, Any] = {}  # build_commit, build_number... of the last JSON
 
     def _run(self, command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
@@ -193,7 +193,7 @@ class LlamaBenchPeer:
         """(prefill seconds, decode seconds) from one llama-bench run."""
         command = self.command(prompt_tokens, decode_steps)
         done = self._run(command, self.timeout_s)
-        self.backend = _backend(done.stderr) or self.backend
+        self.backend = loaded_backend(done.stderr) or self.backend
         try:
             tests = json.loads(done.stdout)
         except json.JSONDecodeError as error:

@@ -51,6 +51,7 @@ import torch
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.serving import Request, ServingEngine
+from tools.bench.llama_cpp_peer import loaded_backend
 
 # Prompt words: request i takes LENGTHS[i % len(LENGTHS)] of them (mixed lengths).
 TEXT = (
@@ -99,8 +100,12 @@ def _prompts(engine: Llama3Engine, count: int, length: int) -> list[list[int]]:
     return prompts
 
 
-def llama_cpp_batched(args: argparse.Namespace, batches: list[int]) -> dict[int, float] | str:
-    """llama-batched-bench's total tokens/s per batch size, or why there are none."""
+def llama_cpp_batched(
+    args: argparse.Namespace, batches: list[int]
+) -> tuple[dict[int, float], str | None] | str:
+    """llama-batched-bench's total tokens/s per batch size and the ggml CPU backend it loaded
+    (Debian's build picks one per CPU: on a CPU with AMX, `sapphirerapids`, whose batched
+    products run on AMX tiles), or why there are none."""
     binary = shutil.which("llama-batched-bench")
     if binary is None:
         return "llama-batched-bench not installed (tools/llama_cpp/install.sh)"
@@ -116,7 +121,17 @@ def llama_cpp_batched(args: argparse.Namespace, batches: list[int]) -> dict[int,
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 10 and re.fullmatch(r"\d+", cells[2]):
             totals[int(cells[2])] = float(cells[9])  # B, S t/s
-    return totals
+    return totals, _ggml_backend()
+
+
+def _ggml_backend() -> str | None:
+    """The CPU backend Debian's ggml loads on this machine: llama-batched-bench prints none
+    unless verbose, llama-bench names it on --version (the same libggml, the same pick)."""
+    binary = shutil.which("llama-bench")
+    if binary is None:
+        return None
+    done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    return loaded_backend(done.stderr)
 
 
 def _sequential(engine: Llama3Engine, prompts: list[list[int]], new: int) -> float:
@@ -269,6 +284,7 @@ def batched(args: argparse.Namespace, modes: list[str]) -> None:
     """The batch rows: each mode served, sequential, and llama-batched-bench."""
     batches = [int(b) for b in args.batches.split(",")]
     peer = llama_cpp_batched(args, batches)
+    totals, backend = peer if isinstance(peer, tuple) else ({}, None)
     print(
         f"SmolLM2 Q4_1, {args.threads} threads, {args.prompt_tokens} prompt + "
         f"{args.new_tokens} new tokens per request; total tokens/s"
@@ -287,7 +303,7 @@ def batched(args: argparse.Namespace, modes: list[str]) -> None:
                 prompts = _prompts(engine, batch, args.prompt_tokens)
                 total = batch * (args.prompt_tokens + args.new_tokens)
                 sequential = total / _sequential(engine, prompts, args.new_tokens)
-                theirs = peer.get(batch) if isinstance(peer, dict) else None
+                theirs = totals.get(batch)
                 seconds, scheduler = _served(engine, prompts, args.new_tokens)
                 served = total / seconds
                 ratio = f"{served / theirs:17.2f}" if theirs else f"{'-':>17}"
@@ -298,6 +314,8 @@ def batched(args: argparse.Namespace, modes: list[str]) -> None:
                 )
     if isinstance(peer, str):
         print(f"llama.cpp: {peer}")
+    else:
+        print(f"llama.cpp: llama-batched-bench, {backend or 'backend not printed'}")
 
 
 def main(argv: list[str] | None = None) -> int:
