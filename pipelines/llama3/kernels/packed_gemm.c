@@ -229,14 +229,17 @@ static inline void q8_vectors(const float *x, int64_t K, const int8_t *qrow, con
   }
   for (int i = 0; i < mt; i++) out[i] = _mm512_add_ps(acc[i][0], acc[i][1]);
 #else
-  for (int i = 0; i < mt; i++) out[i] = _mm256_setzero_ps();
+  __m256 acc[M_TILE][2];
+  for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
     __m256 w[4];
     unpack_q8(qrow + g * GROUP, w);
     const __m256 s = _mm256_set1_ps(srow[g]);
     for (int i = 0; i < mt; i++)
-      out[i] = _mm256_fmadd_ps(s, group_dot(x + (m0 + i) * K + g * GROUP, w), out[i]);
+      acc[i][g & 1] =
+          _mm256_fmadd_ps(s, group_dot(x + (m0 + i) * K + g * GROUP, w), acc[i][g & 1]);
   }
+  for (int i = 0; i < mt; i++) out[i] = _mm256_add_ps(acc[i][0], acc[i][1]);
 #endif
 }
 
@@ -313,12 +316,26 @@ static void q8_rows(const float *x, int64_t M, int64_t K, const int8_t *q8, cons
 }
 
 #if PACKED_SIMD
+#ifndef PREFETCH_OUTPUTS
+#define PREFETCH_OUTPUTS 32
+#endif
+/* The `bytes` bytes at p, fetched into the cache now: a decode step (M of a few rows) streams
+ * every matrix from memory once, and the hardware prefetcher starts late on each small
+ * matrix (ggml_dot.c's dot_rows does the same). Changes no result. */
+static inline void prefetch(const void *p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+}
+
 /* Outputs n0 .. n0 + N_BLOCK of every row: q4_rows' numbers, bit for bit, with each row's
  * horizontal sums and offset terms computed for the block's outputs together (at SmolLM2's
  * K of 576 those per-output scalar tails cost as much as the dot products). */
 static void q4_block(const float *x, const float *sums, int64_t M, int64_t K, const uint8_t *q4,
                      const float *so_, int64_t n0, float *y, int64_t N) {
   const int64_t G = K / GROUP;
+  if (M <= M_TILE && n0 + PREFETCH_OUTPUTS + N_BLOCK <= N) { /* the outputs PREFETCH_OUTPUTS on */
+    prefetch(q4 + (n0 + PREFETCH_OUTPUTS) * G * (GROUP / 2), N_BLOCK * G * (GROUP / 2));
+    prefetch(so_ + (n0 + PREFETCH_OUTPUTS) * G * 2, N_BLOCK * G * 2 * (int64_t)sizeof(float));
+  }
   float offt[G * N_BLOCK];
   for (int j = 0; j < N_BLOCK; j++)
     for (int64_t g = 0; g < G; g++) offt[g * N_BLOCK + j] = so_[((n0 + j) * G + g) * 2 + 1];
@@ -340,6 +357,10 @@ static void q4_block(const float *x, const float *sums, int64_t M, int64_t K, co
 static void q8_block(const float *x, int64_t M, int64_t K, const int8_t *q8, const float *scale,
                      int64_t n0, float *y, int64_t N) {
   const int64_t G = K / GROUP;
+  if (M <= M_TILE && n0 + PREFETCH_OUTPUTS + N_BLOCK <= N) {
+    prefetch(q8 + (n0 + PREFETCH_OUTPUTS) * K, N_BLOCK * K);
+    prefetch(scale + (n0 + PREFETCH_OUTPUTS) * G, N_BLOCK * G * (int64_t)sizeof(float));
+  }
   for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
     const int mt = (int)(M - m0 < M_TILE ? M - m0 : M_TILE);
     vec_t v[M_TILE][N_BLOCK];
