@@ -251,10 +251,6 @@ def rope_tables(
     return cos, sin
 
 
-# Score x value multiply-adds from which the attention uses threads
-PARALLEL_ATTENTION = 1 << 16
-
-
 class GgmlAttention(packed.PackedAttention):
     """The fused q/k/v product, then rotation, cache writes and attention in one kernel call
     (ggml_attention: ggml's softmax, the same bits on every build), prefill and decode alike,
@@ -291,7 +287,7 @@ class GgmlAttention(packed.PackedAttention):
                 start_pos,
                 self.scale,
                 out.data_ptr(),
-                torch.get_num_threads() if work >= PARALLEL_ATTENTION else 1,
+                torch.get_num_threads() if work >= packed.PARALLEL_ATTENTION else 1,
             )
         return self.wo(out)
 
@@ -329,7 +325,7 @@ class GgmlAttention(packed.PackedAttention):
                     past,
                     self.scale,
                     result.data_ptr(),
-                    torch.get_num_threads() if work >= PARALLEL_ATTENTION else 1,
+                    torch.get_num_threads() if work >= packed.PARALLEL_ATTENTION else 1,
                 )
             out[:, rows] = result
             fresh = batch.fresh[rows]
@@ -368,7 +364,7 @@ class FusedDecode(packed.FusedDecode):
     entry = _Layer
     entry_bytes = "ggml_layer_bytes"
     layer_classes = (GgmlAttention, GgmlLinear, GgmlFeedForward, GgmlRMSNorm)
-    attention_work = PARALLEL_ATTENTION
+    attention_work = packed.PARALLEL_ATTENTION
 
     @staticmethod
     def _library():

@@ -188,10 +188,12 @@ def load(isa: str) -> ctypes.CDLL:
     lib.packed_layer_bytes.restype = i64
     lib.packed_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.packed_decode_layers.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    lib.packed_decode_layers.argtypes += [i64]
     lib.packed_decode_layers.restype = ctypes.c_int
     lib.ggml_layer_bytes.argtypes = []
     lib.ggml_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.ggml_decode_layers.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    lib.ggml_decode_layers.argtypes += [i64]
     lib.ggml_decode_layers.restype = ctypes.c_int
     for name in ("packed_decode_paged", "ggml_decode_paged"):  # one signature
         function = getattr(lib, name)

@@ -53,6 +53,9 @@ PARALLEL_BYTES = 1 << 17
 # From this many rows (prompt tokens) a product runs dense on the dequantized weights: the
 # kernels are made for decode's one row. Short golden prompts (<= 16 tokens) stay packed.
 DENSE_ROWS = 64
+# Score x value multiply-adds from which the attention uses threads (the modules' and the
+# one-call steps': below it, waking the threads costs more than they save)
+PARALLEL_ATTENTION = 1 << 16
 
 
 class RowProduct(nn.Module):
@@ -426,7 +429,7 @@ class FusedDecode:
     entry_bytes = "packed_layer_bytes"  # the library's sizeof of its entry
     # The classes of a layer's attention, wo/w2 products, feed-forward and norms (applies)
     layer_classes = (PackedAttention, PackedLinear, PackedFeedForward, KernelRMSNorm)
-    attention_work = 0  # ggml_decode_paged's threading threshold (unused here)
+    attention_work = PARALLEL_ATTENTION  # from here a step's attention runs on the threads
 
     def __init__(self, model: Transformer) -> None:
         self.model, self._lib = model, self._library()
@@ -499,7 +502,7 @@ class FusedDecode:
                 layers, len(model.layers), h.data_ptr(), config.dim, config.n_heads,
                 config.n_kv_heads, config.head_dim, config.ffn_dim, max_seq, start_pos,
                 cos.data_ptr(), sin.data_ptr(), self._eps(),
-                model.layers[0].attention.scale, torch.get_num_threads(),
+                model.layers[0].attention.scale, torch.get_num_threads(), self.attention_work,
             )  # fmt: skip
         if failed:
             raise MemoryError(f"{self.function}: no memory for one decode step's scratch")

@@ -1321,8 +1321,9 @@ static int decode_rows(const ggml_layer *layers, int64_t n_layers, float *h, int
     ggml_gemm(L->tqkv, x, rows, dim, L->wqkv, width, qkv, act, threads);
     for (int64_t r = 0; r < rows; r++) {
       if (!c->slots) {
+        const int workers = (c->pos + 1) * n_heads * hd >= c->attention_work ? threads : 1;
         ggml_attention(qkv, 1, cos, sin, L->cache_k, L->cache_v, n_heads, n_kv, hd, c->max_seq,
-                       c->pos, scale, att, 1);
+                       c->pos, scale, att, workers);
         continue;
       }
       /* the context's keys and values, [slots, n_kv, hd] -> [n_kv, n, hd] */
@@ -1362,8 +1363,8 @@ static int decode_rows(const ggml_layer *layers, int64_t n_layers, float *h, int
 int ggml_decode_layers(const ggml_layer *layers, int64_t n_layers, float *h, int64_t dim,
                        int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn, int64_t max_seq,
                        int64_t pos, const float *cos, const float *sin, float eps, float scale,
-                       int threads) {
-  const ggml_context c = {pos, max_seq, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0};
+                       int threads, int64_t attention_work) {
+  const ggml_context c = {pos, max_seq, NULL, NULL, NULL, NULL, NULL, NULL, 0, attention_work};
   return decode_rows(layers, n_layers, h, 1, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
                      scale, threads);
 }

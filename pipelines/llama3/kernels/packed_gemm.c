@@ -722,15 +722,34 @@ static void attend(const float *qkv, const float *cache_k, const float *cache_v,
     free(shared);
 }
 
-void decode_attention(float *qkv, const float *cos, const float *sin, float *cache_k,
-                      float *cache_v, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                      int64_t max_seq, int64_t pos, float scale, float *scores, float *out) {
+/* Rope on a row's query and key heads, its keys and values stored at position pos of the
+ * contiguous cache [n_kv_heads, max_seq, head_dim]: decode_attention before it attends. */
+static void store_position(float *qkv, const float *cos, const float *sin, float *cache_k,
+                           float *cache_v, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                           int64_t max_seq, int64_t pos) {
     rotate_heads(qkv, cos, sin, n_heads + n_kv_heads, head_dim);
     const float *k = qkv + n_heads * head_dim, *v = k + n_kv_heads * head_dim;
     for (int64_t j = 0; j < n_kv_heads; j++) {
         memcpy(cache_k + (j * max_seq + pos) * head_dim, k + j * head_dim, head_dim * 4);
         memcpy(cache_v + (j * max_seq + pos) * head_dim, v + j * head_dim, head_dim * 4);
     }
+}
+
+/* The same for the paged cache [slots, n_kv_heads, head_dim], the position at `slot`. */
+static void store_slot(float *qkv, const float *cos, const float *sin, float *cache_k,
+                       float *cache_v, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                       int64_t slot) {
+    rotate_heads(qkv, cos, sin, n_heads + n_kv_heads, head_dim);
+    const float *k = qkv + n_heads * head_dim, *v = k + n_kv_heads * head_dim;
+    const int64_t at = slot * n_kv_heads * head_dim;
+    memcpy(cache_k + at, k, n_kv_heads * head_dim * 4);
+    memcpy(cache_v + at, v, n_kv_heads * head_dim * 4);
+}
+
+void decode_attention(float *qkv, const float *cos, const float *sin, float *cache_k,
+                      float *cache_v, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                      int64_t max_seq, int64_t pos, float scale, float *scores, float *out) {
+    store_position(qkv, cos, sin, cache_k, cache_v, n_heads, n_kv_heads, head_dim, max_seq, pos);
     attend(qkv, cache_k, cache_v, NULL, 1, max_seq, n_heads, n_kv_heads, head_dim, pos + 1,
            scale, scores, out);
 }
@@ -743,13 +762,50 @@ void decode_attention_paged(float *qkv, const float *cos, const float *sin, floa
                             float *cache_v, int64_t n_heads, int64_t n_kv_heads,
                             int64_t head_dim, const int64_t *slots, int64_t pos, float scale,
                             float *scores, float *out) {
-    rotate_heads(qkv, cos, sin, n_heads + n_kv_heads, head_dim);
-    const float *k = qkv + n_heads * head_dim, *v = k + n_kv_heads * head_dim;
-    const int64_t at = slots[pos] * n_kv_heads * head_dim;
-    memcpy(cache_k + at, k, n_kv_heads * head_dim * 4);
-    memcpy(cache_v + at, v, n_kv_heads * head_dim * 4);
+    store_slot(qkv, cos, sin, cache_k, cache_v, n_heads, n_kv_heads, head_dim, slots[pos]);
     attend(qkv, cache_k, cache_v, slots, n_kv_heads, 1, n_heads, n_kv_heads, head_dim,
            pos + 1, scale, scores, out);
+}
+
+/* attend for `rows` rows (queries qkv + r * width, outputs out + r * attn), one task per (row,
+ * KV group) split among `threads` once the rows' positions x query values reach `work` (else
+ * one thread): each task is attend's attend_heads calls for that group, so no bit depends on
+ * the split. Row r attends T positions of the contiguous cache (slots NULL; one row), or the
+ * starts[r + 1] - starts[r] positions of the paged cache at slots + starts[r]. Returns -1
+ * when a thread's scratch cannot be allocated. */
+static int attend_rows(const float *qkv, int64_t width, const float *cache_k,
+                       const float *cache_v, const int64_t *slots, const int64_t *starts,
+                       int64_t t_stride, int64_t g_stride, int64_t rows, int64_t n_heads,
+                       int64_t n_kv_heads, int64_t head_dim, int64_t T, float scale, float *out,
+                       int64_t attn, int threads, int64_t parallel_work) {
+    const int64_t group = n_heads / n_kv_heads, heads = group <= GROUP_HEADS ? group : 1;
+    int64_t most = T, work = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t Tr = slots ? starts[r + 1] - starts[r] : T;
+        most = Tr > most ? Tr : most;
+        work += Tr * n_heads * head_dim;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(work >= parallel_work ? threads : 1)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(heads * most));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * n_kv_heads; task++) {
+            const int64_t r = task / n_kv_heads, kv = task % n_kv_heads;
+            if (!scores) continue;
+            const int64_t *rs = slots ? slots + starts[r] : NULL;
+            const int64_t Tr = slots ? starts[r + 1] - starts[r] : T;
+            for (int64_t first = kv * group; first < (kv + 1) * group; first += heads)
+                attend_heads(qkv + r * width, cache_k, cache_v, rs, t_stride, kv * g_stride,
+                             first, heads, head_dim, Tr, scale, scores, out + r * attn);
+        }
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
 }
 
 /* SwiGLU of rows of a fused gate/up product, gu [rows, 2 * hidden] (gate then up): out =
@@ -791,12 +847,13 @@ int64_t packed_layer_bytes(void) { return (int64_t)sizeof(packed_layer); }
 /* Where each row's attention reads and writes: one sequence's contiguous caches (the table's,
  * position `pos`), or the paged caches, row r over slots[starts[r] .. starts[r + 1]) with
  * its own position's slot replaced by write[r] (where its new keys and values go), layer l's
- * at k + l * layer_floats. */
+ * at k + l * layer_floats; a step's attention from attention_work score x value
+ * multiply-adds on runs on the threads (attend_rows). */
 typedef struct {
     int64_t pos, max_seq;
     const int64_t *slots, *starts, *write;
     float *k, *v;
-    int64_t layer_floats;
+    int64_t layer_floats, attention_work;
 } decode_context;
 
 static void layer_product(const packed_layer *L, int p, const float *x, int64_t rows, int64_t K,
@@ -813,37 +870,48 @@ static int decode_rows(const packed_layer *layers, int64_t n_layers, float *h, i
                        const decode_context *c, const float *cos, const float *sin, float eps,
                        float scale, int threads) {
     const int64_t width = (n_heads + 2 * n_kv) * hd, attn = n_heads * hd;
-    int64_t widest = dim > attn ? dim : attn, context = c->pos + 1;
+    int64_t widest = dim > attn ? dim : attn;
     widest = widest > ffn ? widest : ffn;
-    for (int64_t r = 0; c->slots && r < rows; r++)
-        if (c->starts[r + 1] - c->starts[r] > context) context = c->starts[r + 1] - c->starts[r];
-    const int64_t floats = rows * (dim + width + attn + 3 * ffn + dim + widest / GROUP) + context;
+    const int64_t floats = rows * (dim + width + attn + 3 * ffn + dim + widest / GROUP);
     float *x = (float *)malloc(sizeof(float) * (size_t)floats);
-    int64_t *row_slots = c->slots ? (int64_t *)malloc(sizeof(int64_t) * (size_t)context) : NULL;
+    /* the rows' block tables as their attention reads them: row r's positions at
+     * row_slots + starts[r], its new one (last) at the slot it is written to */
+    const int64_t tables = c->slots ? c->starts[rows] : 0;
+    int64_t *row_slots = c->slots ? (int64_t *)malloc(sizeof(int64_t) * (size_t)tables) : NULL;
     if (!x || (c->slots && !row_slots)) {
         free(x);
         free(row_slots);
         return -1;
     }
+    if (c->slots) {
+        memcpy(row_slots, c->slots, sizeof(int64_t) * (size_t)tables);
+        for (int64_t r = 0; r < rows; r++) row_slots[c->starts[r + 1] - 1] = c->write[r];
+    }
     float *qkv = x + rows * dim, *att = qkv + rows * width, *gu = att + rows * attn;
     float *s = gu + rows * 2 * ffn, *y = s + rows * ffn, *sums = y + rows * dim;
-    float *scores = sums + rows * (widest / GROUP);
     for (int64_t l = 0; l < n_layers; l++) {
         const packed_layer *L = &layers[l];
         rms_norm(h, L->attn_norm, rows, dim, eps, x);
         layer_product(L, P_QKV, x, rows, dim, width, qkv, sums, threads);
-        for (int64_t r = 0; r < rows; r++) {
-            if (c->slots) {
-                const int64_t at = l * c->layer_floats, pos = c->starts[r + 1] - c->starts[r] - 1;
-                memcpy(row_slots, c->slots + c->starts[r], sizeof(int64_t) * (size_t)pos);
-                row_slots[pos] = c->write[r];
-                decode_attention_paged(qkv + r * width, cos + r * hd, sin + r * hd, c->k + at,
-                                       c->v + at, n_heads, n_kv, hd, row_slots, pos, scale,
-                                       scores, att + r * attn);
-            } else {
-                decode_attention(qkv, cos, sin, L->cache_k, L->cache_v, n_heads, n_kv, hd,
-                                 c->max_seq, c->pos, scale, scores, att);
-            }
+        int failed;
+        if (c->slots) { /* each row's position stored, then every row's attention */
+            float *k = c->k + l * c->layer_floats, *v = c->v + l * c->layer_floats;
+            for (int64_t r = 0; r < rows; r++)
+                store_slot(qkv + r * width, cos + r * hd, sin + r * hd, k, v, n_heads, n_kv, hd,
+                           c->write[r]);
+            failed = attend_rows(qkv, width, k, v, row_slots, c->starts, n_kv, 1, rows, n_heads,
+                                 n_kv, hd, 0, scale, att, attn, threads, c->attention_work);
+        } else {
+            store_position(qkv, cos, sin, L->cache_k, L->cache_v, n_heads, n_kv, hd, c->max_seq,
+                           c->pos);
+            failed = attend_rows(qkv, width, L->cache_k, L->cache_v, NULL, NULL, 1, c->max_seq,
+                                 1, n_heads, n_kv, hd, c->pos + 1, scale, att, attn, threads,
+                                 c->attention_work);
+        }
+        if (failed) {
+            free(x);
+            free(row_slots);
+            return -1;
         }
         layer_product(L, P_O, att, rows, attn, dim, y, sums, threads);
         for (int64_t i = 0; i < rows * dim; i++) h[i] = h[i] + y[i];
@@ -859,12 +927,13 @@ static int decode_rows(const packed_layer *layers, int64_t n_layers, float *h, i
 }
 
 /* One sequence's decode step: h [dim] in place, the residual stream after every layer; cos,
- * sin: the rows of `pos`. Returns -1 (h untouched) when its scratch cannot be allocated. */
+ * sin: the rows of `pos`; its attention on `threads` from attention_work score x value
+ * multiply-adds. Returns -1 (h untouched) when its scratch cannot be allocated. */
 int packed_decode_layers(const packed_layer *layers, int64_t n_layers, float *h, int64_t dim,
                          int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
                          int64_t max_seq, int64_t pos, const float *cos, const float *sin,
-                         float eps, float scale, int threads) {
-    const decode_context c = {pos, max_seq, NULL, NULL, NULL, NULL, NULL, 0};
+                         float eps, float scale, int threads, int64_t attention_work) {
+    const decode_context c = {pos, max_seq, NULL, NULL, NULL, NULL, NULL, 0, attention_work};
     return decode_rows(layers, n_layers, h, 1, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
                        scale, threads);
 }
@@ -873,17 +942,16 @@ int packed_decode_layers(const packed_layer *layers, int64_t n_layers, float *h,
  * attends over slots[starts[r] .. starts[r + 1]) of the paged caches k, v ([layers, slots,
  * n_kv, hd]: layer_floats = slots * n_kv * hd apart), its own position's slot replaced by
  * write[r], as PackedAttention.forward_paged's decode_paged. The arguments are
- * ggml_decode_paged's; `fresh` and `attention_work` are unused here (the module writes every
- * decode row's keys; the attention of one row runs on one thread). Returns -1 (h untouched)
- * when its scratch cannot be allocated. */
+ * ggml_decode_paged's; `fresh` is unused here (the module writes every decode row's keys).
+ * Returns -1 (h untouched) when its scratch cannot be allocated. */
 int packed_decode_paged(const packed_layer *layers, int64_t n_layers, float *h, int64_t rows,
                         int64_t dim, int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
                         const int64_t *slots, const int64_t *starts, const int64_t *write,
                         const uint8_t *fresh, float *k, float *v, int64_t layer_floats,
                         const float *cos, const float *sin, float eps, float scale, int threads,
                         int64_t attention_work) {
-    (void)fresh, (void)attention_work;
-    const decode_context c = {0, 0, slots, starts, write, k, v, layer_floats};
+    (void)fresh;
+    const decode_context c = {0, 0, slots, starts, write, k, v, layer_floats, attention_work};
     return decode_rows(layers, n_layers, h, rows, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
                        scale, threads);
 }

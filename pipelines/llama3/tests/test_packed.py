@@ -340,15 +340,20 @@ def _runs(engine: Llama3Engine, fused) -> tuple:
 
 def _one_call_on_every_build(mode, fused_files, monkeypatch, outputs) -> None:
     """On every runnable kernel build and packable file: `outputs(engine, fused)` (tokens and
-    logits) of the one-call step equal to the modules' (fused None), bit for bit; the ggml
-    mode's the same on every build."""
+    logits) of the one-call step equal to the modules' (fused None), bit for bit, its attention
+    on one thread and on the threads (attention_work 0: one task per row and KV group from the
+    first position); the ggml mode's the same on every build."""
     first_build = {}
     for isa in ISAS:
         monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
         for path in fused_files:
             engine = Llama3Engine.from_gguf(path, mode=mode)
+            fused = engine.model.fused_decode  # taken before `outputs` unsets it
+            assert fused is not None, (isa, path.name)
             modules = outputs(engine, None)
-            assert outputs(engine, engine.model.fused_decode) == modules, (isa, path.name)
+            assert outputs(engine, fused) == modules, (isa, path.name)
+            fused.attention_work = 0
+            assert outputs(engine, fused) == modules, (isa, path.name, "threaded attention")
             if mode == "ggml":
                 assert first_build.setdefault(path, modules) == modules, (isa, path.name)
     monkeypatch.delenv(kernel_library.KERNELS_ENV)
