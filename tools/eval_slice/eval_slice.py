@@ -169,6 +169,22 @@ def _run(command: list[str]) -> str:
     return output
 
 
+def _run_printing(command: list[str], patterns: list[re.Pattern]) -> str:
+    """_run's output, once it holds every pattern: llama-perplexity logs from a thread of its
+    own, which has been seen to lose its last lines at exit (its figures among them; twice in
+    about a dozen runs on an Intel Xeon, the logits file complete), so a run whose figures
+    are missing is run once more; missing twice, a SliceError with the output's end."""
+    for _ in range(2):
+        output = _run(command)
+        missing = [p.pattern for p in patterns if p.search(output) is None]
+        if not missing:
+            return output
+    tail = "\n".join(output.strip().splitlines()[-8:])
+    raise SliceError(
+        f"{' '.join(command)} printed no {', '.join(missing)} (twice); its last lines:\n{tail}"
+    )
+
+
 def llama_cpp_rows(
     family: dict[str, Path], text_path: Path, n_ctx: int, chunks: int, threads: int
 ) -> dict[str, dict[str, float]]:
@@ -188,26 +204,26 @@ def llama_cpp_rows(
                 *sizes,
                 "-t",
                 str(threads),
+                # llama.cpp's CPU kernels, not the weights repacked for the CPU at load (AMX
+                # tiles on a CPU with AMX, interleaved Q4_0 rows on others): the products the
+                # ggml mode computes as llama.cpp does, on every CPU
+                "--no-repack",
                 "--kl-divergence-base",
                 base_logits,
             ]
 
         _progress(f"llama-perplexity: {family[BASE].name}")
-        output = _run([*command(family[BASE]), "-f", str(text_path)])
+        output = _run_printing([*command(family[BASE]), "-f", str(text_path)], [_FINAL])
         final = _FINAL.search(output)
-        if final is None:
-            raise SliceError(f"llama-perplexity printed no 'Final estimate' for {family[BASE]}")
         rows[BASE] = {"ppl": float(final.group(1)), "ppl_err": float(final.group(2))}
         for name, path in family.items():
             if name == BASE:
                 continue
             _progress(f"llama-perplexity: {path.name}")
-            output = _run([*command(path), "--kl-divergence"])
+            output = _run_printing([*command(path), "--kl-divergence"], list(_STATS.values()))
             row = {}
             for figure, pattern in _STATS.items():
                 match = pattern.search(output)
-                if match is None:
-                    raise SliceError(f"llama-perplexity printed no {figure} for {path}")
                 row[figure] = float(match.group(1))
                 if figure == "ppl":
                     row["ppl_err"] = float(match.group(2))

@@ -144,3 +144,15 @@ def test_bad_input_exits_2_naming_it(argv, says, tmp_path) -> None:
 def test_a_text_shorter_than_a_chunk_is_refused(family, tmp_path) -> None:
     with pytest.raises(eval_slice.SliceError, match="fewer than one chunk of --n-ctx=512"):
         eval_slice.engine_rows({"f32": family["f32"]}, "Too short.", 512, 0, ["ggml"])
+
+
+def test_llama_perplexity_output_missing_its_figures_is_run_once_more(tmp_path) -> None:
+    """llama-perplexity's logging thread can lose its last lines at exit: a run without the
+    figures is run again; a second run without them is an error naming what is missing."""
+    counter = tmp_path / "runs"
+    flaky = f'echo x >> {counter}; [ "$(wc -l < {counter})" -ge 2 ] && echo "Final estimate: PPL = 4.5 +/- 0.25"; true'
+    output = eval_slice._run_printing(["sh", "-c", flaky], [eval_slice._FINAL])
+    assert eval_slice._FINAL.search(output).groups() == ("4.5", "0.25")
+    assert counter.read_text().count("x") == 2
+    with pytest.raises(eval_slice.SliceError, match="printed no Final estimate.*twice"):
+        eval_slice._run_printing(["sh", "-c", "echo '[1]28.7,'"], [eval_slice._FINAL])
