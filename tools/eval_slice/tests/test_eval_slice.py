@@ -150,7 +150,8 @@ def test_llama_perplexity_output_missing_its_figures_is_run_once_more(tmp_path) 
     """llama-perplexity's logging thread can lose its last lines at exit: a run without the
     figures is run again; a second run without them is an error naming what is missing."""
     counter = tmp_path / "runs"
-    flaky = f'echo x >> {counter}; [ "$(wc -l < {counter})" -ge 2 ] && echo "Final estimate: PPL = 4.5 +/- 0.25"; true'
+    final = 'echo "Final estimate: PPL = 4.5 +/- 0.25"'
+    flaky = f'echo x >> {counter}; [ "$(wc -l < {counter})" -ge 2 ] && {final}; true'
     output = eval_slice._run_printing(["sh", "-c", flaky], [eval_slice._FINAL])
     assert eval_slice._FINAL.search(output).groups() == ("4.5", "0.25")
     assert counter.read_text().count("x") == 2
