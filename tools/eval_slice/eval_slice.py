@@ -134,6 +134,7 @@ def engine_rows(
 # --- llama-perplexity ---------------------------------------------------------------------
 
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+_BASE_FIGURES = {"Final estimate": _FINAL}
 _STATS = {
     "ppl": re.compile(r"Mean PPL\(Q\)\s*:\s*([-0-9.]+)\s*±\s*([-0-9.]+)"),
     "kld_mean": re.compile(r"Mean    KLD:\s*([-0-9.]+)\s*±\s*([-0-9.]+)"),
@@ -169,14 +170,15 @@ def _run(command: list[str]) -> str:
     return output
 
 
-def _run_printing(command: list[str], patterns: list[re.Pattern]) -> str:
-    """_run's output, once it holds every pattern: llama-perplexity logs from a thread of its
-    own, which has been seen to lose its last lines at exit (its figures among them; twice in
-    about a dozen runs on an Intel Xeon, the logits file complete), so a run whose figures
-    are missing is run once more; missing twice, a SliceError with the output's end."""
+def _run_printing(command: list[str], figures: dict[str, re.Pattern]) -> str:
+    """_run's output, once every figure's pattern is in it: llama-perplexity logs from a thread
+    of its own, which has been seen to lose its last lines at exit (its figures among them;
+    twice in about a dozen runs on an Intel Xeon, the logits file complete), so a run whose
+    figures are missing is run once more; missing twice, a SliceError naming them and the
+    output's end."""
     for _ in range(2):
         output = _run(command)
-        missing = [p.pattern for p in patterns if p.search(output) is None]
+        missing = [name for name, pattern in figures.items() if pattern.search(output) is None]
         if not missing:
             return output
     tail = "\n".join(output.strip().splitlines()[-8:])
@@ -213,14 +215,14 @@ def llama_cpp_rows(
             ]
 
         _progress(f"llama-perplexity: {family[BASE].name}")
-        output = _run_printing([*command(family[BASE]), "-f", str(text_path)], [_FINAL])
+        output = _run_printing([*command(family[BASE]), "-f", str(text_path)], _BASE_FIGURES)
         final = _FINAL.search(output)
         rows[BASE] = {"ppl": float(final.group(1)), "ppl_err": float(final.group(2))}
         for name, path in family.items():
             if name == BASE:
                 continue
             _progress(f"llama-perplexity: {path.name}")
-            output = _run_printing([*command(path), "--kl-divergence"], list(_STATS.values()))
+            output = _run_printing([*command(path), "--kl-divergence"], _STATS)
             row = {}
             for figure, pattern in _STATS.items():
                 match = pattern.search(output)
