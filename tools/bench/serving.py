@@ -100,28 +100,26 @@ def _prompts(engine: Llama3Engine, count: int, length: int) -> list[list[int]]:
     return prompts
 
 
-def llama_cpp_batched(
-    args: argparse.Namespace, batches: list[int]
-) -> tuple[dict[int, float], str | None] | str:
-    """llama-batched-bench's total tokens/s per batch size and the ggml CPU backend it loaded
-    (Debian's build picks one per CPU: on a CPU with AMX, `sapphirerapids`, whose batched
-    products run on AMX tiles), or why there are none."""
+def llama_cpp_batched(args: argparse.Namespace, batches: list[int]) -> tuple[dict[int, float], str]:
+    """llama-batched-bench's total tokens/s per batch size, and a line naming the ggml CPU
+    backend it loaded (Debian's build picks one per CPU: on a CPU with AMX, `sapphirerapids`,
+    whose batched products run on AMX tiles) or saying why there are no totals."""
     binary = shutil.which("llama-batched-bench")
     if binary is None:
-        return "llama-batched-bench not installed (tools/llama_cpp/install.sh)"
+        return {}, "llama-batched-bench not installed (tools/llama_cpp/install.sh)"
     context = max(batches) * (args.prompt_tokens + args.new_tokens) + 64
     command = [binary, "-m", str(smollm2_gguf()), "-c", str(context)]
     command += ["-npp", str(args.prompt_tokens), "-ntg", str(args.new_tokens)]
     command += ["-npl", ",".join(map(str, batches)), "-t", str(args.threads)]
     done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
     if done.returncode != 0:
-        return f"llama-batched-bench failed (exit {done.returncode}): {done.stderr[-300:]}"
+        return {}, f"llama-batched-bench failed (exit {done.returncode}): {done.stderr[-300:]}"
     totals = {}
     for line in done.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 10 and re.fullmatch(r"\d+", cells[2]):
             totals[int(cells[2])] = float(cells[9])  # B, S t/s
-    return totals, _ggml_backend()
+    return totals, f"llama-batched-bench, {_ggml_backend() or 'backend not printed'}"
 
 
 def _ggml_backend() -> str | None:
@@ -283,8 +281,7 @@ def servers(args: argparse.Namespace) -> None:
 def batched(args: argparse.Namespace, modes: list[str]) -> None:
     """The batch rows: each mode served, sequential, and llama-batched-bench."""
     batches = [int(b) for b in args.batches.split(",")]
-    peer = llama_cpp_batched(args, batches)
-    totals, backend = peer if isinstance(peer, tuple) else ({}, None)
+    totals, peer_line = llama_cpp_batched(args, batches)
     print(
         f"SmolLM2 Q4_1, {args.threads} threads, {args.prompt_tokens} prompt + "
         f"{args.new_tokens} new tokens per request; total tokens/s"
@@ -312,10 +309,7 @@ def batched(args: argparse.Namespace, modes: list[str]) -> None:
                     f"{theirs or float('nan'):>10.1f} {served / sequential:>18.2f} {ratio} "
                     f"{scheduler * 1e3:>14.2f}"
                 )
-    if isinstance(peer, str):
-        print(f"llama.cpp: {peer}")
-    else:
-        print(f"llama.cpp: llama-batched-bench, {backend or 'backend not printed'}")
+    print(f"llama.cpp: {peer_line}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,6 @@
 # relative --state works.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-# PYTHONSAFEPATH keeps a `tools` folder in the caller's cwd from shadowing the repo's package;
-# the caller's PYTHONPATH is not inherited (stack.py clears it for BuildGrid, whose virtual
-# environment broke on another interpreter's packages).
-PYTHONSAFEPATH=1 PYTHONPATH="${repo_root}" \
+# PYTHONSAFEPATH keeps a `tools` folder in the caller's cwd from shadowing the repo's package.
+PYTHONSAFEPATH=1 PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}" \
   exec python3 -m tools.remote.stack "$@"
