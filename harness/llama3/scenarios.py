@@ -33,6 +33,7 @@ engine serves them (pipelines/llama3/serving.py), held to the same goldens and t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import torch
@@ -69,6 +70,10 @@ class Serving:
     copies: int = 1  # > 1: each case served this many times, in waves (`pressure`)
     speculate: int = 0  # > 0: speculative decoding, K proposals per decode piece
 
+
+# `preempt` with many requests (the sampling lanes'): the pool holds this fraction of what they
+# need at once.
+TIGHT_POOL_SHARE = 5
 
 # The pressure lane: copies of every case (enough for 18 requests in flight), and what its
 # counters must reach (each at least once: measured on the tiny files' short cases, float32,
@@ -177,6 +182,11 @@ class Served:
     copies: list[list[Run]] = dataclasses.field(default_factory=list)  # pressure: copy 1, 2, ...
     counters: dict[str, int] = dataclasses.field(default_factory=dict)  # pressure: what it did
     verified: int = 0  # speculation: proposals verified (scored in a decode piece)
+
+
+class PathNotTaken(AssertionError):
+    """A serving did not take the path its scenario exists for (no prefix-cache hit in
+    `prefix`, no preemption in `preempt`): its verdict would prove nothing about that path."""
 
 
 class BlocksHeld(AssertionError):
@@ -324,9 +334,9 @@ def sampled_served(
 ) -> dict[tuple[str, str], GenerationOutput]:
     """Each case's seeded continuation under each of its samplers (its sampling goldens), and
     each of its constrained continuations (greedy and seeded: its constrained goldens, with
-    every step's allowed ids), all served together as `serving` says (prefix: one at a time
-    over one pool, so that a case's requests read its prompt's blocks from the cache), keyed
-    (case, sampler) and as constrained_goldens.keys says."""
+    every step's allowed ids), all served together as `serving` says (served_outputs: in
+    `prefix`, one request of each prompt at a time, so that a prompt's later requests read its
+    blocks from the cache), keyed (case, sampler) and as constrained_goldens.keys says."""
     keyed = {}
     for case in golden.cases:
         for sampled in case.sampling:
@@ -358,7 +368,9 @@ def served_outputs(
     serving: Serving,
     serving_class: type[ServingEngine] = ServingEngine,
 ) -> dict[str, GenerationOutput]:
-    """`requests` served together as `serving` says, their outputs by request id."""
+    """`requests` served together as `serving` says, their outputs by request id. A serving
+    that does not take its scenario's path raises PathNotTaken: `prefix` without a cache hit
+    for each request whose prompt an earlier request cached, `preempt` without a preemption."""
     config = dict(
         block_size=serving.block_size,
         chunk_size=serving.chunk_size,
@@ -367,12 +379,31 @@ def served_outputs(
         window=serving.window,
     )
     if serving.tight_pool:
+        # a fifth of the blocks the requests need at once (at least the largest one's + 2):
+        # a few run together and preempt each other, where the largest + 2 would run them
+        # nearly one at a time (SmolLM2's 36 sampled requests: 149 steps, 40 this way)
         lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
-        config["num_blocks"] = max(blocks_for(n, serving.block_size) for n in lengths) + 2
+        blocks = [blocks_for(n, serving.block_size) for n in lengths]
+        config["num_blocks"] = max(max(blocks) + 2, sum(blocks) // TIGHT_POOL_SHARE)
     if serving.prefix:
+        # One request of each prompt at a time, taken in turns: a prompt's later requests
+        # read its blocks from the cache, held by its running request or left by a finished
+        # one, while the other prompts' requests run beside them.
+        by_prompt: dict[tuple, list[Request]] = {}
+        for request in requests:
+            by_prompt.setdefault(tuple(request.prompt), []).append(request)
+        turns = [r for group in itertools.zip_longest(*by_prompt.values()) for r in group if r]
         blocks = _all_blocks(requests, serving)
-        server = serving_engine(engine, serving_class, max_batch=1, num_blocks=blocks, **config)
-        results = _serve(server, requests)
+        server = serving_engine(
+            engine, serving_class, max_batch=len(by_prompt), num_blocks=blocks, **config
+        )
+        results = _serve(server, turns)
+        reuses = len(requests) - len(by_prompt)
+        if reuses and server.pool.hits < reuses:
+            raise PathNotTaken(
+                f"{serving.name}: {server.pool.hits} prefix-cache hits for {reuses} requests "
+                "whose prompt an earlier request had cached: the prefix cache was not read"
+            )
     elif serving.order == "split":
         server = serving_engine(
             engine, serving_class, **config, num_blocks=_all_blocks(requests, serving)
@@ -382,6 +413,8 @@ def served_outputs(
     else:
         server = serving_engine(engine, serving_class, **config)
         results = _serve(server, requests[::-1] if serving.order == "reversed" else requests)
+        if serving.tight_pool and len(requests) > 1 and not server.preemptions:
+            raise PathNotTaken(f"{serving.name}: no request was preempted in its tight pool")
     return {request_id: served.output for request_id, served in results.items()}
 
 

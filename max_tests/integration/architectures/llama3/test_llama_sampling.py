@@ -41,6 +41,8 @@ ties, where float32 logits hold no exact tie; test_sampling catches it).
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 import pytest
 
@@ -56,6 +58,7 @@ from harness.llama3.sampling_goldens import (
 )
 from harness.llama3.variants import GGML_ENCODINGS, Variant, skip_unavailable, variants
 from pipelines.llama3 import sampling
+from pipelines.llama3.serving import ServingEngine
 from pipelines.llama3.speculative import Speculation, self_draft
 from pipelines.llama3.tests.constrained_mutations import MUTATIONS as CONSTRAINED_MUTATIONS
 from pipelines.llama3.tests.sampler_mutations import DRAW_MUTATIONS, MUTATIONS
@@ -326,3 +329,33 @@ def test_planted_constraint_bugs_fail_the_constrained_goldens(goldens, monkeypat
     with capsys.disabled():
         print("\nplanted constraint bugs against the constrained goldens:\n" + "\n".join(lines))
     assert not missed, f"planted constraint bugs the constrained goldens miss: {missed}"
+
+
+class _NeverCached(ServingEngine):
+    """A prefix cache that finds nothing: each block's hash is new."""
+
+    def _block_hash(self, parent, tokens):
+        return secrets.token_bytes(32)
+
+
+class _RoomyPool(ServingEngine):
+    """A pool ten times the size asked for: nothing is preempted."""
+
+    def _new_pool(self, num_blocks):
+        return super()._new_pool(10 * num_blocks)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "serving_class"), [("prefix", _NeverCached), ("preempt", _RoomyPool)]
+)
+def test_a_serving_that_skips_its_scenarios_path_fails(goldens, scenario, serving_class) -> None:
+    """The sampled servings of `prefix` and `preempt` must take their path (a cache hit for
+    every request whose prompt an earlier one cached; a preemption), or no verdict of theirs
+    says anything about it: a serving that skips it raises PathNotTaken; served as asked,
+    the same requests pass."""
+    (variant,) = [v for v in VARIANTS if v.size == "tiny" and v.encoding == "float32"]
+    engine = engine_runs.load_engine(variant, "cpu")
+    golden, _ = _golden(goldens, variant, "eager")
+    assert scenarios.sampled_served(engine, golden, _serving(scenario))
+    with pytest.raises(scenarios.PathNotTaken, match=r"prefix-cache hits|no request was preempted"):
+        scenarios.sampled_served(engine, golden, _serving(scenario), serving_class)
