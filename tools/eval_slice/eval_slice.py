@@ -95,11 +95,19 @@ def _load(path: Path, mode: str) -> Llama3Engine:
 
 
 def engine_rows(
-    family: dict[str, Path], text: str, n_ctx: int, max_chunks: int, modes: Sequence[str]
+    family: dict[str, Path],
+    text: str,
+    n_ctx: int,
+    max_chunks: int,
+    modes: Sequence[str],
+    memo: dict | None = None,
 ) -> tuple[dict[str, dict[str, float]], int]:
     """The engine's row for each (member, mode): the base in the eager mode, every quantized
     member in each of `modes`; and the number of chunks scored. One chunk at a time, so only
-    one chunk's log-probabilities per model are held."""
+    one chunk's log-probabilities per model are held. With `memo`, each model's scored logits
+    are kept there by (checkpoint, mode, chunk tokens) and read back instead of computed (a
+    model is loaded only for a chunk it has not scored): a caller that scores the same models
+    again, under other scoring, computes no forward twice."""
     base = _load(family[BASE], BASE_MODE)
     tokens = base.tokenizer.encode(text)
     bos = base.tokenizer.bos_id if base.tokenizer.add_bos else None
@@ -109,23 +117,39 @@ def engine_rows(
             f"the text is {len(tokens)} tokens, fewer than one chunk of --n-ctx={n_ctx}; "
             "give a smaller --n-ctx"
         )
-    others = {
-        f"{name}/{mode}": _load(path, mode)
-        for name, path in family.items()
-        if name != BASE
-        for mode in modes
-    }
-    scores = {f"{BASE}/{BASE_MODE}": slice_stats.Scores()}
-    scores.update({key: slice_stats.Scores() for key in others})
+    models = {f"{BASE}/{BASE_MODE}": (family[BASE], BASE_MODE)}
+    models.update(
+        {
+            f"{name}/{mode}": (path, mode)
+            for name, path in family.items()
+            if name != BASE
+            for mode in modes
+        }
+    )
+    loaded = {f"{BASE}/{BASE_MODE}": base}
     rows = slice_stats.scored(n_ctx)
+
+    def logits(key: str, piece: list[int]) -> torch.Tensor:
+        path, mode = models[key]
+        kept = (str(path), mode, tuple(piece))
+        if memo is not None and kept in memo:
+            return memo[kept]
+        if key not in loaded:
+            loaded[key] = _load(path, mode)
+        computed = loaded[key].forward_logits(piece)[rows]
+        if memo is not None:
+            memo[kept] = computed
+        return computed
+
+    scores = {key: slice_stats.Scores() for key in models}
     for number, piece in enumerate(pieces, 1):
         started = time.perf_counter()
         targets = slice_stats.targets(piece, n_ctx)
-        reference = slice_stats.log_probs(base.forward_logits(piece)[rows])
-        scores[f"{BASE}/{BASE_MODE}"].add_chunk(reference, targets, None)
-        for key, engine in others.items():
-            logp = slice_stats.log_probs(engine.forward_logits(piece)[rows])
+        reference = None
+        for key in models:  # the base first: every member's KL divergence is against it
+            logp = slice_stats.log_probs(logits(key, piece))
             scores[key].add_chunk(logp, targets, reference)
+            reference = logp if reference is None else reference
         seconds = time.perf_counter() - started
         _progress(f"engine: chunk {number}/{len(pieces)} ({len(scores)} models, {seconds:.1f} s)")
     return {key: slice_stats.summary(value) for key, value in scores.items()}, len(pieces)
