@@ -218,8 +218,11 @@ class TokenTexts:
         while stack:
             node, so_far = stack.pop()
             for key, child in node.items():
-                if key is None:  # tokens ending here: so_far is viable (checked on the way)
-                    allowed += [i for i, tail in child if self._completes(language, so_far, tail)]
+                if key is None:  # tokens ending here: so_far is viable (checked on the way),
+                    # so a token without an unfinished character's tail is allowed as it is
+                    for index, tail in child:
+                        if not tail or self._completes(language, so_far, tail):
+                            allowed.append(index)
                 elif language.viable(so_far + key):
                     stack.append((child, so_far + key))
         return np.array(sorted(allowed), dtype=np.int64)
