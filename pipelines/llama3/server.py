@@ -817,7 +817,7 @@ class ServerProcess:
         self.code: int | None = None
         self.stderr = ""
         self._process: subprocess.Popen | None = None
-        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in __exit__)
+        self._stderr = None  # the file of the running server's stderr
 
     def _tail(self) -> str:
         """The last 2,000 characters the server wrote to stderr (kept in `stderr` on exit)."""
@@ -828,9 +828,14 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # the caller's packages
-        self._process = subprocess.Popen(
-            self.command, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env
-        )
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # closed by _tail
+        try:
+            self._process = subprocess.Popen(
+                self.command, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env
+            )
+        except OSError:
+            self._stderr.close()
+            raise
         line = self._process.stdout.readline()  # "serving NAME at URL", once it listens
         match = re.search(r" at (http://\S+)", line)
         if match is None:

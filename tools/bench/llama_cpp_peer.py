@@ -125,6 +125,28 @@ def loaded_backend(stderr: str) -> str | None:
     return ", ".join(f"{kind} {pathlib.Path(path).name}" for kind, path in found) or None
 
 
+def _run(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, check=False, timeout=timeout_s
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise LlamaBenchError(f"{' '.join(command)}: {error}") from None
+    if done.returncode != 0:
+        raise LlamaBenchError(f"{' '.join(command)} exited {done.returncode}: {_tail(done.stderr)}")
+    return done
+
+
+def version_and_backend(binary: str) -> tuple[str | None, str | None]:
+    """llama-bench's version and the CPU backend its libggml loads here (`--version`): the
+    backend every tool of the same Debian build loads on this machine, llama-batched-bench's
+    too, which names none unless verbose."""
+    done = _run([binary, "--version"], 30)
+    # "version: 0.7.0 (build 11669, commit Debian)" on stdout or stderr, by version.
+    match = re.search(r"version: (\S+)", done.stdout + done.stderr)
+    return (match.group(1) if match else None), loaded_backend(done.stderr)
+
+
 class LlamaBenchPeer:
     """llama.cpp's prefill and decode times from one `llama-bench` run per call.
 
@@ -147,25 +169,8 @@ class LlamaBenchPeer:
         self.threads = threads
         self.timeout_s = timeout_s
         self.load_seconds = math.nan  # not reported, not measured
-        version = self._run([binary, "--version"], 30)
-        # "version: 0.7.0 (build 11669, commit Debian)" on stdout or stderr, by version.
-        match = re.search(r"version: (\S+)", version.stdout + version.stderr)
-        self.version = match.group(1) if match else None
-        self.backend = loaded_backend(version.stderr)
+        self.version, self.backend = version_and_backend(binary)
         self.build: dict[str, Any] = {}  # build_commit, build_number... of the last JSON
-
-    def _run(self, command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
-        try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, check=False, timeout=timeout_s
-            )
-        except (OSError, subprocess.TimeoutExpired) as error:
-            raise LlamaBenchError(f"{' '.join(command)}: {error}") from None
-        if done.returncode != 0:
-            raise LlamaBenchError(
-                f"{' '.join(command)} exited {done.returncode}: {_tail(done.stderr)}"
-            )
-        return done
 
     def command(self, prompt_tokens: int, decode_steps: int) -> list[str]:
         """The llama-bench command line for one prefill of `prompt_tokens` and `decode_steps`."""
@@ -192,7 +197,7 @@ class LlamaBenchPeer:
     def measure(self, prompt_tokens: int, decode_steps: int) -> tuple[float, float]:
         """(prefill seconds, decode seconds) from one llama-bench run."""
         command = self.command(prompt_tokens, decode_steps)
-        done = self._run(command, self.timeout_s)
+        done = _run(command, self.timeout_s)
         self.backend = loaded_backend(done.stderr) or self.backend
         try:
             tests = json.loads(done.stdout)

@@ -51,7 +51,7 @@ import torch
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.serving import Request, ServingEngine
-from tools.bench.llama_cpp_peer import loaded_backend
+from tools.bench.llama_cpp_peer import LlamaBenchError, version_and_backend
 
 # Prompt words: request i takes LENGTHS[i % len(LENGTHS)] of them (mixed lengths).
 TEXT = (
@@ -123,13 +123,14 @@ def llama_cpp_batched(args: argparse.Namespace, batches: list[int]) -> tuple[dic
 
 
 def _ggml_backend() -> str | None:
-    """The CPU backend Debian's ggml loads on this machine: llama-batched-bench prints none
-    unless verbose, llama-bench names it on --version (the same libggml, the same pick)."""
+    """The CPU backend Debian's ggml loads on this machine, as llama-bench names it."""
     binary = shutil.which("llama-bench")
     if binary is None:
         return None
-    done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
-    return loaded_backend(done.stderr)
+    try:
+        return version_and_backend(binary)[1]
+    except LlamaBenchError:
+        return None
 
 
 def _sequential(engine: Llama3Engine, prompts: list[list[int]], new: int) -> float:

@@ -701,25 +701,62 @@ static void attend_heads(const float *qkv, const float *cache_k, const float *ca
     }
 }
 
+/* Attention of `rows` rows (queries qkv + r * width, outputs out + r * attn), one task per
+ * (row, KV group) split among `threads` once the rows' positions x query values reach
+ * `parallel_work` (else one thread): a group's heads in one attend_heads call (one at a time
+ * past GROUP_HEADS), so no bit depends on the split. Row r attends T positions of the
+ * contiguous cache (slots NULL; one row), or the starts[r + 1] - starts[r] positions of the
+ * paged cache at slots + starts[r]. Returns -1 when a thread's scratch cannot be allocated. */
+static int attend_rows(const float *qkv, int64_t width, const float *cache_k,
+                       const float *cache_v, const int64_t *slots, const int64_t *starts,
+                       int64_t t_stride, int64_t g_stride, int64_t rows, int64_t n_heads,
+                       int64_t n_kv_heads, int64_t head_dim, int64_t T, float scale, float *out,
+                       int64_t attn, int threads, int64_t parallel_work) {
+    const int64_t group = n_heads / n_kv_heads, heads = group <= GROUP_HEADS ? group : 1;
+    int64_t most = T, work = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t Tr = slots ? starts[r + 1] - starts[r] : T;
+        most = Tr > most ? Tr : most;
+        work += Tr * n_heads * head_dim;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(work >= parallel_work ? threads : 1)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(heads * most));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * n_kv_heads; task++) {
+            const int64_t r = task / n_kv_heads, kv = task % n_kv_heads;
+            if (!scores) continue;
+            const int64_t *rs = slots ? slots + starts[r] : NULL;
+            const int64_t Tr = slots ? starts[r + 1] - starts[r] : T;
+            for (int64_t first = kv * group; first < (kv + 1) * group; first += heads)
+                attend_heads(qkv + r * width, cache_k, cache_v, rs, t_stride, kv * g_stride,
+                             first, heads, head_dim, Tr, scale, scores, out + r * attn);
+        }
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* One row's attention over T positions (attend_rows with one row, on the calling thread); if
+ * its scratch cannot be allocated, one head at a time in the caller's `scores` (T floats): the
+ * same bits. */
 static void attend(const float *qkv, const float *cache_k, const float *cache_v,
                    const int64_t *slots, int64_t t_stride, int64_t g_stride, int64_t n_heads,
                    int64_t n_kv_heads, int64_t head_dim, int64_t T, float scale, float *scores,
                    float *out) {
+    const int64_t starts[2] = {0, T};
+    if (attend_rows(qkv, 0, cache_k, cache_v, slots, starts, t_stride, g_stride, 1, n_heads,
+                    n_kv_heads, head_dim, T, scale, out, 0, 1, INT64_MAX) == 0)
+        return;
     const int64_t group = n_heads / n_kv_heads;
-    float *shared = group > 1 && group <= GROUP_HEADS
-                        ? (float *)malloc(sizeof(float) * (size_t)(group * T))
-                        : NULL;
-    for (int64_t kv = 0; kv < n_kv_heads; kv++) {
-        if (shared) { /* the group's heads together */
-            attend_heads(qkv, cache_k, cache_v, slots, t_stride, kv * g_stride, kv * group,
-                         group, head_dim, T, scale, shared, out);
-            continue;
-        }
-        for (int64_t j = 0; j < group; j++) /* one head at a time, in the caller's scratch */
-            attend_heads(qkv, cache_k, cache_v, slots, t_stride, kv * g_stride, kv * group + j,
-                         1, head_dim, T, scale, scores, out);
-    }
-    free(shared);
+    for (int64_t head = 0; head < n_heads; head++)
+        attend_heads(qkv, cache_k, cache_v, slots, t_stride, head / group * g_stride, head, 1,
+                     head_dim, T, scale, scores, out);
 }
 
 /* Rope on a row's query and key heads, its keys and values stored at position pos of the
@@ -765,47 +802,6 @@ void decode_attention_paged(float *qkv, const float *cos, const float *sin, floa
     store_slot(qkv, cos, sin, cache_k, cache_v, n_heads, n_kv_heads, head_dim, slots[pos]);
     attend(qkv, cache_k, cache_v, slots, n_kv_heads, 1, n_heads, n_kv_heads, head_dim,
            pos + 1, scale, scores, out);
-}
-
-/* attend for `rows` rows (queries qkv + r * width, outputs out + r * attn), one task per (row,
- * KV group) split among `threads` once the rows' positions x query values reach `work` (else
- * one thread): each task is attend's attend_heads calls for that group, so no bit depends on
- * the split. Row r attends T positions of the contiguous cache (slots NULL; one row), or the
- * starts[r + 1] - starts[r] positions of the paged cache at slots + starts[r]. Returns -1
- * when a thread's scratch cannot be allocated. */
-static int attend_rows(const float *qkv, int64_t width, const float *cache_k,
-                       const float *cache_v, const int64_t *slots, const int64_t *starts,
-                       int64_t t_stride, int64_t g_stride, int64_t rows, int64_t n_heads,
-                       int64_t n_kv_heads, int64_t head_dim, int64_t T, float scale, float *out,
-                       int64_t attn, int threads, int64_t parallel_work) {
-    const int64_t group = n_heads / n_kv_heads, heads = group <= GROUP_HEADS ? group : 1;
-    int64_t most = T, work = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t Tr = slots ? starts[r + 1] - starts[r] : T;
-        most = Tr > most ? Tr : most;
-        work += Tr * n_heads * head_dim;
-    }
-    int failed = 0;
-#pragma omp parallel num_threads(work >= parallel_work ? threads : 1)
-    {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(heads * most));
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < rows * n_kv_heads; task++) {
-            const int64_t r = task / n_kv_heads, kv = task % n_kv_heads;
-            if (!scores) continue;
-            const int64_t *rs = slots ? slots + starts[r] : NULL;
-            const int64_t Tr = slots ? starts[r + 1] - starts[r] : T;
-            for (int64_t first = kv * group; first < (kv + 1) * group; first += heads)
-                attend_heads(qkv + r * width, cache_k, cache_v, rs, t_stride, kv * g_stride,
-                             first, heads, head_dim, Tr, scale, scores, out + r * attn);
-        }
-        if (!scores) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        free(scores);
-    }
-    return failed ? -1 : 0;
 }
 
 /* SwiGLU of rows of a fused gate/up product, gu [rows, 2 * hidden] (gate then up): out =
