@@ -307,7 +307,9 @@ def verify(decoder, rows: torch.Tensor, proposal, dists=None, keep=None) -> tupl
     first j + 1 tokens), `keep(row)` called with each row it reads; (proposals accepted, the
     token to feed next, or None: the sequence stopped). Row 0 first, then row j + 1 while
     choice j equals proposal j: the first that differs replaces its proposal and ends the
-    step; after all of them, the last row's choice is the bonus token. The choice: the
+    step; after all of them, the last row's choice is the bonus token. A choice that stops
+    the sequence (an end of sequence, a stop string, the last step) still counts its proposal
+    accepted when it is that proposal. The choice: the
     decoder's own (greedy, or a deterministic draft's sampling), or with `dists` (the
     distributions a sampling draft drew the proposals from) the rejection sampler's. The
     generate loop (`decode`) and the serving engine both verify here."""
@@ -328,8 +330,9 @@ def verify(decoder, rows: torch.Tensor, proposal, dists=None, keep=None) -> tupl
             token = decoder.take(choice)
         else:
             token = decoder.step(row)
-        if token is None:
-            return accepted, None
+        if token is None:  # stopped on this choice: a proposal equal to it was accepted
+            kept = j < len(proposal) and verified(decoder.tokens[-1], proposal[j], row)
+            return accepted + int(kept), None
         if j < len(proposal) and verified(token, proposal[j], row):
             accepted += 1
             continue

@@ -416,6 +416,19 @@ def _drafted_keeps_the_tokens(engine, prompts, references, speculation) -> tuple
     return proposed, sum(sum(out.speculation.accepted) for out in solo)
 
 
+def test_a_proposal_the_sequence_stops_on_is_counted_accepted() -> None:
+    """The whole tiny model drafting for itself: every proposal is accepted, the last one too,
+    on which the sequence stops (its last step: 1 + 4 + 3 tokens, the 3 proposals of the
+    second forward cut to the steps left). Counting it rejected made 4 + 2 of 4 + 3."""
+    path = TESTDATA / "tiny_llama.gguf"
+    engine = Llama3Engine.from_gguf(path)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    speculation = Speculation(speculative.self_draft(path, 1), 4)
+    out = engine.generate(prompt, 9, stop_on_eos=False, speculation=speculation)
+    assert len(out.tokens) == 9
+    assert (out.speculation.proposed, out.speculation.accepted) == ([4, 3], [4, 3])
+
+
 def test_a_model_draft_keeps_the_tokens_in_generate_and_served(engine, capsys) -> None:
     """A model as the draft (speculative.ModelDraft), eager whatever the target's mode: the
     target file's first layers and head (`self_draft`; the tiny files have one layer: 0, the
