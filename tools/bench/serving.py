@@ -4,11 +4,14 @@ Batches of 1, 4 and 16 requests on SmolLM2 (Q4_1), each of --prompt-tokens promp
 --new-tokens generated ones, served by pipelines/llama3/serving.py (continuous batching over
 the paged KV cache), by `Llama3Engine.generate` one request after another, and by llama.cpp's
 `llama-batched-bench` (the same prompt and generated lengths, several sequences in one batch,
-the same threads; tools/llama_cpp/install.sh installs it from Debian). Prints total tokens per
-second (prompt and generated tokens over the wall time of the batch) of each, and the ratios
-served/sequential and served/llama.cpp, all from this one run; and the serving engine's own
-cost per scheduler step (`sched ms/step`: the wall time outside the model's forward, over
-the steps: admission, block tables, prefix hashing, the decoder).
+the same threads; tools/llama_cpp/install.sh installs it from Debian), by default and with
+--no-repack (`no-repack`: the weights as the file holds them, multiplied by the per-block dot
+products the ggml mode reproduces; by default llama.cpp repacks them at load for the CPU's
+kernels, on a CPU with AMX its batched products' tiles). Prints total tokens per second
+(prompt and generated tokens over the wall time of the batch) of each, and the ratios
+served/sequential, served/llama.cpp and served/no-repack, all from this one run; and the
+serving engine's own cost per scheduler step (`sched ms/step`: the wall time outside the
+model's forward, over the steps: admission, block tables, prefix hashing, the decoder).
 
 Then the HTTP servers (`--clients`, default 16): this engine's server (pipelines/llama3/
 server.py, in --server-modes, a process of its own as `serve` runs it) and llama.cpp's
@@ -100,10 +103,14 @@ def _prompts(engine: Llama3Engine, count: int, length: int) -> list[list[int]]:
     return prompts
 
 
-def llama_cpp_batched(args: argparse.Namespace, batches: list[int]) -> tuple[dict[int, float], str]:
+def llama_cpp_batched(
+    args: argparse.Namespace, batches: list[int], repack: bool = True
+) -> tuple[dict[int, float], str]:
     """llama-batched-bench's total tokens/s per batch size, and a line naming the ggml CPU
     backend it loaded (Debian's build picks one per CPU: on a CPU with AMX, `sapphirerapids`,
-    whose batched products run on AMX tiles) or saying why there are no totals."""
+    whose batched products run on AMX tiles) or saying why there are no totals. Without
+    `repack` (--no-repack): the weights as the file holds them, products by the per-block dot
+    products the ggml mode reproduces, not the kernels of weights repacked at load."""
     binary = shutil.which("llama-batched-bench")
     if binary is None:
         return {}, "llama-batched-bench not installed (tools/llama_cpp/install.sh)"
@@ -111,6 +118,7 @@ def llama_cpp_batched(args: argparse.Namespace, batches: list[int]) -> tuple[dic
     command = [binary, "-m", str(smollm2_gguf()), "-c", str(context)]
     command += ["-npp", str(args.prompt_tokens), "-ntg", str(args.new_tokens)]
     command += ["-npl", ",".join(map(str, batches)), "-t", str(args.threads)]
+    command += [] if repack else ["--no-repack"]
     done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
     if done.returncode != 0:
         return {}, f"llama-batched-bench failed (exit {done.returncode}): {done.stderr[-300:]}"
@@ -283,13 +291,15 @@ def batched(args: argparse.Namespace, modes: list[str]) -> None:
     """The batch rows: each mode served, sequential, and llama-batched-bench."""
     batches = [int(b) for b in args.batches.split(",")]
     totals, peer_line = llama_cpp_batched(args, batches)
+    plain, _ = llama_cpp_batched(args, batches, repack=False)
     print(
         f"SmolLM2 Q4_1, {args.threads} threads, {args.prompt_tokens} prompt + "
         f"{args.new_tokens} new tokens per request; total tokens/s"
     )
     print(
         f"{'mode':<10} {'batch':>5} {'served':>8} {'sequential':>11} {'llama.cpp':>10} "
-        f"{'served/sequential':>18} {'served/llama.cpp':>17} {'sched ms/step':>14}"
+        f"{'no-repack':>10} {'served/sequential':>18} {'served/llama.cpp':>17} "
+        f"{'served/no-repack':>17} {'sched ms/step':>14}"
     )
     for mode in modes:
         engine = Llama3Engine.from_gguf(smollm2_gguf(), mode=mode)
@@ -301,16 +311,16 @@ def batched(args: argparse.Namespace, modes: list[str]) -> None:
                 prompts = _prompts(engine, batch, args.prompt_tokens)
                 total = batch * (args.prompt_tokens + args.new_tokens)
                 sequential = total / _sequential(engine, prompts, args.new_tokens)
-                theirs = totals.get(batch)
+                theirs, unpacked = totals.get(batch), plain.get(batch)
                 seconds, scheduler = _served(engine, prompts, args.new_tokens)
                 served = total / seconds
-                ratio = f"{served / theirs:17.2f}" if theirs else f"{'-':>17}"
+                ratios = [f"{served / t:17.2f}" if t else f"{'-':>17}" for t in (theirs, unpacked)]
                 print(
                     f"{mode:<10} {batch:>5} {served:>8.1f} {sequential:>11.1f} "
-                    f"{theirs or float('nan'):>10.1f} {served / sequential:>18.2f} {ratio} "
-                    f"{scheduler * 1e3:>14.2f}"
+                    f"{theirs or float('nan'):>10.1f} {unpacked or float('nan'):>10.1f} "
+                    f"{served / sequential:>18.2f} {ratios[0]} {ratios[1]} {scheduler * 1e3:>14.2f}"
                 )
-    print(f"llama.cpp: {peer_line}")
+    print(f"llama.cpp: {peer_line}; no-repack: the same with --no-repack")
 
 
 def main(argv: list[str] | None = None) -> int:
