@@ -80,6 +80,11 @@ QUANTIZED_OVER_LLAMA_CPP = 0.75  # and 0.75x llama.cpp's, when llama.cpp is meas
 GGML_OVER_LLAMA_CPP_DECODE = 1.0  # ggml: decode at least as fast as llama.cpp's
 GGML_OVER_LLAMA_CPP_PREFILL = 1.0  # and prefill too
 LLAMA_CPP = "llama.cpp"
+# llama-bench with `--repack 0`: the weights as the file holds them, multiplied by the
+# per-block dot products the ggml mode reproduces (by default llama.cpp repacks them at load
+# for its CPU's kernels; on an Intel Xeon with AMX, 2x its decode on SmolLM2). A side of its
+# own, no bar: it says how far the default's repacked kernels are from the ggml mode's.
+LLAMA_CPP_NO_REPACK = "llama.cpp-no-repack"
 GGML = "ggml"  # an engine mode once pipelines.llama3.engine.MODES has it
 # (mode, peer, metric, least ratio mode/peer): a bar applies when both sides were measured.
 RATIO_BARS = (
@@ -273,6 +278,29 @@ def _transformers_side(gguf_path: pathlib.Path, config: LlamaConfig) -> Side:
     )
 
 
+def _llama_cpp_no_repack_side(gguf_path: pathlib.Path, threads: int) -> Side | None:
+    """llama-bench with `--repack 0` (LLAMA_CPP_NO_REPACK), or None where it is not there."""
+    binary = llama_cpp_peer.find_llama_bench()
+    if binary is None:
+        return None
+    try:
+        peer = llama_cpp_peer.LlamaBenchPeer(binary, gguf_path, threads, repack=False)
+    except llama_cpp_peer.LlamaBenchError as error:
+        _progress(f"{LLAMA_CPP_NO_REPACK}: skipped: {error}")
+        return None
+    return _peer_side(LLAMA_CPP_NO_REPACK, peer, gguf_path)
+
+
+def _peer_side(name: str, peer, gguf_path: pathlib.Path) -> Side:
+    reader = GGUFFile(gguf_path)
+    file_bytes = sum(reader.tensor_data(name).nbytes for name in reader.tensors)
+    side = Side(name, peer.load_seconds, file_bytes, peer.greedy)
+    side.peer = peer
+    if not peer.compares_tokens:
+        side.no_tokens = peer.NO_TOKENS
+    return side
+
+
 def _llama_cpp_side(gguf_path: pathlib.Path, threads: int, context: int) -> Side | None:
     """llama.cpp through its binding, else through llama-bench, else None (a line says why)."""
     llama_cpp, what = llama_cpp_peer.import_llama_cpp()
@@ -293,13 +321,7 @@ def _llama_cpp_side(gguf_path: pathlib.Path, threads: int, context: int) -> Side
             _progress(f"llama.cpp: skipped: {error}")
             return None
         _progress(f"llama.cpp: {binary} (the binding does not import)")
-    reader = GGUFFile(gguf_path)
-    file_bytes = sum(reader.tensor_data(name).nbytes for name in reader.tensors)
-    side = Side(LLAMA_CPP, peer.load_seconds, file_bytes, peer.greedy)
-    side.peer = peer
-    if not peer.compares_tokens:
-        side.no_tokens = peer.NO_TOKENS
-    return side
+    return _peer_side(LLAMA_CPP, peer, gguf_path)
 
 
 def measure_read_bandwidth(
@@ -337,9 +359,11 @@ def _print_table(sides: list[Side], prompt_tokens: int, new_tokens: int) -> None
         ("weights MB/token", lambda s: s.weight_bytes / 1e6),
         ("implied GB/s", lambda s: _implied_gb_per_s(s, new_tokens)),
     ]
-    print(f"{'':18}" + "".join(f"{side.name:>14}" for side in sides))
+    widths = [max(14, len(side.name) + 2) for side in sides]
+    print(f"{'':18}" + "".join(f"{s.name:>{w}}" for s, w in zip(sides, widths, strict=True)))
     for label, value in rows:
-        print(f"{label:18}" + "".join(f"{_number(value(side)):>14}" for side in sides))
+        cells = (f"{_number(value(s)):>{w}}" for s, w in zip(sides, widths, strict=True))
+        print(f"{label:18}" + "".join(cells))
 
 
 def _print_ratios(modes: list[Side], peers: list[Side], prompt_tokens, new_tokens) -> None:
@@ -518,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_llama_cpp:
         llama_cpp = _llama_cpp_side(gguf_path, args.threads, len(input_ids) + args.new_tokens + 8)
         peers += [llama_cpp] if llama_cpp else []
+        no_repack = _llama_cpp_no_repack_side(gguf_path, args.threads)
+        peers += [no_repack] if no_repack else []
     for side in engines + peers:  # warm-up: caches, kernel selection, torch.compile's compilation
         start = time.perf_counter()
         try:
@@ -538,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     if profile_path:
         _progress(f"profiling one generation of each mode into {profile_path}")
         events = profile_engines(profile_path, engines, input_ids, args.new_tokens)
-    llama_cpp_about = {s.name: s.peer.describe() for s in peers if s.name == LLAMA_CPP}
+    llama_cpp_about = {s.name: s.peer.describe() for s in peers if s.name != PEER}
 
     print(f"checkpoint: {gguf_path.name}  threads: {args.threads}  float32 cpu")
     print(
@@ -570,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             json_path,
             {m.name: timings[m.name] for m in engines},
             timings[PEER],
-            {name: t for name, t in timings.items() if name == LLAMA_CPP},
+            {name: t for name, t in timings.items() if name in (LLAMA_CPP, LLAMA_CPP_NO_REPACK)},
             setup,
             load_at_start,
             read_gb_per_s,

@@ -163,10 +163,14 @@ class LlamaBenchPeer:
         gguf_path: pathlib.Path,
         threads: int,
         timeout_s: float = LLAMA_BENCH_TIMEOUT_S,
+        repack: bool = True,
     ) -> None:
         self.binary = binary
         self.gguf_path = gguf_path
         self.threads = threads
+        # False: `--repack 0`, the weights as the file holds them (by default llama.cpp
+        # repacks them at load for the CPU's kernels: AMX tiles on a CPU that has them)
+        self.repack = repack
         self.timeout_s = timeout_s
         self.load_seconds = math.nan  # not reported, not measured
         self.version, self.backend = version_and_backend(binary)
@@ -190,6 +194,8 @@ class LlamaBenchPeer:
             "0",
             "-fa",
             "0",
+            "--repack",
+            "1" if self.repack else "0",
             "-o",
             "json",
         ]
@@ -245,4 +251,5 @@ class LlamaBenchPeer:
                 f"build_commit {build.get('build_commit')}"
             )
         parts.append(f"backend {self.backend}" if self.backend else "backend not reported")
+        parts += [] if self.repack else ["--repack 0"]
         return ", ".join(parts)

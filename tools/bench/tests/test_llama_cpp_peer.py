@@ -82,9 +82,21 @@ def test_seconds_from_its_json_and_no_tokens(tmp_path: Path):
         "0",
         "-fa",
         "0",
+        "--repack",
+        "1",
         "-o",
         "json",
     ]
+
+
+def test_without_repack_it_runs_repack_0_and_says_so(tmp_path: Path):
+    """The bench's llama.cpp-no-repack side: the weights as the file holds them."""
+    script = _fake(tmp_path, json.dumps([_test(5, 0, 100.0), _test(0, 3, 50.0)]))
+    peer = LlamaBenchPeer(str(script), tmp_path / "model.gguf", threads=2, repack=False)
+    peer.greedy([1, 2, 3, 4, 5], 4)
+    argv = (tmp_path / "argv.txt").read_text().split()
+    assert argv[argv.index("--repack") + 1] == "0"
+    assert peer.describe().endswith("backend CPU libggml-cpu-icelake.so, --repack 0")
 
 
 def test_describe_names_binary_version_build_and_backend(tmp_path: Path):
