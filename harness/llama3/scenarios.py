@@ -335,8 +335,8 @@ def sampled_served(
     """Each case's seeded continuation under each of its samplers (its sampling goldens), and
     each of its constrained continuations (greedy and seeded: its constrained goldens, with
     every step's allowed ids), all served together as `serving` says (served_outputs: in
-    `prefix`, one request of each prompt at a time, so that a prompt's later requests read its
-    blocks from the cache), keyed (case, sampler) and as constrained_goldens.keys says."""
+    `prefix`, in turns over the prompts, so that a prompt's later requests read its blocks
+    from the cache), keyed (case, sampler) and as constrained_goldens.keys says."""
     keyed = {}
     for case in golden.cases:
         for sampled in case.sampling:
@@ -381,14 +381,14 @@ def served_outputs(
     if serving.tight_pool:
         # a fifth of the blocks the requests need at once (at least the largest one's + 2):
         # a few run together and preempt each other, where the largest + 2 would run them
-        # nearly one at a time (SmolLM2's 36 sampled requests: 149 steps, 40 this way)
+        # nearly one at a time (SmolLM2's 36 sampled requests: 149 steps, 44 this way)
         lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
         blocks = [blocks_for(n, serving.block_size) for n in lengths]
         config["num_blocks"] = max(max(blocks) + 2, sum(blocks) // TIGHT_POOL_SHARE)
     if serving.prefix:
-        # One request of each prompt at a time, taken in turns: a prompt's later requests
-        # read its blocks from the cache, held by its running request or left by a finished
-        # one, while the other prompts' requests run beside them.
+        # As many requests at a time as there are prompts, taken in turns over the prompts:
+        # a prompt's later requests read its blocks from the cache, held by its running
+        # request or left by a finished one, beside the other prompts' requests.
         by_prompt: dict[tuple, list[Request]] = {}
         for request in requests:
             by_prompt.setdefault(tuple(request.prompt), []).append(request)

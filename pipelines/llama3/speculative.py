@@ -309,10 +309,10 @@ def verify(decoder, rows: torch.Tensor, proposal, dists=None, keep=None) -> tupl
     choice j equals proposal j: the first that differs replaces its proposal and ends the
     step; after all of them, the last row's choice is the bonus token. A choice that stops
     the sequence (an end of sequence, a stop string, the last step) still counts its proposal
-    accepted when it is that proposal. The choice: the
-    decoder's own (greedy, or a deterministic draft's sampling), or with `dists` (the
-    distributions a sampling draft drew the proposals from) the rejection sampler's. The
-    generate loop (`decode`) and the serving engine both verify here."""
+    accepted when the token it feeds is that proposal (teacher-forced: the forced one, as at
+    every step). The choice: the decoder's own (greedy, or a deterministic draft's sampling),
+    or with `dists` (the distributions a sampling draft drew the proposals from) the rejection
+    sampler's. The generate loop (`decode`) and the serving engine both verify here."""
     accepted, token = 0, None
     sampled = dists is not None and decoder.sampling is not None
     for j in range(rows.shape[0]):
@@ -331,7 +331,7 @@ def verify(decoder, rows: torch.Tensor, proposal, dists=None, keep=None) -> tupl
         else:
             token = decoder.step(row)
         if token is None:  # stopped on this choice: a proposal equal to it was accepted
-            kept = j < len(proposal) and verified(decoder.tokens[-1], proposal[j], row)
+            kept = j < len(proposal) and verified(decoder.history()[-1], proposal[j], row)
             return accepted + int(kept), None
         if j < len(proposal) and verified(token, proposal[j], row):
             accepted += 1
