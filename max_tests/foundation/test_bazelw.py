@@ -150,3 +150,23 @@ def test_warm_call_overhead_is_one_stat(sandbox):
     for _ in range(3):
         assert _run(sandbox, "info").returncode == 0
     assert counter.read_text().count("x") == 1
+
+
+def test_bazel_gets_one_path_whatever_the_shells_order(sandbox, tmp_path):
+    """PATH is in every action's cache key: bazelw hands Bazel the directory of the shell's
+    python3, then the system's directories, in that order, for any order of the shell's."""
+    fake = 'echo "bazel 7.7.1"\nif [ "$1" = path ]; then echo "$PATH"; fi\n'
+    _write_exe(sandbox["bin"] / "bazel", fake)
+    python_dir = tmp_path / "python"
+    python_dir.mkdir()
+    _write_exe(python_dir / "python3", "exit 0\n")
+    system = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    seen = set()
+    for order in ([python_dir, sandbox["bin"]], [sandbox["bin"], tmp_path / "other", python_dir]):
+        sandbox["env"]["PATH"] = ":".join(map(str, order))
+        result = _run(sandbox, "path")
+        assert result.returncode == 0, result.stderr
+        seen.add(result.stdout.splitlines()[-1])
+    assert seen == {f"{python_dir}:{system}"}
+    sandbox["env"]["PATH"] = str(sandbox["bin"])  # no python3: the system's directories
+    assert _run(sandbox, "path").stdout.splitlines()[-1] == system
