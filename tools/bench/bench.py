@@ -60,7 +60,7 @@ from pipelines.llama3 import CheckpointError, Llama3Engine, LlamaConfig, profili
 from pipelines.llama3.engine import MODES, freeze_imported_objects
 from pipelines.llama3.gguf_file import GGUFFile
 from pipelines.llama3.sampling import settings_from_text, settings_text
-from tools.bench import llama_cpp_peer, sampled
+from tools.bench import cpu_level, llama_cpp_peer, sampled
 from tools.bench.record import (
     METRICS,
     PEER,
@@ -85,6 +85,7 @@ LLAMA_CPP = "llama.cpp"
 # for its CPU's kernels; on an Intel Xeon with AMX, 2x its decode on SmolLM2). A side of its
 # own, no bar: it says how far the default's repacked kernels are from the ggml mode's.
 LLAMA_CPP_NO_REPACK = "llama.cpp-no-repack"
+LLAMA_CPP_SIDES = (LLAMA_CPP, LLAMA_CPP_NO_REPACK)  # the sides that are llama.cpp
 GGML = "ggml"  # an engine mode once pipelines.llama3.engine.MODES has it
 # (mode, peer, metric, least ratio mode/peer): a bar applies when both sides were measured.
 RATIO_BARS = (
@@ -131,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-sampling", action="store_true", help="skip the sampled decode section"
     )
     parser.add_argument("--check", action="store_true", help="exit 1 when below the acceptance bar")
+    cpu_level.add_argument(parser)
     parser.add_argument(
         "--json", metavar="FILE", help="also write the numbers as a record for perf_regression"
     )
@@ -278,8 +280,15 @@ def _transformers_side(gguf_path: pathlib.Path, config: LlamaConfig) -> Side:
     )
 
 
-def _llama_cpp_no_repack_side(gguf_path: pathlib.Path, threads: int) -> Side | None:
-    """llama-bench with `--repack 0` (LLAMA_CPP_NO_REPACK), or None where it is not there."""
+def _llama_cpp_no_repack_side(
+    gguf_path: pathlib.Path, threads: int, llama_cpp: Side | None
+) -> Side | None:
+    """llama-bench with `--repack 0` (LLAMA_CPP_NO_REPACK), or None where it is not there:
+    the llama.cpp side's own llama-bench without repacking (no second probe of it), else one
+    of its own (the llama.cpp side is the binding)."""
+    if llama_cpp is not None and isinstance(llama_cpp.peer, llama_cpp_peer.LlamaBenchPeer):
+        peer = llama_cpp.peer.without_repack()
+        return _peer_side(LLAMA_CPP_NO_REPACK, peer, gguf_path, llama_cpp.weight_bytes)
     binary = llama_cpp_peer.find_llama_bench()
     if binary is None:
         return None
@@ -291,9 +300,10 @@ def _llama_cpp_no_repack_side(gguf_path: pathlib.Path, threads: int) -> Side | N
     return _peer_side(LLAMA_CPP_NO_REPACK, peer, gguf_path)
 
 
-def _peer_side(name: str, peer, gguf_path: pathlib.Path) -> Side:
-    reader = GGUFFile(gguf_path)
-    file_bytes = sum(reader.tensor_data(name).nbytes for name in reader.tensors)
+def _peer_side(name: str, peer, gguf_path: pathlib.Path, file_bytes: int | None = None) -> Side:
+    if file_bytes is None:
+        reader = GGUFFile(gguf_path)
+        file_bytes = sum(reader.tensor_data(name).nbytes for name in reader.tensors)
     side = Side(name, peer.load_seconds, file_bytes, peer.greedy)
     side.peer = peer
     if not peer.compares_tokens:
@@ -301,9 +311,12 @@ def _peer_side(name: str, peer, gguf_path: pathlib.Path) -> Side:
     return side
 
 
-def _llama_cpp_side(gguf_path: pathlib.Path, threads: int, context: int) -> Side | None:
-    """llama.cpp through its binding, else through llama-bench, else None (a line says why)."""
-    llama_cpp, what = llama_cpp_peer.import_llama_cpp()
+def _llama_cpp_side(
+    gguf_path: pathlib.Path, threads: int, context: int, binding: bool = True
+) -> Side | None:
+    """llama.cpp through its binding (unless not `binding`), else through llama-bench, else
+    None (a line says why)."""
+    llama_cpp, what = llama_cpp_peer.import_llama_cpp() if binding else (None, "--cpu-level")
     if llama_cpp is not None:
         _progress(f"llama.cpp: {what}")
         peer = llama_cpp_peer.LlamaCppPeer(llama_cpp, gguf_path, threads, context)
@@ -501,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     freeze_imported_objects()  # before the first load: see its docstring
     parser = _parser()
     args = parser.parse_args(argv)
+    level_line = cpu_level.enter(args.cpu_level, parser)  # runs the bench again at the level
     if args.new_tokens < 2:
         parser.error(
             f"--new-tokens={args.new_tokens} must be at least 2 (one prefill, then decode steps)"
@@ -540,9 +554,11 @@ def main(argv: list[str] | None = None) -> int:
     _progress("transformers: loading (dequantizes the whole file)")
     peers = [_transformers_side(gguf_path, engines[0].engine.config)]
     if not args.no_llama_cpp:
-        llama_cpp = _llama_cpp_side(gguf_path, args.threads, len(input_ids) + args.new_tokens + 8)
+        # --cpu-level limits the backend of the tools it starts; the binding is its own build
+        context = len(input_ids) + args.new_tokens + 8
+        llama_cpp = _llama_cpp_side(gguf_path, args.threads, context, not args.cpu_level)
         peers += [llama_cpp] if llama_cpp else []
-        no_repack = _llama_cpp_no_repack_side(gguf_path, args.threads)
+        no_repack = _llama_cpp_no_repack_side(gguf_path, args.threads, llama_cpp)
         peers += [no_repack] if no_repack else []
     for side in engines + peers:  # warm-up: caches, kernel selection, torch.compile's compilation
         start = time.perf_counter()
@@ -564,9 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     if profile_path:
         _progress(f"profiling one generation of each mode into {profile_path}")
         events = profile_engines(profile_path, engines, input_ids, args.new_tokens)
-    llama_cpp_about = {s.name: s.peer.describe() for s in peers if s.name != PEER}
+    llama_cpp_about = {s.name: s.peer.describe() for s in peers if s.name in LLAMA_CPP_SIDES}
 
     print(f"checkpoint: {gguf_path.name}  threads: {args.threads}  float32 cpu")
+    if level_line:
+        print(level_line)
     print(
         f"prompt tokens: {len(input_ids)}  new tokens: {args.new_tokens}  "
         f"fastest of {args.repeats} alternating generations"
@@ -591,12 +609,14 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "threads": args.threads,
         }
+        if args.cpu_level:  # a record of a level compares with a baseline of that level only
+            setup["cpu_level"] = args.cpu_level
         timings = {s.name: s.timings(len(input_ids), args.new_tokens) for s in sides}
         _write_json(
             json_path,
             {m.name: timings[m.name] for m in engines},
             timings[PEER],
-            {name: t for name, t in timings.items() if name in (LLAMA_CPP, LLAMA_CPP_NO_REPACK)},
+            {name: t for name, t in timings.items() if name in LLAMA_CPP_SIDES},
             setup,
             load_at_start,
             read_gb_per_s,

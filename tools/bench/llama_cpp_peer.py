@@ -33,6 +33,7 @@ Neither installed: the bench skips llama.cpp with one line saying why.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -137,6 +138,13 @@ def _run(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     return done
 
 
+def cpu_backend_path(binary: str) -> pathlib.Path | None:
+    """The file of the CPU backend `binary`'s libggml loads on this machine (`--version`), or
+    None where it names none (a static build)."""
+    found = re.findall(r"loaded CPU backend from (\S+)", _run([binary, "--version"], 30).stderr)
+    return pathlib.Path(found[-1]) if found else None
+
+
 def version_and_backend(binary: str) -> tuple[str | None, str | None]:
     """llama-bench's version and the CPU backend its libggml loads here (`--version`): the
     backend every tool of the same Debian build loads on this machine, llama-batched-bench's
@@ -175,6 +183,12 @@ class LlamaBenchPeer:
         self.load_seconds = math.nan  # not reported, not measured
         self.version, self.backend = version_and_backend(binary)
         self.build: dict[str, Any] = {}  # build_commit, build_number... of the last JSON
+
+    def without_repack(self) -> LlamaBenchPeer:
+        """The same llama-bench with `--repack 0`, without probing its version again."""
+        peer = copy.copy(self)
+        peer.repack, peer.build = False, {}
+        return peer
 
     def command(self, prompt_tokens: int, decode_steps: int) -> list[str]:
         """The llama-bench command line for one prefill of `prompt_tokens` and `decode_steps`."""

@@ -54,6 +54,7 @@ import torch
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.serving import Request, ServingEngine
+from tools.bench import cpu_level
 from tools.bench.llama_cpp_peer import LlamaBenchError, version_and_backend
 
 # Prompt words: request i takes LENGTHS[i % len(LENGTHS)] of them (mixed lengths).
@@ -90,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--server-modes", default="ggml,quantized", help="this engine's server, per mode"
     )
+    cpu_level.add_argument(parser)
     return parser
 
 
@@ -106,9 +108,8 @@ def _prompts(engine: Llama3Engine, count: int, length: int) -> list[list[int]]:
 def llama_cpp_batched(
     args: argparse.Namespace, batches: list[int], repack: bool = True
 ) -> tuple[dict[int, float], str]:
-    """llama-batched-bench's total tokens/s per batch size, and a line naming the ggml CPU
-    backend it loaded (Debian's build picks one per CPU: on a CPU with AMX, `sapphirerapids`,
-    whose batched products run on AMX tiles) or saying why there are no totals. Without
+    """llama-batched-bench's total tokens/s per batch size, and a line saying why there are
+    none, or empty. Without
     `repack` (--no-repack): the weights as the file holds them, products by the per-block dot
     products the ggml mode reproduces, not the kernels of weights repacked at load."""
     binary = shutil.which("llama-batched-bench")
@@ -127,11 +128,13 @@ def llama_cpp_batched(
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 10 and re.fullmatch(r"\d+", cells[2]):
             totals[int(cells[2])] = float(cells[9])  # B, S t/s
-    return totals, f"llama-batched-bench, {_ggml_backend() or 'backend not printed'}"
+    return totals, ""
 
 
 def _ggml_backend() -> str | None:
-    """The CPU backend Debian's ggml loads on this machine, as llama-bench names it."""
+    """The CPU backend Debian's ggml loads on this machine, as llama-bench names it (Debian's
+    build picks one per CPU: on a CPU with AMX, `sapphirerapids`, whose batched products run
+    on AMX tiles); llama-batched-bench names none unless verbose."""
     binary = shutil.which("llama-bench")
     if binary is None:
         return None
@@ -290,8 +293,9 @@ def servers(args: argparse.Namespace) -> None:
 def batched(args: argparse.Namespace, modes: list[str]) -> None:
     """The batch rows: each mode served, sequential, and llama-batched-bench."""
     batches = [int(b) for b in args.batches.split(",")]
-    totals, peer_line = llama_cpp_batched(args, batches)
+    totals, why = llama_cpp_batched(args, batches)
     plain, _ = llama_cpp_batched(args, batches, repack=False)
+    peer_line = why or f"llama-batched-bench, {_ggml_backend() or 'backend not printed'}"
     print(
         f"SmolLM2 Q4_1, {args.threads} threads, {args.prompt_tokens} prompt + "
         f"{args.new_tokens} new tokens per request; total tokens/s"
@@ -326,6 +330,9 @@ def batched(args: argparse.Namespace, modes: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    level_line = cpu_level.enter(args.cpu_level, parser)  # runs the bench again at the level
+    if level_line:
+        print(level_line)
     if not 0 <= args.clients <= len(WORDS) // 2:  # the server rows' prompts: rotations of WORDS
         parser.error(
             f"--clients={args.clients}: every client and its warm-up twin get a prompt of "
