@@ -81,7 +81,8 @@ TIGHT_POOL_SHARE = 5
 PRESSURE_COPIES = 3
 PRESSURE_WAVE_STEPS = 2  # steps between waves
 PRESSURE_EXTRA_BLOCKS = 8  # beyond the tight pool's (largest case's blocks + 2)
-PRESSURE_IN_FLIGHT = 16
+PRESSURE_IN_FLIGHT = 16  # submitted and not finished: waiting or running
+PRESSURE_RUNNING = 4  # admitted at once, holding their blocks (measured 8 on every tiny file)
 PRESSURE_MINIMUMS = {
     "evictions": 1,
     "hits on blocks a running sequence holds": 1,
@@ -154,14 +155,23 @@ def serving_engine(
     return (windowed(base, window) if window else base)(engine, **config)
 
 
+def window_positions(length: int, window: int) -> range:
+    """The positions a `window` serving computes in small chunks, of a prompt of `length`
+    positions (`windowed`): the `window` before WINDOW_END, or the last WINDOW_SHARE-th at
+    most of a prompt that ends sooner."""
+    end = min(WINDOW_END, length)
+    size = window if end == WINDOW_END else min(window, end // WINDOW_SHARE)
+    return range(max(0, end - size), end)
+
+
 def windowed(base: type[ServingEngine], window: int) -> type[ServingEngine]:
     """`base` whose prefill takes chunks of `chunk_size` only over the `window` positions
     ending at WINDOW_END (or at the prompt's end, if sooner, and then over a WINDOW_SHARE-th of
     the prompt at most): one piece up to the window, the chunks, one piece after it."""
 
     def _chunk(self, computed: int, remaining: int) -> int:
-        end = min(WINDOW_END, computed + remaining)
-        start = max(0, end - min(window, end // WINDOW_SHARE))
+        where = window_positions(computed + remaining, window)
+        start, end = where.start, where.stop
         if remaining == 1 or self.chunk_size is None:
             return base._chunk(self, computed, remaining)
         if computed < start:
@@ -299,12 +309,13 @@ def _pressure(engine, golden, requests, serving, serving_class, config) -> Serve
     else:  # the largest case's blocks and a few more: copies admitted beside running ones
         config = {**config, "num_blocks": config["num_blocks"] + PRESSURE_EXTRA_BLOCKS}
     server = serving_engine(engine, serving_class, **config)
-    results, step, in_flight = {}, 0, 0
+    results, step, in_flight, running = {}, 0, 0, 0
     while waves or server.pending:
         if waves and step % PRESSURE_WAVE_STEPS == 0:
             server.submit(waves.pop(0))
-        in_flight = max(in_flight, server.pending)
+        in_flight = max(in_flight, server.pending)  # submitted, not finished: waiting or running
         results.update(server.step())
+        running = max(running, len(server.running))  # admitted and holding their blocks
         step += 1
     _check_pool_given_back(server, list(results))
     for request in requests:  # rows a copy read from the cache: the copy's that computed them
@@ -316,6 +327,7 @@ def _pressure(engine, golden, requests, serving, serving_class, config) -> Serve
     pool = server.pool
     counters = {
         "requests in flight at once": in_flight,
+        "requests running at once": running,
         "evictions": pool.evictions,
         "hits on blocks a running sequence holds": pool.shared_hits,
         "evicted hashes looked up again": pool.refound,

@@ -391,14 +391,19 @@ def test_the_one_call_decode_step_computes_the_modules_bits(mode, fused_files, m
     assert planted != modules and _runs(engine, fused) == planted
 
 
-def _served(engine: Llama3Engine, fused) -> dict:
+def _served(engine: Llama3Engine, fused, threads: int = 1) -> dict:
     """Five requests of different lengths served together (steps of several decode rows), by
-    `fused` (None: module by module): each one's tokens and logits."""
+    `fused` (None: module by module), on `threads` threads: each one's tokens and logits."""
     engine.model.fused_decode = fused
     requests = [
         Request(f"r{i}", [1, 17, 99, 5, 42, 7][: 2 + i], max_new_tokens=6 + 2 * i) for i in range(5)
     ]
-    served = ServingEngine(engine, block_size=4).serve(requests)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        served = ServingEngine(engine, block_size=4).serve(requests)
+    finally:
+        torch.set_num_threads(before)
     return {r: (s.output.tokens, s.output.logits.numpy().tobytes()) for r, s in served.items()}
 
 
@@ -408,13 +413,17 @@ def test_a_serving_step_of_decode_rows_computes_the_modules_bits(
 ) -> None:
     """A serving step of decode rows only in one call (packed_decode_paged, ggml_decode_paged)
     against the modules' steps: the same tokens and logits, bit for bit, on every kernel build
-    (the ggml mode's the same on every build). Planted: a row's context without its first slot
-    (the kernel reads what it is given) fails the check."""
+    (the ggml mode's the same on every build), and on two threads, a task per row and KV group
+    on each (the default build). Planted: a row's context without its first slot (the kernel
+    reads what it is given) fails the check."""
     _one_call_on_every_build(mode, fused_files, monkeypatch, _served)
     for path in fused_files:
         engine = Llama3Engine.from_gguf(path, mode=mode)
         fused = engine.model.fused_decode
         modules = _served(engine, None)
+        fused.attention_work = 0  # the rows' attention tasks spread over the threads
+        assert _served(engine, fused, threads=2) == modules, (path.name, "two threads")
+        fused.attention_work = type(fused).attention_work
 
         class FirstKeyDropped(type(fused)):
             def decode_paged(self, h, cos, sin, batch):

