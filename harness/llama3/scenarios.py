@@ -5,8 +5,9 @@ engine serves them (pipelines/llama3/serving.py), held to the same goldens and t
   test_llama.
 - `batch`: all cases of a golden in one ragged batch, in their order and reversed, and split
   into two batches one after the other.
-- `chunked`: prefill in chunks of 1, 3 and 16 tokens (the long cases: 512 and 1000, and 1,
-  3 and 16 over a window of 512 positions: `windowed`), so prompts cross chunk boundaries;
+- `chunked`: prefill in chunks of 1, 3, and 5 over blocks of 4 (the long cases: 512 and 1000,
+  and 1, 3 and 16 over a window of 512 positions: `windowed`), so prompts cross chunk
+  boundaries and chunks cross block boundaries;
   all cases batched; and decode in speculative verification chunks (`spec4`: the forced
   tokens proposed 4 at a time, each decode piece 5 positions).
 - `paged`: blocks of 4 and 16 positions (long cases: 16 and 64), so cases cross block
@@ -101,7 +102,9 @@ SERVINGS = {
     "chunked": (
         Serving("chunk1", chunk_size=1),
         Serving("chunk3", chunk_size=3),
-        Serving("chunk16", chunk_size=16),
+        # chunks of 5 over blocks of 4: a chunk ends inside a block and the next one fills it
+        # (the short prompts are at most 16 ids: chunks of 16 were one piece, as `batch`)
+        Serving("chunk5-block4", block_size=4, chunk_size=5),
         # decode in verification chunks: teacher-forced, the forced tokens are the proposals
         # (all accepted), so each decode piece scores K + 1 positions at once
         Serving("spec4", speculate=4),
