@@ -22,11 +22,23 @@ _IRWIN_HALL_TERMS = 4
 _IRWIN_HALL_SCALE = math.sqrt(12.0 / _IRWIN_HALL_TERMS)
 
 
-def _splitmix64(z: np.ndarray) -> np.ndarray:
-    z = z + _GOLDEN_GAMMA
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
+# Values are made this many at a time, in place: a whole Llama 3 embedding (128256 x 256) at
+# once took 16 s in 262 MB temporaries per operation; in chunks that stay in the cache, 2 s.
+_CHUNK = 1 << 15
+_COUNTS = np.arange(_CHUNK, dtype=np.uint64)
+
+
+def _splitmix64(z: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """splitmix64's output function of z + gamma, computed in place in z (uint64)."""
+    t = np.empty_like(z) if scratch is None else scratch
+    np.add(z, _GOLDEN_GAMMA, out=z)
+    for shift, mix in ((30, _MIX1), (27, _MIX2)):
+        np.right_shift(z, np.uint64(shift), out=t)
+        np.bitwise_xor(z, t, out=z)
+        np.multiply(z, mix, out=z)
+    np.right_shift(z, np.uint64(31), out=t)
+    np.bitwise_xor(z, t, out=z)
+    return z
 
 
 def stream_key(seed: int, stream: str) -> np.uint64:
@@ -38,18 +50,31 @@ def stream_key(seed: int, stream: str) -> np.uint64:
 def uniform(seed: int, stream: str, size: int, offset: int = 0) -> np.ndarray:
     """`size` float64 values in [0, 1): element i depends only on (seed, stream, offset + i)."""
     key = _splitmix64(np.array([stream_key(seed, stream)], dtype=np.uint64))[0]
-    counters = np.arange(offset, offset + size, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        bits = _splitmix64(counters * _GOLDEN_GAMMA + key)
-    # The top 53 bits convert to float64 exactly.
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    out = np.empty(size, dtype=np.float64)
+    z = np.empty(min(size, _CHUNK), dtype=np.uint64)
+    t = np.empty_like(z)
+    for start in range(0, size, _CHUNK):
+        n = min(_CHUNK, size - start)
+        zc = z[:n]
+        np.add(_COUNTS[:n], np.uint64(offset + start), out=zc)  # the counters, wrapping
+        np.multiply(zc, _GOLDEN_GAMMA, out=zc)
+        np.add(zc, key, out=zc)
+        _splitmix64(zc, t[:n])
+        # The top 53 bits convert to float64 exactly.
+        np.right_shift(zc, np.uint64(11), out=zc)
+        np.multiply(zc, 1.0 / (1 << 53), out=out[start : start + n])
+    return out
 
 
 def normal(seed: int, stream: str, shape: tuple[int, ...], std: float = 1.0) -> np.ndarray:
     """float32 values with mean 0 and standard deviation `std`, reproducible bit for bit."""
     size = math.prod(shape)
-    total = np.zeros(size, dtype=np.float64)
-    for term in range(_IRWIN_HALL_TERMS):
-        total += uniform(seed, f"{stream}#{term}", size)
-    values = (total - _IRWIN_HALL_TERMS / 2) * (_IRWIN_HALL_SCALE * std)
-    return values.astype(np.float32).reshape(shape)
+    values = np.empty(size, dtype=np.float32)
+    scale = _IRWIN_HALL_SCALE * std
+    for start in range(0, size, _CHUNK):
+        n = min(_CHUNK, size - start)
+        total = np.zeros(n, dtype=np.float64)
+        for term in range(_IRWIN_HALL_TERMS):
+            total += uniform(seed, f"{stream}#{term}", n, offset=start)
+        values[start : start + n] = (total - _IRWIN_HALL_TERMS / 2) * scale
+    return values.reshape(shape)

@@ -19,7 +19,7 @@ QK_K = 256
 SUB_BLOCK = 32
 SUB_BLOCKS = QK_K // SUB_BLOCK
 BLOCK_BYTES = 2 + 2 + 12 + QK_K // 2  # d, dmin, scales, qs
-_CHUNK_BLOCKS = 8192  # super-blocks per pass: keeps temporaries in the tens of MB
+_CHUNK_BLOCKS = 512  # super-blocks per pass: temporaries of 512 KB, in the cache (1.7x over 8192)
 
 # The constants quantize_row_q4_K_ref passes to make_qkx2_quants.
 _NMAX = 15

@@ -192,11 +192,17 @@ def unit_rows(weight: np.ndarray) -> np.ndarray:
     settles on one token. The squared norm is summed column by column in float64, a fixed order
     of correctly rounded operations, so the result is the same on every machine.
     """
-    wide = weight.astype(np.float64)
-    squared_norm = np.zeros(wide.shape[0], dtype=np.float64)
-    for column in wide.T:
-        squared_norm += column * column
-    return (wide / np.sqrt(squared_norm)[:, None]).astype(np.float32)
+    out = np.empty(weight.shape, dtype=np.float32)
+    for start in range(0, weight.shape[0], _UNIT_ROWS_CHUNK):  # rows in the cache
+        wide = weight[start : start + _UNIT_ROWS_CHUNK].astype(np.float64)
+        squared_norm = np.zeros(wide.shape[0], dtype=np.float64)
+        for column in np.ascontiguousarray(wide.T):
+            squared_norm += column * column
+        out[start : start + _UNIT_ROWS_CHUNK] = wide / np.sqrt(squared_norm)[:, None]
+    return out
+
+
+_UNIT_ROWS_CHUNK = 2048
 
 
 def hf_weights(config: TinyLlamaConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
