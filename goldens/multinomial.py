@@ -11,6 +11,7 @@ lambda = 2 n KL(actual || expected).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 
@@ -86,11 +87,26 @@ def power(actual: Mapping[int, float], expected: Mapping[int, float], n: int, al
 def noncentral_sf(x: float, df: int, lam: float) -> float:
     """P(noncentral chi-square(df, lam) > x): the Poisson(lam / 2) mixture of central tails.
     With the expected distribution a little off the true one (lam = 2 n KL(true || expected)),
-    the test's false-alarm rate is noncentral_sf(critical(df, alpha), df, lam)."""
-    weight, total, j = math.exp(-lam / 2), 0.0, 0
-    while True:
-        total += weight * chi2_sf(x, df + 2 * j)
-        j += 1
-        weight *= (lam / 2) / j
-        if j > lam / 2 + 10 and weight < 1e-18:
-            return total
+    the test's false-alarm rate is noncentral_sf(critical(df, alpha), df, lam).
+
+    The Poisson weights are taken in log space, from the most likely term outwards, until
+    they are negligible: exp(-lam / 2) itself underflows to 0 from lam ~ 1490, where a
+    product of weights started there made every weight 0 and the rate 0 (a sampler check
+    far off its golden then read as no false alarm at all)."""
+    if lam <= 0:
+        return chi2_sf(x, df)
+    mu = lam / 2
+    mode = math.floor(mu)
+
+    def term(j: int) -> tuple[float, float]:  # (Poisson weight of j, its share of the tail)
+        weight = math.exp(-mu + j * math.log(mu) - math.lgamma(j + 1))
+        return weight, weight * chi2_sf(x, df + 2 * j)
+
+    total = 0.0
+    for steps in (itertools.count(mode), range(mode - 1, -1, -1)):  # up from the mode, down
+        for j in steps:
+            weight, share = term(j)
+            total += share
+            if weight < 1e-18 and abs(j - mode) > 10:
+                break
+    return min(1.0, max(0.0, total))

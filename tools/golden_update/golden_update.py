@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 from goldens import schema
 from goldens.artifacts import archive
 from goldens.artifacts.store_options import add_store_arguments, store_from_args
-from goldens.cli_files import OneLineParser, repo_root, user_path
+from goldens.cli_files import OneLineParser, output_directory, repo_root, user_path
 from goldens.diff import (
     OWN_NAME,
     TORCH_NAME,
@@ -209,11 +208,28 @@ def _update(args: argparse.Namespace, regenerate: Regenerate) -> int:
 
 
 def _pending_folder(args: argparse.Namespace) -> Path:
+    """The pending folder, emptied of an earlier run's goldens. A folder holding anything
+    else is refused, untouched: --pending-dir may name any folder (`.` is the checkout)."""
     pending = user_path(args.pending_dir) if args.pending_dir else repo_root() / PENDING
-    if pending.exists():
-        shutil.rmtree(pending)
-    pending.mkdir(parents=True)
+    output_directory(pending, "--pending-dir")
+    others = sorted(p.name for p in pending.iterdir() if not _is_pending_golden(p))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise InputError(
+            f"--pending-dir={pending} holds {shown}: golden_update empties its pending folder "
+            f"of an earlier run's *{GOLDEN_SUFFIX} files and nothing else; name an empty or "
+            f"new folder (default: REPO/{PENDING})"
+        )
+    for stale in pending.iterdir():
+        stale.unlink()
     return pending
+
+
+GOLDEN_SUFFIX = "_golden.json"
+
+
+def _is_pending_golden(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink() and path.name.endswith(GOLDEN_SUFFIX)
 
 
 def _pending_set(inputs: Inputs, pending: Path) -> GoldenSet:

@@ -243,6 +243,28 @@ def test_a_pending_folder_never_holds_a_previous_run(repo: Path) -> None:
     assert not (stale / "tinyllama_bfloat16_all_golden.json").exists()
 
 
+def test_a_pending_dir_holding_anything_else_is_refused_and_left_as_it_was(
+    repo: Path, tmp_path: Path, capsys
+) -> None:
+    """--pending-dir may name any folder (under `bazel run`, `.` is the user's checkout): one
+    holding files other than goldens, or a plain file, exits 2 naming the flag, untouched."""
+    flags = [flag for flag in _flags(repo) if not flag.startswith("--pending-dir")]
+    regenerate = _regenerating(BASE)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "precious.txt").write_text("keep")
+    (mine / "old_golden.json").write_text("{}")
+    assert golden_update.main(["--dry-run", f"--pending-dir={mine}", *flags], regenerate) == 2
+    assert f"--pending-dir={mine} holds precious.txt: " in capsys.readouterr().err
+    assert sorted(p.name for p in mine.iterdir()) == ["old_golden.json", "precious.txt"]
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep")
+    assert golden_update.main(["--dry-run", f"--pending-dir={a_file}", *flags], regenerate) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert a_file.read_text() == "keep"
+    assert regenerate.calls == []
+
+
 def test_a_reverted_change_pins_the_earlier_version_again_and_publishes_nothing(repo: Path) -> None:
     assert (
         golden_update.main(["--accept", "--no-test", *_flags(repo)], _regenerating(_moved())) == 0

@@ -1,0 +1,48 @@
+"""The noncentral chi-square tail behind every sampler check's stated false-alarm rate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from goldens import multinomial
+
+ALPHA = 1e-6
+
+
+@pytest.mark.parametrize("df", [1, 9, 19])
+def test_the_false_alarm_rate_is_alpha_at_no_distance_and_grows_to_one(df: int) -> None:
+    """Exactly what the sampler checks state: alpha when the engine's distribution is the
+    golden's, rising with the distance, 1 far off. The product of Poisson weights started at
+    exp(-lam / 2) underflowed from lam ~ 1490: 1.0026 at 1480, then 0 (planted: that sum)."""
+    x = multinomial.critical(df, ALPHA)
+    assert multinomial.noncentral_sf(x, df, 0.0) == pytest.approx(ALPHA, rel=1e-6)
+    lams = [0.0, 1e-3, 0.5, 10.0, 100.0, 1e3, 1480.0, 1500.0, 2000.0, 1e4, 1e5]
+    rates = [multinomial.noncentral_sf(x, df, lam) for lam in lams]
+    assert all(0.0 <= rate <= 1.0 for rate in rates), rates
+    # non-decreasing (to the series' 1e-12 truncation), and all but 1 from lam 1,480 on
+    assert all(b >= a - 1e-12 for a, b in zip(rates, rates[1:], strict=False)), rates
+    assert min(rates[-5:]) > 1 - 1e-9, rates
+
+
+@pytest.mark.parametrize(("df", "lam"), [(1, 10.0), (9, 10.0), (9, 40.0), (19, 60.0)])
+def test_the_tail_matches_seeded_noncentral_draws(df: int, lam: float) -> None:
+    """Against numpy's noncentral chi-square draws (seeded): within 5 binomial standard
+    errors at a threshold the tail puts between a few percent and most of the mass."""
+    x = multinomial.critical(df, 1e-2)
+    draws = np.random.default_rng(0).noncentral_chisquare(df, lam, 200_000)
+    seen = float((draws > x).mean())
+    expected = multinomial.noncentral_sf(x, df, lam)
+    assert abs(seen - expected) <= 5 * np.sqrt(expected * (1 - expected) / draws.size), (
+        seen,
+        expected,
+    )
+
+
+def test_a_sampler_far_from_its_golden_is_inconclusive_not_a_clean_verdict() -> None:
+    """2,000 draws of an engine whose own distribution is 0.5 nats from the golden's: the
+    false-alarm rate is 1 (harness/llama3/sampler_check.py reads more than 10 alpha as
+    INCONCLUSIVE); the underflowing sum gave 0, a clean PASS or FAIL."""
+    df = 9
+    rate = multinomial.noncentral_sf(multinomial.critical(df, ALPHA), df, 2 * 2000 * 0.5)
+    assert rate > 10 * ALPHA
