@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -21,7 +23,7 @@ def test_the_false_alarm_rate_is_alpha_at_no_distance_and_grows_to_one(df: int) 
     rates = [multinomial.noncentral_sf(x, df, lam) for lam in lams]
     assert all(0.0 <= rate <= 1.0 for rate in rates), rates
     # non-decreasing (to the series' 1e-12 truncation), and all but 1 from lam 1,480 on
-    assert all(b >= a - 1e-12 for a, b in zip(rates, rates[1:], strict=False)), rates
+    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(rates)), rates
     assert min(rates[-5:]) > 1 - 1e-9, rates
 
 
