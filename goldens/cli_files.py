@@ -21,7 +21,7 @@ import argparse
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -58,6 +58,31 @@ def output_directory(path: Path, flag: str) -> Path:
         raise PathError(
             f"{flag}={path} cannot be created ({reason}); name a folder you can write"
         ) from error
+    return path
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse `type`: a whole number of at least `least` (--threads=0 would otherwise
+    reach torch.set_num_threads and stop in a traceback)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value}: give at least {least}")
+        return value
+
+    parse.__name__ = f"whole number >= {least}"
+    return parse
+
+
+def output_file(path: Path, flag: str) -> Path:
+    """`path` as a file a command writes: not a folder; its folder created when missing."""
+    if path.is_dir():
+        raise PathError(f"{flag}={path} is a directory; name the file to write")
+    output_directory(path.parent, flag)
     return path
 
 

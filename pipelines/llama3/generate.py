@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device={args.device}: this torch has no CUDA device; use --device=cpu")
+    if args.threads is not None and args.threads < 0:
+        parser.error(f"--threads={args.threads}: give at least 1 (or 0: torch's default)")
     if args.threads:
         torch.set_num_threads(args.threads)
     sampling = _sampling(args, parser)

@@ -45,7 +45,13 @@ from goldens.artifacts.store_options import (
     local_store_from_args,
     store_from_args,
 )
-from goldens.cli_files import OneLineParser, repo_root, user_path, write_atomically
+from goldens.cli_files import (
+    OneLineParser,
+    output_directory,
+    repo_root,
+    user_path,
+    write_atomically,
+)
 
 COMMANDS = ("upload", "fetch", "add", "distdir", "verify")
 
@@ -199,9 +205,11 @@ def stored_with_same_files(store: Store, name: str, version: int, data: bytes) -
 def _fetch(args: argparse.Namespace) -> int:
     name = check_name(args.name)
     pin = _pinned(args, name)
-    members = archive.unpack_members(download_pinned(store_from_args(args), pin))
     output_dir = user_path(args.output_dir or name)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if output_dir.exists() and not output_dir.is_dir():  # refused before the download
+        output_directory(output_dir, "--output-dir")
+    members = archive.unpack_members(download_pinned(store_from_args(args), pin))
+    output_directory(output_dir, "--output-dir")  # created once the archive checks out
     for member, content in sorted(members.items()):
         write_atomically(output_dir / member, content)
         print(output_dir / member)
@@ -300,8 +308,10 @@ def _publish_and_pin(
     args: argparse.Namespace, store: Store, name: str, version: int, data: bytes, module_file: Path
 ) -> int:
     if args.update_module:
-        # A MODULE.bazel the rewrite cannot handle must stop us before anything is published.
+        # A MODULE.bazel the rewrite cannot handle, or a distdir fragment that cannot be
+        # written, must stop us before anything is published.
         stanza.set_pin(module_file.read_text(encoding="utf-8"), GoldenPin(name, "0" * 64, "x"))
+        _writable_file(_bazelrc_path(args), "--distdir-bazelrc")
     result = publish(store, name, version, data)
     pin = GoldenPin(name, result.ref.sha256, result.url)
     if isinstance(store, S3Store):
@@ -376,6 +386,14 @@ def _bazelrc_path(args: argparse.Namespace) -> Path:
     if args.distdir_bazelrc:
         return user_path(args.distdir_bazelrc)
     return repo_root() / distdir.BAZELRC_PATH
+
+
+def _writable_file(path: Path, flag: str) -> None:
+    """`path` can be written as a file: its folder exists and it is not a folder itself."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; name the file to write")
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {path}: its folder {path.parent} does not exist; create it")
 
 
 def _existing_file(name: str) -> Path:

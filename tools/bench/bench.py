@@ -54,7 +54,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import torch
 
-from goldens.cli_files import user_path
+from goldens.cli_files import at_least, user_path
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import CheckpointError, Llama3Engine, LlamaConfig, profiling
 from pipelines.llama3.engine import MODES, freeze_imported_objects
@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=at_least(1), default=2)
     parser.add_argument(
         "--repeats", type=int, default=3, help="alternating generations; the fastest counts"
     )

@@ -31,7 +31,7 @@ import time
 import jsonschema
 import torch
 
-from goldens.cli_files import write_atomically
+from goldens.cli_files import at_least, write_atomically
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, constrained
 from pipelines.llama3.constrained import Constraint
@@ -223,7 +223,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--new-tokens", type=int, default=64, help="decoded per run")
     parser.add_argument("--mask-steps", type=int, default=24, help="steps per case timed")
-    parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
+    parser.add_argument(
+        "--threads", type=at_least(1), default=2, help="torch and llama.cpp threads"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest kept")
     parser.add_argument(
         "--no-llama-server", action="store_true", help="only this engine's rows (no peer)"

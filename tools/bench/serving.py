@@ -51,6 +51,7 @@ import urllib.parse
 
 import torch
 
+from goldens.cli_files import at_least
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3.serving import Request, ServingEngine
@@ -81,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", default="1,4,16", help="requests per batch")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=16, help="generated per request")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    parser.add_argument("--threads", type=at_least(1), default=2, help="torch threads (default: 2)")
     parser.add_argument(
         "--clients",
         type=int,

@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from goldens.cli_files import write_atomically
+from goldens.cli_files import at_least, write_atomically
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, speculative
 from pipelines.llama3.gguf_file import CheckpointError
@@ -103,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
         help="a draft checkpoint as the model draft of both sides instead of the self-draft "
         "(//tools/gen_tiny_model:write_draft writes one; llama-server's --model-draft)",
     )
-    parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
+    parser.add_argument(
+        "--threads", type=at_least(1), default=2, help="torch and llama.cpp threads"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest kept")
     parser.add_argument(
         "--no-llama-server", action="store_true", help="only this engine's rows (no peer)"

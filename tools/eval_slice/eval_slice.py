@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from goldens.cli_files import OneLineParser, user_path, write_atomically
+from goldens.cli_files import OneLineParser, at_least, user_path, write_atomically
 from goldens.locate import cache_root
 from goldens.record import file_sha256
 from pipelines.checkpoints import smollm2_gguf
@@ -366,7 +366,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--modes", default="eager,ggml", help="engine modes for the quantized members"
     )
-    parser.add_argument("--threads", type=int, default=2, help="threads, engine and llama.cpp")
+    parser.add_argument(
+        "--threads", type=at_least(1), default=2, help="threads, engine and llama.cpp"
+    )
     parser.add_argument("--cache", help="folder for the family's files (default: a cache folder)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="the engine's rows only")
     parser.add_argument("--write-golden", metavar="FILE", help="write the engine's figures")
@@ -415,6 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.n_ctx < 4:
         parser.error(f"--n-ctx={args.n_ctx}: give at least 4")
     for option, value in (("--write-golden", args.write_golden), ("--json", args.json)):
+        if value and user_path(value).is_dir():
+            parser.error(f"{option}={value}: {user_path(value)} is a folder; name a file")
         if value and not user_path(value).parent.is_dir():
             parser.error(f"{option}={value}: {user_path(value).parent} is not a folder")
     golden = _golden(args.check, parser) if args.check else None

@@ -44,7 +44,7 @@ from goldens.artifacts.store_options import (
     add_store_arguments,
     store_from_args,
 )
-from goldens.cli_files import OneLineParser, output_directory, repo_root, user_path
+from goldens.cli_files import OneLineParser, output_file, repo_root, user_path
 from goldens.diff import OWN_NAME, TORCH_NAME, diff_sets, worst_class
 from goldens.report import write_report
 from tools.golden_diff.inputs import (
@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         inputs = inputs_from(args)
         html = user_path(args.html) if args.html else None
         if html is not None:
-            output_directory(html.parent, "--html")
+            output_file(html, "--html")
         before = load_input(inputs, args.before, "--from")
         after = load_input(inputs, args.after, "--to").over(before)
     except ValueError as error:  # InputError, PathError, a MODULE.bazel stanza.parse refuses

@@ -55,9 +55,18 @@ def stored_archives(store: LocalStore) -> list[ArchiveRef]:
 
 
 def pinned_in_history(repository: Path) -> set[str] | None:
-    """Every sha256 MODULE.bazel has pinned in any commit; None outside a git checkout."""
+    """Every sha256 MODULE.bazel has pinned in any commit of any branch; None outside a git
+    checkout, and in a shallow clone (its history is cut: an older pin would read as none)."""
+    shallow = subprocess.run(
+        ["git", "-C", str(repository), "rev-parse", "--is-shallow-repository"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        return None
     done = subprocess.run(
-        ["git", "-C", str(repository), "log", "-p", "--format=", "--", "MODULE.bazel"],
+        ["git", "-C", str(repository), "log", "--all", "-p", "--format=", "--", "MODULE.bazel"],
         capture_output=True,
         text=True,
         check=False,
@@ -168,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unpinned = [ref for ref in stored_archives(store) if ref.sha256 not in pinned_now]
     for ref in unpinned:
         if history is None:
-            state = "no git history to tell whether a commit pinned it"
+            state = "no whole git history to tell whether a commit pinned it"
         elif ref.sha256 in history:
             state = "kept: an earlier commit pins it"
         else:
@@ -184,7 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unread: {problem}")
     if args.delete:
         if history is None:
-            print("golden_unreferenced: error: --delete needs the git history", file=sys.stderr)
+            print(
+                f"golden_unreferenced: error: --delete needs the whole git history of "
+                f"{repository} (not a git checkout, or a shallow clone: git fetch --unshallow)",
+                file=sys.stderr,
+            )
             return 2
         for ref in unpinned:
             if ref.sha256 not in history:

@@ -117,6 +117,33 @@ def test_bad_usage_is_one_line_exit_2_and_publishes_nothing(
     assert (scratch_repo / "MODULE.bazel").read_text() == SAMPLE_MODULE
 
 
+@pytest.mark.parametrize("where", ["no/such/folder/d.bazelrc", "third_party"])
+def test_a_distdir_fragment_that_cannot_be_written_is_exit_2_before_publishing(
+    where: str, scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--update-module writes MODULE.bazel, then the distdir fragment: a fragment path in a
+    missing folder, or a folder, stops it before anything is published or pinned."""
+    flags = [*_repo_flags(scratch_repo), f"--distdir-bazelrc={scratch_repo / where}"]
+    code, out, err = _run(capsys, "g", "1", str(goldens[0]), *flags, "--update-module")
+    assert code == 2 and out == "", err
+    assert err.splitlines()[-1].startswith(f"error: --distdir-bazelrc {scratch_repo / where}"), err
+    assert _store_files(scratch_repo) == []
+    assert (scratch_repo / "MODULE.bazel").read_text() == SAMPLE_MODULE
+
+
+def test_fetch_into_a_file_is_exit_2_naming_the_flag(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = scratch_repo / "notes.txt"
+    a_file.write_text("keep")
+    flags = _repo_flags(scratch_repo)
+    assert _run(capsys, "g", "1", str(goldens[0]), *flags, "--update-module")[0] == 0
+    code, _, err = _run(capsys, "fetch", "g", f"--output-dir={a_file}", *flags)
+    assert code == 2
+    assert f"--output-dir={a_file} exists and is not a directory" in err
+    assert a_file.read_text() == "keep"
+
+
 def test_a_module_file_that_does_not_parse_is_exit_2_before_publishing(
     scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

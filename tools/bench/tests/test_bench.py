@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tools.bench import bench, serving
+from tools.bench import bench, constrained, serving, speculative
 
 PROMPT, NEW = 10, 11  # 10 decode steps: decode tok/s = 10 / decode seconds
 
@@ -131,6 +131,17 @@ def test_the_sampled_decode_section_names_each_side_and_its_ratios():
 def test_a_bad_sampler_is_refused_naming_it(text, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         bench.settings_from_text(text)
+
+
+@pytest.mark.parametrize("threads", ["0", "-1", "two"])
+@pytest.mark.parametrize("tool", ["bench", "serving", "speculative", "constrained"])
+def test_a_thread_count_below_one_exits_2_naming_the_flag(tool, threads, capsys) -> None:
+    """Before anything loads (torch.set_num_threads(0) stops in a traceback)."""
+    main = {"bench": bench, "serving": serving, "speculative": speculative}.get(tool, constrained)
+    with pytest.raises(SystemExit) as exit_info:
+        main.main([f"--threads={threads}"])
+    assert exit_info.value.code == 2
+    assert "argument --threads: " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("clients", [-1, 23])

@@ -138,6 +138,8 @@ def test_a_golden_from_another_setup_is_refused(run, golden) -> None:
         (["--check=/nonexistent.json"], "--check=/nonexistent.json: [Errno 2]"),
         ([f"--check={eval_slice.TEXT}"], f"--check={eval_slice.TEXT}: Expecting value"),
         (["--json=/nonexistent/rows.json"], "--json=/nonexistent/rows.json: /nonexistent is not"),
+        (["--write-golden=/tmp"], "--write-golden=/tmp: /tmp is a folder; name a file"),
+        (["--threads=0"], "argument --threads: 0: give at least 1"),
     ],
 )
 def test_bad_input_exits_2_naming_it(argv, says, tmp_path) -> None:

@@ -466,6 +466,18 @@ def _sha_from_module(repo: Path) -> str:
     return stanza.parse((repo / "MODULE.bazel").read_text(encoding="utf-8"))[OWN].sha256
 
 
+def test_an_html_path_that_is_a_folder_exits_2_before_the_review(
+    capsys, base: Path, tmp_path: Path
+) -> None:
+    """--html names the file to write: a folder there exits 2 before anything is printed (it
+    printed the review, then stopped in a traceback renaming its page over the folder)."""
+    _write(tmp_path / "new", {FLOAT32: _golden(BASE), Q4_K: _golden(BASE)})
+    (tmp_path / "out").mkdir()
+    code, out, err = _run(capsys, OWN, f"--from={base}", "--to=new", "--html=out")
+    assert code == 2 and out == ""
+    assert f"--html={tmp_path / 'out'} is a directory; name the file to write" in err
+
+
 def test_help_has_examples(capsys) -> None:
     code, out, _ = _run(capsys, "--help")
     assert code == 0

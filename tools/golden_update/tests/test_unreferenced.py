@@ -100,3 +100,12 @@ def test_delete_removes_only_versions_no_commit_ever_pinned(tmp_path: Path, caps
     assert versions == ["1", "2"]
     (kept,) = (repo / "artifacts" / "g" / "1").rglob("*.tar.gz")
     assert archive.sha256_hex(kept.read_bytes()) in kept.parent.name
+    # A shallow clone holds only the last commit's pin: version 1 would read as never
+    # pinned. --delete refuses (exit 2) and deletes nothing.
+    shallow = tmp_path / "shallow"
+    _git(tmp_path, "clone", "-q", "--depth", "1", f"file://{repo}", str(shallow))
+    module = f"--module-file={shallow / 'MODULE.bazel'}"
+    flags = [f"--artifacts-dir={shallow / 'artifacts'}", module, f"--repository={shallow}"]
+    assert unreferenced.main([*flags, "--delete"]) == 2
+    assert "a shallow clone: git fetch --unshallow" in capsys.readouterr().err
+    assert sorted(p.name for p in (shallow / "artifacts" / "g").iterdir()) == ["1", "2"]
