@@ -940,6 +940,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--max-body", args.max_body, 1),
         ("--port", args.port, 0),
         ("--speculate", args.speculate, 0),
+        ("--threads", args.threads, 0),  # 0: torch's default
     ):
         if value < least:
             parser.error(f"{flag}={value} must be at least {least}")
@@ -949,8 +950,6 @@ def main(argv: list[str] | None = None) -> int:
     gguf = pathlib.Path(base, os.path.expanduser(args.gguf))
     if not gguf.is_file():
         parser.error(f"--gguf={args.gguf}: no such file ({gguf})")
-    if args.threads < 0:
-        parser.error(f"--threads={args.threads}: give at least 1 (or 0: torch's default)")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading {gguf} ({args.mode}, {args.dtype})", file=sys.stderr)

@@ -22,7 +22,7 @@ import subprocess
 import gguf
 import pytest
 
-from pipelines.llama3 import Llama3Engine, generate, profiling
+from pipelines.llama3 import Llama3Engine, generate, profiling, server
 from pipelines.llama3.serving import Request, ServingEngine
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
@@ -116,6 +116,16 @@ def test_without_a_trace_a_region_records_nothing(checkpoints, tmp_path) -> None
     with profiling.trace(tmp_path / "t.json"):
         assert profiling.region("q4_gemm") is not profiling.region("decode step")
     assert profiling.region("q4_gemm") is profiling.region("decode step")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_negative_thread_count_exits_2_before_loading(command, capsys) -> None:
+    main, argv = (generate.main, ["--prompt=x"]) if command == "generate" else (server.main, [])
+    with pytest.raises(SystemExit) as exit_:
+        main(["--gguf=/nonexistent.gguf", *argv, "--threads=-1"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "--threads=-1" in error and "loading" not in error
 
 
 @pytest.mark.parametrize(
