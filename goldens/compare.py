@@ -275,7 +275,8 @@ def _full_evidence(gstep: Step, row: np.ndarray) -> tuple[np.ndarray, np.ndarray
     # exponentials for the tail.
     wide = row.astype(np.float64)
     peak = wide.max()
-    mass = np.exp(wide - peak)  # each id's probability, times `total`
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, failed as nonfinite (_check_step)
+        mass = np.exp(wide - peak)  # each id's probability, times `total`
     total = float(mass.sum())
     run_lp = wide[ids] - (peak + math.log(total))
     k = len(ids)
@@ -334,7 +335,13 @@ def _check_step(i: int, gstep: Step, token: int, row: Row, tol: Tolerance) -> St
     max_diff = float(diffs.max())
 
     metric, detail = "", ""
-    if max_diff > tol.logprob_atol:
+    if math.isnan(max_diff) or math.isnan(kl):  # NaN compares as within every bound
+        metric = "nonfinite"
+        detail = (
+            "the run's log-probabilities hold NaN (a NaN or +inf logit): nothing it says can "
+            "be compared"
+        )
+    elif max_diff > tol.logprob_atol:
         j = int(np.argmax(diffs))
         metric = "logprob"
         run_text = f"{run_lp[j]:.5g}" if known[j] else f"at most {run_lp[j]:.5g} (not in its top-k)"

@@ -78,6 +78,32 @@ def test_logprob_drift_beyond_atol_fails_at_that_step_and_later_steps_are_still_
     assert report.first_failing.max_logprob_diff == pytest.approx(1e-3, rel=1e-2)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_nan_or_infinite_logit_at_the_goldens_token_fails_that_step(bad):
+    """A NaN or +inf logit makes the row's log-probabilities NaN, which compare as within
+    every bound; argmax still picks the golden's token. It passed (planted: the comparison
+    without its NaN check); now it fails, named, and the steps around it still pass."""
+    logits = _logits()
+    case, tokens = _case(logits)
+    broken = logits.copy()
+    broken[2, tokens[2]] = bad
+    report = compare.compare_case(case, [1, 2, 3], tokens, broken, TOL)
+    assert [(s.step, s.status) for s in report.steps if s.status != compare.PASS] == [
+        (2, compare.FAIL)
+    ]
+    assert report.first_failing.metric == "nonfinite"
+
+
+def test_a_server_row_of_nan_log_probabilities_fails_that_step():
+    logits = _logits()
+    case, tokens = _case(logits)
+    rows = [compare.TopLogprobs.from_logits(row, 20) for row in logits]
+    rows[2] = compare.TopLogprobs(rows[2].ids, (math.nan,) * len(rows[2].ids))
+    report = compare.compare_case(case, [1, 2, 3], tokens, rows, TOL)
+    assert report.status == compare.FAIL
+    assert (report.first_failing.step, report.first_failing.metric) == (2, "nonfinite")
+
+
 def test_drift_within_tolerance_passes():
     logits = _logits()
     case, tokens = _case(logits)
