@@ -5,8 +5,9 @@ the absolute numbers wander with whatever else runs, while both sides of a ratio
 in the same process, their generations alternating, and so see much the same load. Each ratio
 (per engine mode and metric) has a noise band measured when the baseline was made; a change
 beyond the band in the bad direction is a REGRESSION, beyond it in the good direction
-"improved", else "ok". Load is in seconds (lower is better), prefill and decode in tokens/s
-(higher is better). A record's other peers (llama.cpp, whose load is null when llama-bench
+"improved", else "ok", each measured as a growth (a throughput ratio halved is 100% slower,
+as a time doubled is: `verdict`). Load is in seconds (lower is better), prefill and decode in
+tokens/s (higher is better). A record's other peers (llama.cpp, whose load is null when llama-bench
 measured it) and its `peer_versions` are kept for people, never compared.
 
 A baseline is made from several bench runs on one machine (`--write-baseline OUT RUN...`):
@@ -164,11 +165,18 @@ class Row:
 
 
 def verdict(change: float, band: float, lower_is_better: bool) -> str:
-    """ok inside the band; outside it, REGRESSION or improved depending on the direction."""
-    worse = change if lower_is_better else -change
-    if worse > band:
+    """ok inside the band; outside it, REGRESSION or improved depending on the direction.
+
+    Each direction is judged as a growth: a slowdown by how much longer things take, a
+    speedup by how much faster. A throughput ratio (higher is better) that halves is +100%
+    slower, as a time that doubles is; judged as its -50% change it stayed inside any band
+    above 0.5, and no slowdown at all could leave a band of 1 or more."""
+    ratio = 1.0 + change  # record / baseline
+    slower = ratio - 1.0 if lower_is_better else 1.0 / ratio - 1.0
+    faster = 1.0 / ratio - 1.0 if lower_is_better else ratio - 1.0
+    if slower > band:
         return "REGRESSION"
-    if worse < -band:
+    if faster > band:
         return "improved"
     return "ok"
 

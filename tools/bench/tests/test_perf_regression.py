@@ -111,11 +111,14 @@ def test_an_improvement_is_not_a_regression(baseline, tmp_path, capsys, metric):
 @pytest.mark.parametrize(
     ("metric", "change", "verdict"),
     [
-        ("decode", -0.10, "ok"),
-        ("decode", -0.11, "REGRESSION"),
+        ("decode", -0.09, "ok"),  # 9.9% slower: tokens/s 0.91x, each token 1.099x the time
+        ("decode", -0.10, "REGRESSION"),  # 11.1% slower
+        ("decode", +0.09, "ok"),
         ("decode", +0.11, "improved"),
+        ("load", +0.09, "ok"),
         ("load", +0.11, "REGRESSION"),
-        ("load", -0.11, "improved"),
+        ("load", -0.09, "ok"),
+        ("load", -0.10, "improved"),  # 11.1% faster
     ],
 )
 def test_verdict_direction_and_band_edge(metric, change, verdict):
@@ -432,3 +435,22 @@ def test_the_committed_hot_ops_baseline_is_readable_and_consistent():
         for metric, band in metrics.items():
             spread = noise["spread"][group][metric]
             assert band == pytest.approx(max(spread * noise["safety_factor"], noise["floor"]))
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("baseline.json", perf_regression.BENCH), ("hot_ops_baseline.json", perf_regression.HOT_OPS)],
+)
+def test_every_committed_band_lets_no_slowdown_past_it(name, kind):
+    """Every row of the committed baselines, made slower by 1% more than its band (a
+    throughput ratio divided, a time multiplied), is a REGRESSION. Judged as the ratio's
+    relative change, a throughput halved was -50%: inside the quantized rows' bands (0.54,
+    0.74) and any band of 1 or more (planted: that judgement)."""
+    path = COMMITTED_BASELINE.parent / name
+    data = _read(path)
+    for group, metrics in data["band"].items():
+        for metric, band in metrics.items():
+            lower = kind.lower(metric)
+            slower = (1 + band) * 1.01
+            change = slower - 1 if lower else 1 / slower - 1
+            assert perf_regression.verdict(change, band, lower) == "REGRESSION", (group, metric)
