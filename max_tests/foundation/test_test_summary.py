@@ -81,3 +81,17 @@ def test_a_sharded_target_counts_once(tmp_path):
     assert test_summary.summarize(tmp_path)["passed"] == 4  # no merge: the shards count
     (target / "test.xml").write_text(XML)
     assert test_summary.summarize(tmp_path)["passed"] == 2
+
+
+LANES = Path("max_tests/integration/architectures/llama3")
+
+
+def test_every_lane_that_counts_golden_checks_counts_its_ambiguous_steps_too() -> None:
+    """README: ambiguous steps are counted in .ci/run's closing line. A lane recording only
+    `golden_checks` (the serving and speculation lanes did) let its near-tie flips read as
+    "0 ambiguous steps"."""
+    sources = sorted(LANES.glob("*.py"))
+    counting = [p for p in sources if 'record_property("golden_checks"' in p.read_text()]
+    assert len(counting) >= 4, [p.name for p in counting]
+    silent = [p.name for p in counting if 'record_property("ambiguous_steps"' not in p.read_text()]
+    assert silent == []

@@ -121,7 +121,8 @@ def test_llama(
     record_property("model_seconds", round(model_seconds, 4))
     # .ci/run adds these up from the JUnit XML into its closing line, and names the three
     # entries closest to their thresholds (bazel/test_summary.py).
-    record_property("ambiguous_steps", sum(v.ambiguous_steps for v in verdicts))
+    ambiguous = sum(v.ambiguous_steps for v in verdicts) + restricted.ambiguous_steps
+    record_property("ambiguous_steps", ambiguous + restricted.ambiguous_greedy)
     checks = sum(v.steps + v.prompt_positions for v in verdicts) + sampled.checks
     checks += restricted.checks
     record_property("golden_checks", checks)

@@ -192,6 +192,8 @@ def test_llama_sampling(variant: Variant, mode: str, goldens, record_property) -
         failures += report.failures + restricted.failures
     checks = sum(r.checks + c.checks for r, c in reports.values())
     record_property("golden_checks", checks)
+    ambiguous = sum(c.ambiguous_steps + c.ambiguous_greedy for _, c in reports.values())
+    record_property("ambiguous_steps", ambiguous)
     if differing:
         failures.append(
             f"the seeded continuations of the {mode} mode differ across serving paths:\n  "

@@ -255,6 +255,7 @@ def test_llama_serving(
                     )
                 record_property("invariance", f"{serving.name}|{reference}|{delta:.6g}")
                 record_property("golden_checks", verdict.steps + verdict.prompt_positions)
+                record_property("ambiguous_steps", verdict.ambiguous_steps)
                 failures += lane_counters(serving, served)
                 one_row = serving.chunk_size == 1
                 failures += not_bitwise(mode, variant.encoding, scenario, case_lane, delta, one_row)

@@ -122,6 +122,7 @@ def test_free_running_speculation_with_each_draft_passes_the_goldens(
             status = "FAIL" if verdict.failures else "PASS"
             lines.append(f"  {name} k={k}: {status}; {accepted}/{proposed} proposals accepted")
             record_property("golden_checks", verdict.steps + verdict.prompt_positions)
+            record_property("ambiguous_steps", verdict.ambiguous_steps)
             failures += [f"{name} k={k}: {f}" for f in verdict.failures]
     print(f"\n{variant.test_id} {mode}, free-running with each draft:\n" + "\n".join(lines))
     assert not failures, "\n".join(failures)
