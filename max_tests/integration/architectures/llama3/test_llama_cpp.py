@@ -128,6 +128,28 @@ def test_every_checkpoint_mutation_fails_llama_cpp_and_this_engine(mutation, gol
             )
 
 
+@pytest.mark.parametrize("mutation", checkpoint_mutations.MUTATIONS, ids=lambda m: m.name)
+def test_every_checkpoint_mutation_fails_llama_cpp_on_the_ggml_goldens(mutation, goldens) -> None:
+    """ggml/q4_k/llama_cpp judges llama-server by the ggml mode's goldens: each checkpoint
+    edit of the Q4_K file fails it on the cases the entry judges, by at least the entry's
+    mutation floor (measured on the ggml mode: this proves it on llama-server itself)."""
+    variant = TINY["q4_k"]
+    golden, name = goldens.load("ggml", variant)
+    tol = tolerance("ggml", "q4_k", "llama_cpp")
+    with tempfile.TemporaryDirectory() as folder:
+        copy = checkpoint_mutations.mutated_copy(variant.path, mutation, folder)
+        mutated = dataclasses.replace(variant, path=copy)
+        with _served(copy) as engine:
+            verdict = judge_engine(engine, golden, name, "ggml", tol, mutated, "short")
+    print(f"{mutation.name} ({mutation.what}), llama.cpp vs the ggml golden: {verdict.summary()}")
+    assert verdict.failures, f"llama.cpp passes {mutation.what}: {verdict.summary()}"
+    floor = tol.mutation_floor
+    assert verdict.max_logprob_diff >= floor.logprob * 0.999, (
+        f"{mutation.name} moved llama.cpp by {verdict.max_logprob_diff:.3g}, under the entry's "
+        f"mutation floor {floor.logprob:g} ({floor.measured}): measure again"
+    )
+
+
 @pytest.mark.parametrize("encoding", ["bfloat16", "q4_k", "nvfp4"])
 def test_llama_cpp_differs_by_design_where_its_entry_says_so(encoding, goldens) -> None:
     variant = TINY[encoding]
