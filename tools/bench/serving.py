@@ -110,9 +110,9 @@ def llama_cpp_batched(
     args: argparse.Namespace, batches: list[int], repack: bool = True
 ) -> tuple[dict[int, float], str]:
     """llama-batched-bench's total tokens/s per batch size, and a line saying why there are
-    none, or empty. Without
-    `repack` (--no-repack): the weights as the file holds them, products by the per-block dot
-    products the ggml mode reproduces, not the kernels of weights repacked at load."""
+    none (empty when there are). Without `repack` (--no-repack): the weights as the file holds
+    them, products by the per-block dot products the ggml mode reproduces, not the kernels of
+    weights repacked at load."""
     binary = shutil.which("llama-batched-bench")
     if binary is None:
         return {}, "llama-batched-bench not installed (tools/llama_cpp/install.sh)"
