@@ -82,25 +82,39 @@ def claims(document: Path, root: Path) -> list[Claim]:
     return found
 
 
-def known_tests(root: Path) -> set[str]:
-    """Test functions, test files, test targets and test macros of the source tree."""
-    names: set[str] = set()
+# A test function under an unconditional skip runs nothing.
+SKIPPED = re.compile(r"^\s*@pytest\.mark\.skip\b[^\n]*\n(?:\s*@[^\n]*\n)*\s*def (test_\w+)", re.M)
+RULE = re.compile(r"^(\w+)\(\s*\n\s*name = \"(\w+)\"", re.M)  # a BUILD rule and its name
+
+
+def known_tests(root: Path) -> tuple[set[str], set[str]]:
+    """(what can back a claim: test functions not skipped, test files and test targets; every
+    name a document may cite without being wrong: those, skipped tests, the test macros of
+    the .bzl files and every other target)."""
+    backing: set[str] = set()
+    known: set[str] = set()
     for path in root.rglob("*.py"):
         if path.parts[len(root.parts)].startswith(("bazel-", ".")):
             continue
         if path.stem.startswith("test_"):
-            names.add(path.stem)
-        names.update(re.findall(r"^\s*def (test_\w+)", path.read_text(errors="replace"), re.M))
+            backing.add(path.stem)
+        text = path.read_text(errors="replace")
+        functions = set(re.findall(r"^\s*def (test_\w+)", text, re.M))
+        skipped = set(SKIPPED.findall(text))
+        backing.update(functions - skipped)
+        known.update(skipped)
     for path in root.rglob("*.bzl"):  # the test macros (pytest_test, llama3_test, ...)
         if not path.parts[len(root.parts)].startswith(("bazel-", ".")):
-            names.update(re.findall(r"^def (\w+)\(", path.read_text(), re.M))
+            known.update(re.findall(r"^def (\w+)\(", path.read_text(), re.M))
     for path in root.rglob("BUILD.bazel"):
         if path.parts[len(root.parts)].startswith(("bazel-", ".")):
             continue
-        for target in re.findall(r'name = "(\w+)"', path.read_text()):
-            names.add(target)
-            names.update(target + suffix for suffix in GENERATED_SUFFIXES)
-    return names
+        text = path.read_text()
+        tests = {name for rule, name in RULE.findall(text) if rule.endswith("_test")}
+        for target in re.findall(r'name = "(\w+)"', text):
+            names = {target, *(target + suffix for suffix in GENERATED_SUFFIXES)}
+            (backing if target in tests else known).update(names)
+    return backing, known | backing
 
 
 def documents(root: Path) -> list[Path]:
@@ -110,7 +124,7 @@ def documents(root: Path) -> list[Path]:
 def problems(root: Path) -> tuple[list[Claim], list[str]]:
     """Every property claim, and what is wrong: unbacked claims, unknown test names."""
     every, wrong = [], []
-    known = known_tests(root)
+    backing, known = known_tests(root)
     for document in documents(root):
         for claim in claims(document, root):
             every.append(claim)
@@ -118,6 +132,12 @@ def problems(root: Path) -> tuple[list[Claim], list[str]]:
                 wrong.append(
                     f"{claim.document}:{claim.line}: states a bit-level property and names no "
                     f"test: {claim.text[:160]}"
+                )
+            elif not any(name in backing for name in claim.tests):
+                wrong.append(
+                    f"{claim.document}:{claim.line}: states a bit-level property and names "
+                    f"no test that runs ({', '.join(claim.tests)}: a macro, another target or a "
+                    f"skipped test): {claim.text[:120]}"
                 )
         for line, text in blocks(document.read_text()):
             for name in cited_tests(text):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tools import claims
 
 
@@ -35,6 +37,26 @@ def test_a_table_row_is_its_own_claim(tmp_path, capsys) -> None:
     assert claims.main([f"--root={_repo(tmp_path, readme)}", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "README.md:2:" in err and "README.md:1:" not in err
+
+
+@pytest.mark.parametrize(
+    "cited",
+    ["`pytest_test`", "`kernels_lib_test`", "`test_skipped_away`"],
+    ids=["a test macro", "a library target", "a skipped test"],
+)
+def test_a_claim_backed_by_no_test_that_runs_fails(tmp_path, capsys, cited) -> None:
+    """A name that exists but runs nothing backs no claim: a test macro of the .bzl files, a
+    target of another rule, a test function under an unconditional skip (all were accepted)."""
+    root = _repo(tmp_path, f"Every build gives the same bits ({cited}).\n")
+    (root / "pkg" / "defs.bzl").write_text("def pytest_test(name, **kwargs):\n    pass\n")
+    build = root / "pkg" / "BUILD.bazel"
+    build.write_text(build.read_text() + 'py_library(\n    name = "kernels_lib_test",\n)\n')
+    skipped = "@pytest.mark.skip(reason='later')\ndef test_skipped_away():\n    pass\n"
+    (root / "pkg" / "test_more.py").write_text(skipped)
+    assert claims.main([f"--root={root}", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "README.md:1: states a bit-level property and names no test that runs" in err
+    assert "which is no test" not in err  # each name is known, none runs
 
 
 def test_a_test_name_that_does_not_exist_fails(tmp_path, capsys) -> None:
