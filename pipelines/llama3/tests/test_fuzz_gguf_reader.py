@@ -194,12 +194,27 @@ def test_mutated_metadata_loads_or_raises_checkpoint_error(
 # -- each property fails on a planted bug --------------------------------------------------
 
 
+# What each planted bug lets escape instead of a CheckpointError (any exception counted, so a
+# plant broken by a refactor, raising AttributeError at its first example, read as caught).
+READ_PAST_THE_END = (struct.error, "unpack_from requires a buffer of at least")
+UNKNOWN_TYPE = (ValueError, "is not a valid GGUFValueType")
+
+
 def _fails_without_checkpoint_error(
-    monkeypatch: pytest.MonkeyPatch, prop: Callable[..., None], tmp_dir: pathlib.Path
+    monkeypatch: pytest.MonkeyPatch,
+    prop: Callable[..., None],
+    tmp_dir: pathlib.Path,
+    escaping: tuple[type[Exception], str],
 ) -> None:
-    """The property raises anything but CheckpointError: the planted bug decides the type."""
+    """The property raises the planted bug's own error (`escaping`: its type and message)."""
+    expected, match = escaping
     first_failure(
-        monkeypatch, prop, expected=Exception, unexpected=CheckpointError, tmp_dir=tmp_dir
+        monkeypatch,
+        prop,
+        expected=expected,
+        unexpected=CheckpointError,
+        match=match,
+        tmp_dir=tmp_dir,
     )
 
 
@@ -212,9 +227,8 @@ def test_planted_unchecked_metadata_reads_break_truncation(monkeypatch, tmp_dir)
         return start
 
     monkeypatch.setattr(GGUFFile, "_advance", unchecked)
-    _fails_without_checkpoint_error(
-        monkeypatch, test_truncated_file_loads_or_raises_checkpoint_error, tmp_dir
-    )
+    prop = test_truncated_file_loads_or_raises_checkpoint_error
+    _fails_without_checkpoint_error(monkeypatch, prop, tmp_dir, READ_PAST_THE_END)
 
 
 def test_planted_unchecked_tensor_extent_breaks_truncation(monkeypatch, tmp_dir):
@@ -230,9 +244,8 @@ def test_planted_unchecked_tensor_extent_breaks_truncation(monkeypatch, tmp_dir)
             self.file_size = real_size
 
     monkeypatch.setattr(GGUFFile, "_parse", trusting)
-    _fails_without_checkpoint_error(
-        monkeypatch, test_truncated_file_loads_or_raises_checkpoint_error, tmp_dir
-    )
+    prop = test_truncated_file_loads_or_raises_checkpoint_error
+    _fails_without_checkpoint_error(monkeypatch, prop, tmp_dir, READ_PAST_THE_END)
 
 
 def test_planted_unknown_value_type_breaks_mutation(monkeypatch, tmp_dir):
@@ -243,6 +256,5 @@ def test_planted_unknown_value_type_breaks_mutation(monkeypatch, tmp_dir):
         return gguf_file.GGUFValueType(type_id)
 
     monkeypatch.setattr(GGUFFile, "_value_type", unchecked)
-    _fails_without_checkpoint_error(
-        monkeypatch, test_mutated_metadata_parses_or_raises_checkpoint_error, tmp_dir
-    )
+    prop = test_mutated_metadata_parses_or_raises_checkpoint_error
+    _fails_without_checkpoint_error(monkeypatch, prop, tmp_dir, UNKNOWN_TYPE)
