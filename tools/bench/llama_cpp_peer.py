@@ -122,8 +122,14 @@ def loaded_backend(stderr: str) -> str | None:
     Debian's packages load one CPU variant per CPU (libggml-cpu-icelake.so, -haswell, ...);
     a static build prints no such line.
     """
+    found = _loaded_backends(stderr)
+    return ", ".join(f"{kind} {path.name}" for kind, path in found) or None
+
+
+def _loaded_backends(stderr: str) -> list[tuple[str, pathlib.Path]]:
+    """(kind, library file) of each `load_backend: loaded KIND backend from FILE` line."""
     found = re.findall(r"loaded (\S+) backend from (\S+)", stderr)
-    return ", ".join(f"{kind} {pathlib.Path(path).name}" for kind, path in found) or None
+    return [(kind, pathlib.Path(path)) for kind, path in found]
 
 
 def _run(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
@@ -141,8 +147,9 @@ def _run(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
 def cpu_backend_path(binary: str) -> pathlib.Path | None:
     """The file of the CPU backend `binary`'s libggml loads on this machine (`--version`), or
     None where it names none (a static build)."""
-    found = re.findall(r"loaded CPU backend from (\S+)", _run([binary, "--version"], 30).stderr)
-    return pathlib.Path(found[-1]) if found else None
+    stderr = _run([binary, "--version"], 30).stderr
+    found = [path for kind, path in _loaded_backends(stderr) if kind == "CPU"]
+    return found[-1] if found else None
 
 
 def version_and_backend(binary: str) -> tuple[str | None, str | None]:

@@ -5,11 +5,13 @@ and on gguf-py's own Q4_0/Q4_1/Q8_0 quantizations: the kernel library's dequanti
 packed arrays equals quants.dequantize (the dense path) bit for bit.
 """
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import os
 import pathlib
+from collections.abc import Iterator
 
 import gguf
 import numpy as np
@@ -323,18 +325,25 @@ def fused_files(tmp_path_factory) -> list[pathlib.Path]:
     return [*files, Q4_K_FILE]
 
 
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    """torch on `count` threads, then back to what it had."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _runs(engine: Llama3Engine, fused) -> tuple:
     """Tokens and logits of a 20-step greedy generation, decoded by `fused` (None: module by
     module), on one thread and on two."""
     engine.model.fused_decode, runs = fused, []
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
+    for count in (1, 2):
+        with _threads(count):
             out = engine.generate([1, 17, 99, 5, 42, 7], 20, stop_on_eos=False)
-            runs.append((out.tokens, out.logits.numpy().tobytes()))
-    finally:
-        torch.set_num_threads(threads)
+        runs.append((out.tokens, out.logits.numpy().tobytes()))
     return tuple(runs)
 
 
@@ -398,12 +407,8 @@ def _served(engine: Llama3Engine, fused, threads: int = 1) -> dict:
     requests = [
         Request(f"r{i}", [1, 17, 99, 5, 42, 7][: 2 + i], max_new_tokens=6 + 2 * i) for i in range(5)
     ]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         served = ServingEngine(engine, block_size=4).serve(requests)
-    finally:
-        torch.set_num_threads(before)
     return {r: (s.output.tokens, s.output.logits.numpy().tobytes()) for r, s in served.items()}
 
 
