@@ -236,7 +236,13 @@ class Attention(nn.Module):
         # kernels round the softmax probabilities to bfloat16, and which way each rounds
         # depends on the vectorized exp of the CPU's kernel level (portable kernels moved
         # bfloat16 log-probabilities by 0.151); the transformers reference does the same.
-        output = grouped_attention(xq, keys, values, mask, mask is None and seqlen > 1, self.scale)
+        # `causal` a Python bool, not `seqlen > 1` itself: under torch.compile seqlen is
+        # symbolic and SDPA's is_causal takes no symbolic bool (the block's graph would break
+        # in two around the attention); the branch makes dynamo guard on it instead.
+        causal = False
+        if mask is None and seqlen > 1:
+            causal = True
+        output = grouped_attention(xq, keys, values, mask, causal, self.scale)
         output = output.transpose(1, 2).reshape(bsz, seqlen, -1)  # [bsz, seq, heads * head_dim]
         return self.wo(output)
 

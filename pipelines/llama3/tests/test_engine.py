@@ -202,6 +202,9 @@ def test_compiled_mode_runs_compiled_graphs_and_follows_eager(tmp_path: pathlib.
     torch._dynamo.utils.counters.clear()
     out = compiled.generate(PROMPT, 12, stop_on_eos=False)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # not silently eager
+    # Each block's whole forward one graph (compiled.py): no break around its attention
+    # (SDPA's is_causal given a symbolic bool broke it in two, prefill and decode alike).
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
     expected = engine.generate(PROMPT, 12, stop_on_eos=False)
     assert out.tokens == expected.tokens
     assert (out.logits - expected.logits).abs().max() <= 1e-4
