@@ -5,11 +5,11 @@ a vLLM server) can only be shown a changed file. Each mutation here writes a cop
 edit, made in place through gguf-py's memory map (`GGUFReader(copy, "r+")`), so everything
 else stays byte for byte:
 
-  weight_scaled   one weight matrix (blk.0.attn_v) scaled by 1.02: float values directly,
+  weight_scaled   one weight matrix (blk.0.attn_v) scaled by 1.002: float values directly,
                   block-quantized ones through their blocks' float16 scales (Q4_0, Q4_1,
                   Q8_0: d (and m); Q4_K: d and dmin), which scales every weight of the block
-  norm_weight     one element of one norm vector (blk.0.attn_norm[0]) doubled
-  rope_theta      llama.rope.freq_base in the metadata scaled by 1.25
+  norm_weight     one element of one norm vector (blk.0.attn_norm[0]) scaled by 1.05
+  rope_theta      llama.rope.freq_base in the metadata scaled by 1.01
 
 A correct engine must FAIL the golden on every one of them (the llama.cpp lane and
 `golden check --mutations` assert it); how far each moves a run is its mutation floor

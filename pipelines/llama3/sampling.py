@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import secrets
 from collections.abc import Sequence
 
@@ -74,6 +75,17 @@ import numpy as np
 import torch
 
 ORDERS = ("transformers", "llama_cpp")
+# A factor of a thousand either way already makes a repeated token certain or impossible; a
+# penalty far outside it divides a logit into inf (1e-320 did, through the server).
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +104,12 @@ class SamplerSettings:
 
     def __post_init__(self) -> None:
         problems = []
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):  # NaN and inf pass no range check below
+                problems.append(f"{name}={value} must be a finite number")
+        if problems:
+            raise ValueError("sampler settings: " + "; ".join(problems))
         if not self.temperature > 0:
             problems.append(f"temperature={self.temperature} must be > 0 (greedy: no sampler)")
         if self.top_k < 0:
@@ -100,8 +118,12 @@ class SamplerSettings:
             problems.append(f"top_p={self.top_p} must lie in (0, 1] (1: off)")
         if not 0 <= self.min_p < 1:
             problems.append(f"min_p={self.min_p} must lie in [0, 1) (0: off)")
-        if not self.repetition_penalty > 0:
-            problems.append(f"repetition_penalty={self.repetition_penalty} must be > 0 (1: off)")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            problems.append(
+                f"repetition_penalty={self.repetition_penalty} must lie in [{low:g}, {high:g}] "
+                "(1: off)"
+            )
         if self.order not in ORDERS:
             problems.append(f"order={self.order!r} is not one of {', '.join(ORDERS)}")
         if self.seed is not None and not 0 <= self.seed < 2**64:

@@ -31,8 +31,11 @@ rows ~95 ms on a worker thread, ~60 ms on the loading thread; one 16-row product
 werkzeug's threaded server, one thread per connection, which wait on their own queue: a
 request is never handed another's tokens because every event carries its request's id.
 A streaming client that goes away is noticed at the next write and its request cancelled
-(its KV blocks back to the pool at once). Bad requests get a 4xx whose message names the
-field and the fix, in OpenAI's error shape; a body over `--max-body` bytes gets 413.
+(its KV blocks back to the pool at once). A server told to stop (SIGTERM) cancels what is
+still running: a whole answer gets 503 naming the shutdown, a stream an error event and no
+`data: [DONE]`, so that no client reads a cut answer as complete. Bad requests get a 4xx
+whose message names the field and the fix, in OpenAI's error shape; a body over `--max-body`
+bytes gets 413.
 
 Flask is the framework because it is maintained, already locked for the S3 lane's server,
 and streams from a generator; the engine's throughput is bound by its one worker, not by
@@ -541,13 +544,16 @@ class Server:
         except BaseException:
             self.worker.cancel([i for n, i in enumerate(ids) if n not in results])
             raise
+        cancelled = [i for i in range(len(ids)) if results[i].finish_reason == "cancelled"]
+        if cancelled:  # the server is stopping (a client that went away reads nothing)
+            raise BadRequest(_cancelled_message(results[cancelled[0]]), status=503)
         choices, generated = [], 0
         for i in range(len(ids)):
             served = results[i]
             tokens = served.output.tokens
             generated += len(tokens)
             text, _ = self._text(tokens, completion.stop)
-            choice = {"index": i, "text": text, "finish_reason": _reason(served.finish_reason)}
+            choice = {"index": i, "text": text, "finish_reason": served.finish_reason}
             choice["logprobs"] = (
                 None
                 if completion.logprobs is None
@@ -592,17 +598,17 @@ class Server:
                     yield f"data: {json.dumps({'error': {'message': str(error)}})}\n\n"
                     return
                 i = index[event.request_id]
+                if event.served is not None and event.served.finish_reason == "cancelled":
+                    # the server is stopping: an error, and no [DONE] (the answer is not whole)
+                    message = _cancelled_message(event.served)
+                    yield f"data: {json.dumps({'error': {'message': message, 'code': 503}})}\n\n"
+                    return
                 first = len(tokens[i])
                 tokens[i] += event.tokens
                 final = event.served is not None
                 text, cut = self._text(tokens[i], completion.stop)
                 if not final and not cut:
-                    # hold back what could still become a stop string, and a partial character
-                    hold = max((len(s) - 1 for s in completion.stop), default=0)
-                    keep = len(text) - hold
-                    while keep > shown[i] and text[keep - 1] == "\ufffd":
-                        keep -= 1
-                    text = text[: max(keep, shown[i])]
+                    text = self._sendable(text, shown[i], completion.stop)
                 piece = text[shown[i] :]
                 shown[i] = len(text)
                 choice = {"index": i, "text": piece, "finish_reason": None, "logprobs": None}
@@ -612,7 +618,7 @@ class Server:
                     )
                 if final:
                     done.add(i)
-                    choice["finish_reason"] = _reason(event.served.finish_reason)
+                    choice["finish_reason"] = event.served.finish_reason
                 if piece or final or choice["logprobs"]:
                     yield chunk([choice])
             if completion.include_usage:
@@ -623,6 +629,16 @@ class Server:
             # The client went away (werkzeug closes this generator when a write fails), or
             # the answer is complete: cancel what is still running (nothing, when complete).
             self._on_close([request_id for request_id in ids if index[request_id] not in done])
+
+    def _sendable(self, text: str, shown: int, stop: tuple[str, ...]) -> str:
+        """What of an unfinished stream's `text` can be sent (at least the `shown` characters
+        already sent): not the last characters that could still begin a stop string, nor a
+        partial character at the end."""
+        hold = max((len(s) - 1 for s in stop), default=0)
+        keep = len(text) - hold
+        while keep > shown and text[keep - 1] == "\ufffd":
+            keep -= 1
+        return text[: max(keep, shown)]
 
     def _on_close(self, unfinished: list[str]) -> None:
         """A stream ended before these requests finished: cancel them, free their blocks."""
@@ -745,8 +761,11 @@ def _is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _reason(finish_reason: str) -> str:
-    return "length" if finish_reason == "cancelled" else finish_reason
+def _cancelled_message(served: Served) -> str:
+    return (
+        f"the server is shutting down: this request was cancelled after "
+        f"{len(served.output.tokens)} generated tokens; send it again"
+    )
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

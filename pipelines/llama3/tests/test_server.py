@@ -16,8 +16,16 @@ printed (no timing is asserted).
 
 Each guarantee is proven by a planted server bug that the same load run must FAIL:
 results handed out in arrival order (another's tokens), an inbox that keeps only
-its first arrival (lost requests), and a stream that does not cancel when its client goes
-away (blocks held to the end).
+its first arrival (lost requests), a stream that does not cancel when its client goes
+away (blocks held to the end), and a cancel that never reaches the serving engine (counted,
+but the request runs on to its max_tokens: the outcomes must be exactly 44 "length" and 4
+"cancelled").
+
+What one answer holds, each with its plant: several prompts in one request, each choice its
+own prompt's tokens (choices built from another prompt's request); a stop string that spans
+two tokens, never streamed (a stream that holds nothing back); every logprobs field against
+the solo run; a server stopped mid-answer answers 503, or ends the stream with an error and
+no `[DONE]` (it answered "length", as if complete).
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ CLIENTS = 16
 DROPPING = 4  # clients whose third request is a stream they close after two events
 NEAR_TIE = 1e-4  # |logit gap| at which batched and solo greedy choices may differ
 CLIENT_TIMEOUT_S = 30.0
+# |Δ log-prob| a served row may be from the solo run's: batches and chunks regroup float32
+# sums (the serving lanes' float32 bound, test_llama_serving's INVARIANCE_BOUNDS)
+SERVED_VS_SOLO = 1.2e-4
 SEED = 20261203
 
 
@@ -279,6 +290,14 @@ def _load(
             f"{DROPPING} clients dropped their streams and the server cancelled {cancelled} "
             f"requests (/metrics: {metrics})"
         )
+    # A cancelled request leaves the engine at once: none of them runs on to its max_tokens
+    # (which a cancel that only stopped listening would count as one more "length").
+    expected = {"length": len(outcomes) - DROPPING, "cancelled": DROPPING}
+    if metrics["requests"] != expected:
+        problems.append(
+            f"requests by outcome {metrics['requests']}, expected {expected}: a cancelled "
+            f"request ran on in the engine (/metrics: {metrics})"
+        )
     if metrics["pending"] or metrics["kv_blocks_in_use"]:
         problems.append(
             f"at the end {metrics['pending']} requests pending, "
@@ -354,14 +373,30 @@ class _NoCancelOnClose(Server):
         pass
 
 
+class _CancelWithoutFreeing(EngineWorker):
+    """Planted: a cancel is counted and its listener dropped, but the serving engine is never
+    told: the request runs on to its max_tokens, holding its KV blocks."""
+
+    def _cancel(self, request_id: str) -> None:
+        if request_id in self._listeners:
+            self.counts["cancelled"] += 1
+            self._listeners.pop(request_id)
+
+
 @pytest.mark.parametrize(
     ("plant", "expected"),
     [
         (dict(worker_class=_FirstComeFirstServed), "not this prompt's tokens"),
         (dict(worker_class=_FirstArrivalOnly), "timed out"),
         (dict(server_class=_NoCancelOnClose), "the server cancelled 0 requests"),
+        (dict(worker_class=_CancelWithoutFreeing), "a cancelled request ran on in the engine"),
     ],
-    ids=["another_requests_tokens", "lost_requests", "no_cancel_on_disconnect"],
+    ids=[
+        "another_requests_tokens",
+        "lost_requests",
+        "no_cancel_on_disconnect",
+        "cancel_without_freeing",
+    ],
 )
 def test_each_planted_server_bug_fails_the_load_run(checkpoint, solo, plant, expected) -> None:
     result = _load(_server(checkpoint, **plant), solo, timeout=5.0)
@@ -389,6 +424,10 @@ BAD = [
     ({"prompt": [[1], "a", 3]}, 400, "prompt 2 is neither text nor a list of token ids"),
     ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model 'gpt-4' is not served here"),
     ([1, 2], 400, "must be a JSON object"),
+    # JSON's non-standard NaN and Infinity, which Flask's parser takes as floats
+    (b'{"prompt": [1, 2], "presence_penalty": NaN}', 400, "presence_penalty=nan must be a finite"),
+    (b'{"prompt": [1, 2], "frequency_penalty": -Infinity}', 400, "frequency_penalty=-inf must"),
+    ({"prompt": [1, 2], "repetition_penalty": 1e-320}, 400, "must lie in [0.001, 1000]"),
 ]
 
 
@@ -540,3 +579,183 @@ def test_constrained_completions_in_every_request_form(checkpoint, solo) -> None
             status, answer = _post(running.url, "/completions", body)
             assert status == 400, (fields, answer)
             assert answer["error"]["param"] == field, answer
+
+
+# --- what one answer holds: several prompts, stop strings, logprobs, a server that stops ----
+
+
+def _stream(url: str, body: dict) -> list[dict | str]:
+    connection, base = _connection(url, CLIENT_TIMEOUT_S)
+    try:
+        connection.request("POST", base + "/completions", json.dumps({**body, "stream": True}))
+        return _events(connection.getresponse())
+    finally:
+        connection.close()
+
+
+def _streamed_choices(events: list[dict | str]) -> dict[int, dict]:
+    """Per choice index: its text, token ids and logprobs' lists, joined over the events."""
+    choices: dict[int, dict] = {}
+    for event in events:
+        if event == "[DONE]":
+            continue
+        for choice in event["choices"]:
+            got = choices.setdefault(
+                choice["index"], {"text": "", "tokens": [], "logprobs": {}, "finish": None}
+            )
+            got["text"] += choice["text"]
+            got["finish"] = choice["finish_reason"] or got["finish"]
+            for key, values in (choice["logprobs"] or {}).items():
+                got["logprobs"].setdefault(key, []).extend(values)
+    for got in choices.values():
+        if got["logprobs"]:
+            got["tokens"] = _token_ids(got["logprobs"])
+    return choices
+
+
+class _ChoicesOutOfOrder(Server):
+    """Planted: the request ids come back in another order than the prompts were submitted
+    in, so choice i is built from another prompt's request."""
+
+    def run(self, completion):
+        base, ids, listener = super().run(completion)
+        return base, ids[::-1], listener
+
+
+@pytest.mark.parametrize(
+    "plant", [None, _ChoicesOutOfOrder], ids=["server", "choices_out_of_order"]
+)
+def test_several_prompts_in_one_request_each_get_their_own_choice(checkpoint, solo, plant) -> None:
+    """A request with three prompts of different lengths, whole and streamed: choice i holds
+    prompt i's solo greedy tokens and text (the planted mix-up fails both)."""
+    prompts = [[3, 4, 5], [60, 61, 62, 63, 64, 65, 66, 67, 68], [9, 1, 9, 1, 9]]
+    references = [solo.generate(p, 6, stop_on_eos=False) for p in prompts]
+    body = {**_body(prompts, 6, False), "prompt": prompts}
+    with RunningServer(_server(checkpoint, server_class=plant or Server)) as running:
+        status, whole = _post(running.url, "/completions", body)
+        streamed = _streamed_choices(_stream(running.url, body))
+    assert status == 200, whole
+    problems = []
+    for i, reference in enumerate(references):
+        choice = whole["choices"][i]
+        for path, tokens, text in (
+            ("whole", _token_ids(choice["logprobs"]), choice["text"]),
+            ("stream", streamed[i]["tokens"], streamed[i]["text"]),
+        ):
+            own = _own_tokens(tokens, reference)
+            if own is not None or text != solo.tokenizer.decode(tokens):
+                problems.append(f"{path} choice {i}: {own or 'text is not its tokens'}")
+    if plant is None:
+        assert not problems, "\n".join(problems)
+    else:
+        assert problems, "the planted mix-up of choices passed"
+
+
+def _stop_across_tokens(tokenizer, tokens: list[int]) -> tuple[str, int] | None:
+    """A two-character stop string of the text of `tokens` whose first character ends one
+    token's text and is a whole character (so only the stop rule holds it back), and where
+    the text is cut: its first occurrence."""
+    text = tokenizer.decode(tokens)
+    for j in range(1, len(tokens)):
+        end = len(tokenizer.decode(tokens[:j]))
+        if not 0 < end < len(text) or "\ufffd" in text[end - 1 : end + 1]:
+            continue
+        stop = text[end - 1 : end + 1]
+        if text.find(stop) == end - 1:
+            return stop, end - 1
+    return None
+
+
+class _NoHoldBack(Server):
+    """Planted: a stream sends all its text so far, the start of a stop string included."""
+
+    def _sendable(self, text: str, shown: int, stop: tuple[str, ...]) -> str:
+        return text
+
+
+@pytest.mark.parametrize("plant", [None, _NoHoldBack], ids=["server", "no_hold_back"])
+def test_a_stop_string_that_spans_tokens_is_never_streamed(checkpoint, solo, plant) -> None:
+    """The stop string starts with the last character of one token's text and ends in the
+    next token's: the stream must hold that character back until it knows, and send the
+    same text as the whole answer (the text before the stop string)."""
+    prompt = [7, 3, 5, 2]
+    reference = solo.generate(prompt, 24, stop_on_eos=False)
+    found = _stop_across_tokens(solo.tokenizer, reference.tokens)
+    assert found is not None, "no stop string across a token boundary in this continuation"
+    stop, cut = found
+    text = solo.tokenizer.decode(reference.tokens)
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": stop}
+    with RunningServer(_server(checkpoint, server_class=plant or Server)) as running:
+        whole = _post(running.url, "/completions", body)[1]["choices"][0]
+        streamed = _streamed_choices(_stream(running.url, body))[0]
+    assert (whole["text"], whole["finish_reason"]) == (text[:cut], "stop"), (stop, text)
+    if plant is None:
+        assert (streamed["text"], streamed["finish"]) == (text[:cut], "stop"), (stop, text)
+    else:
+        assert streamed["text"] != text[:cut], "the planted stream passed"
+
+
+def test_logprobs_are_the_engines_whole_and_streamed(checkpoint, solo) -> None:
+    """Every field of `logprobs`, whole and streamed: `token_logprobs` the chosen token's
+    log-softmax of the solo run's row, `top_logprobs` the top 3 of it, `text_offset` each
+    token's character offset in the generated text (the stream's second request reads its
+    prompt from the prefix cache: the same values up to batch invariance)."""
+    prompt = [9, 8, 7, 6, 5]
+    reference = solo.generate(prompt, 6, stop_on_eos=False)
+    body = {**_body(prompt, 6, False), "logprobs": 3}
+    with RunningServer(_server(checkpoint)) as running:
+        whole = _post(running.url, "/completions", body)[1]["choices"][0]["logprobs"]
+        streamed = _streamed_choices(_stream(running.url, body))[0]["logprobs"]
+    for logprobs in (whole, streamed):
+        tokens = _token_ids(logprobs)
+        assert tokens == reference.tokens
+        for j, token in enumerate(tokens):
+            logp = torch.log_softmax(reference.logits[j].double(), -1)
+            want = float(logp[token])
+            assert logprobs["token_logprobs"][j] == pytest.approx(want, abs=SERVED_VS_SOLO)
+            row = logprobs["top_logprobs"][j]
+            top = {int(k[len(TOKEN_ID_PREFIX) :]): v for k, v in row.items()}
+            ids = torch.topk(logp, 3).indices.tolist()
+            assert list(top) == ids
+            assert list(top.values()) == pytest.approx(logp[ids].tolist(), abs=SERVED_VS_SOLO)
+            assert logprobs["text_offset"][j] == len(solo.tokenizer.decode(tokens[:j]))
+
+
+class _SlowWorker(EngineWorker):
+    """The engine worker, 20 ms a step: a 200-token request is still running when the
+    server is told to stop."""
+
+    def _step(self) -> None:
+        time.sleep(0.02)
+        super()._step()
+
+
+def test_a_server_that_stops_mid_answer_says_so(checkpoint) -> None:
+    """Stopped (SIGTERM's `stop_soon`) while a whole answer and a stream run: the whole one
+    gets 503 naming the shutdown, the stream an error event and no `[DONE]`; neither reads
+    as a complete answer (finish_reason "length")."""
+    server = _server(checkpoint, worker_class=_SlowWorker)
+    answers: dict[str, object] = {}
+    with RunningServer(server) as running:
+
+        def whole() -> None:
+            answers["whole"] = _post(running.url, "/completions", _body([1, 2, 3], 200, False))
+
+        def stream() -> None:
+            answers["stream"] = _stream(running.url, _body([4, 5, 6], 200, True))
+
+        threads = [threading.Thread(target=whole), threading.Thread(target=stream)]
+        for t in threads:
+            t.start()
+        deadline = time.perf_counter() + CLIENT_TIMEOUT_S
+        while server.worker.serving.steps < 5 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        server.worker.stop_soon()
+        for t in threads:
+            t.join()
+    status, answer = answers["whole"]
+    assert status == 503 and "shutting down" in answer["error"]["message"], answer
+    events = answers["stream"]
+    assert "[DONE]" not in events, events[-2:]
+    assert "shutting down" in events[-1]["error"]["message"], events[-1]
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1]), events[-2]
