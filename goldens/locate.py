@@ -6,7 +6,8 @@
    repository's local store (artifacts/NAME/VERSION/SHA256/NAME.tar.gz), checked against the
    pinned sha256 and extracted to $XDG_CACHE_HOME/llama-goldens/pinned/SHA256 (default
    ~/.cache/...) by goldens.artifacts.extract, which is safe when several processes do it at once.
-   A damaged archive raises an error naming it rather than falling through to the next source.
+   A damaged archive raises an error naming it rather than falling through to the next source,
+   and so does a pinned archive the local store does not hold (PinnedArchiveMissing).
 3. The testdata folder, where evaluate_llama and run_torch_llama write fresh goldens.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from goldens.artifacts import stanza
 from goldens.artifacts.extract import extract_pinned
-from goldens.artifacts.store import SHA256_PATTERN, ref_from_url
+from goldens.artifacts.store import SHA256_PATTERN, local_only, ref_from_url
 from goldens.cli_files import repo_root as checkout_root
 
 ARCHIVES = {
@@ -26,6 +27,10 @@ ARCHIVES = {
     "torch": ("torch_llama_golden", "TORCH_LLAMA_GOLDENS"),
     "ggml": ("test_llama_golden", "TEST_LLAMA_GOLDENS"),  # the engine's archive: its ggml mode
 }
+
+
+class PinnedArchiveMissing(FileNotFoundError):
+    """MODULE.bazel pins an archive that the local store does not hold."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +58,7 @@ def cache_root() -> Path:
     return base / "llama-goldens" / "pinned"
 
 
-def _store_source(name: str, repo_root: Path) -> Source | None:
+def _store_source(name: str, env: str, repo_root: Path) -> Source | None:
     module = repo_root / "MODULE.bazel"
     if not module.is_file():
         return None
@@ -62,10 +67,32 @@ def _store_source(name: str, repo_root: Path) -> Source | None:
         return None
     archive = _pinned_archive(repo_root / "artifacts", name, pin.sha256, pin.url)
     if archive is None:
-        return None
+        # An error, not a fall-through to the testdata folder: that folder holds whatever was
+        # last computed into it, so the tests would compare against goldens nobody pinned and
+        # say nothing. The docs promise the pinned archive first and never this fallback; the
+        # testdata folder serves the names MODULE.bazel does not pin.
+        raise PinnedArchiveMissing(_missing(pin, env, repo_root / "artifacts"))
     target = extract_pinned(archive, pin.sha256, cache_root())
     return Source(
         target, f"pinned archive {archive.relative_to(repo_root)} (extracted to {target})"
+    )
+
+
+def _missing(pin: stanza.GoldenPin, env: str, store: Path) -> str:
+    """Why the pinned archive is not read, and the command that brings it back."""
+    problem = (
+        f"{pin.name}: MODULE.bazel pins {pin.url} (sha256 {pin.sha256}), which the local store "
+        f"{store} does not hold"
+    )
+    if local_only(pin.url):  # only the store ever had it: it was deleted there
+        return (
+            f"{problem}; restore it: git checkout -- {store / pin.name}, then check the store: "
+            "python3 -m tools.artifacts.upload_artifact verify"
+        )
+    return (
+        f"{problem}; run the test under Bazel, which downloads it, or fetch it: python3 -m "
+        f"tools.artifacts.upload_artifact fetch {pin.name} --output-dir=DIR, then set "
+        f'{env}="$(echo DIR/*)"'
     )
 
 
@@ -93,7 +120,7 @@ def golden_sources(reference: str, testdata: Path, repo_root: Path | None = None
     runfiles = _runfiles_source(env)
     if runfiles is not None:
         return [runfiles]  # under Bazel only what the test depends on counts
-    store = _store_source(name, repo_root or checkout_root())
+    store = _store_source(name, env, repo_root or checkout_root())
     sources = [store] if store is not None else []
     sources.append(Source(testdata, f"testdata folder {testdata}"))
     return sources

@@ -1,7 +1,8 @@
 """The bazelrc fragment that lets Bazel resolve pinned golden archives from the local store.
 
 Bazel's --distdir finds a download by the URL's basename and checks its sha256; a relative
---distdir is resolved against the workspace. Each pinned archive gets its own folder,
+--distdir is resolved against the workspace. Each archive pinned at a URL on the reserved
+.invalid host (the local store's, which nothing can download) gets its own folder,
 `artifacts/NAME/VERSION/SHA256`, so two archives with one basename never shadow each other.
 The fragment is derived from MODULE.bazel alone, sorted, so regenerating it is idempotent.
 """
@@ -9,7 +10,7 @@ The fragment is derived from MODULE.bazel alone, sorted, so regenerating it is i
 from collections.abc import Iterable
 
 from goldens.artifacts.stanza import GoldenPin
-from goldens.artifacts.store import DEFAULT_PREFIX, ref_from_url
+from goldens.artifacts.store import DEFAULT_PREFIX, local_only, ref_from_url
 
 BAZELRC_PATH = "third_party/golden_distdir.bazelrc"
 
@@ -24,7 +25,9 @@ def render(pins: Iterable[GoldenPin], store_folder: str = DEFAULT_PREFIX) -> str
     folders = set()
     for pin in pins:
         ref = ref_from_url(pin.url)
-        # Pins outside the store layout (e.g. other http_archives) are fetched from their URL.
-        if ref is not None and ref.sha256 == pin.sha256:
+        # Pins outside the store layout (e.g. other http_archives), and pins at a URL Bazel can
+        # download (an S3 or HTTP store's), are fetched from their URL: only a pin on the
+        # reserved .invalid host needs the local store's copy.
+        if ref is not None and ref.sha256 == pin.sha256 and local_only(pin.url):
             folders.add(f"{store_folder}/{ref.relative_dir}")
     return HEADER + "".join(f"common --distdir={folder}\n" for folder in sorted(folders))

@@ -5,7 +5,8 @@ archive's files. The folder only ever appears through one rename of a complete e
 an existing one is whole and is reused as is. Several processes may extract the same archive at
 once: each works in its own temporary folder beside the target, the first rename wins, and the
 others drop their copy and use the winner's, which is identical because the name is the
-archive's sha256.
+archive's sha256. `read_pinned(archive_path, sha256)` gives the files in memory, checked the
+same way, for a command that only reads them.
 """
 
 import errno
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from goldens.artifacts import archive
 from goldens.artifacts.stanza import GoldenPin
-from goldens.artifacts.store import SHA256_PATTERN, Store, ref_from_url
+from goldens.artifacts.store import SHA256_PATTERN, Store, local_only, ref_from_url
 from goldens.artifacts.store_options import CheckFailed
 
 
@@ -39,24 +40,7 @@ def extract_pinned(archive_path: Path, sha256: str, cache_root: Path) -> Path:
     target = cache_root / sha256
     if target.is_dir():
         return target
-    data = archive_path.read_bytes()
-    actual = archive.sha256_hex(data)
-    if actual != sha256:
-        raise ChecksumMismatch(
-            f"checksum mismatch: {archive_path} has sha256 {actual}, but the pinned sha256 is "
-            f"{sha256}; the file is damaged or was replaced. Restore it with "
-            f"`git checkout -- {archive_path}` and check the whole store with "
-            "`python3 -m tools.artifacts.upload_artifact verify`"
-        )
-    # unpack_members is what `upload_artifact fetch` uses: it refuses anything but flat regular
-    # files, so each member name is safe to join to the folder (stricter than filter="data").
-    try:
-        members = archive.unpack_members(data)
-    except archive.ArchiveError as error:
-        raise archive.ArchiveError(
-            f"{archive_path} matches its pinned sha256 but is no golden archive ({error}); "
-            "pin an archive made by `python3 -m tools.artifacts.upload_artifact upload`"
-        ) from error
+    members = read_pinned(archive_path, sha256)
     cache_root.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(dir=cache_root, prefix=f".{sha256}."))
     try:
@@ -73,6 +57,31 @@ def extract_pinned(archive_path: Path, sha256: str, cache_root: Path) -> Path:
         # After a successful rename `temp` no longer exists; otherwise it is ours to remove.
         shutil.rmtree(temp, ignore_errors=True)
     return target
+
+
+def read_pinned(archive_path: Path, sha256: str) -> dict[str, bytes]:
+    """The files of the archive at `archive_path`, once its bytes are checked to be `sha256`'s.
+
+    ChecksumMismatch when they are not; ArchiveError when they are but hold no golden archive.
+    """
+    data = archive_path.read_bytes()
+    actual = archive.sha256_hex(data)
+    if actual != sha256:
+        raise ChecksumMismatch(
+            f"checksum mismatch: {archive_path} has sha256 {actual}, but the pinned sha256 is "
+            f"{sha256}; the file is damaged or was replaced. Restore it with "
+            f"`git checkout -- {archive_path}` and check the whole store with "
+            "`python3 -m tools.artifacts.upload_artifact verify`"
+        )
+    # unpack_members is what `upload_artifact fetch` uses: it refuses anything but flat regular
+    # files, so each member name is safe to join to a folder (stricter than filter="data").
+    try:
+        return archive.unpack_members(data)
+    except archive.ArchiveError as error:
+        raise archive.ArchiveError(
+            f"{archive_path} matches its pinned sha256 but is no golden archive ({error}); "
+            "pin an archive made by `python3 -m tools.artifacts.upload_artifact upload`"
+        ) from error
 
 
 def download_pinned(store: Store, pin: GoldenPin) -> bytes:
@@ -101,6 +110,4 @@ def download_pinned(store: Store, pin: GoldenPin) -> bytes:
 
 
 def _fetchable(url: str) -> bool:
-    parsed = urllib.parse.urlparse(url)
-    host = parsed.hostname or ""
-    return parsed.scheme in {"http", "https"} and not host.endswith(".invalid")
+    return urllib.parse.urlparse(url).scheme in {"http", "https"} and not local_only(url)

@@ -10,8 +10,9 @@ atomically and refuses other bytes once it is taken:
 - the local store builds the VERSION folder beside its place and renames it there; rename(2)
   fails on a folder that already holds something, so one writer's folder wins, whole;
 - S3 creates `NAME/VERSION/claim`, holding the sha256, with a conditional PUT (If-None-Match:
-  *), which S3 applies atomically, before the archive; a version published before claims
-  existed has none, and `publish` still refuses other bytes there by listing the version.
+  *), which S3 applies atomically, before the archive, and deletes it again when the upload
+  fails or is interrupted; a version published before claims existed has none, and `publish`
+  still refuses other bytes there by listing the version.
 The same bytes written twice, concurrently or not, succeed both times.
 """
 
@@ -24,6 +25,7 @@ import re
 import secrets
 import shutil
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +104,16 @@ _URL_TAIL = re.compile(
     r"/(?P<name>[A-Za-z][A-Za-z0-9_.-]*)/(?P<version>[0-9]+)/(?P<sha256>[0-9a-f]{64})"
     r"/(?P=name)\.tar\.gz$"
 )
+
+
+def local_only(url: str) -> bool:
+    """Whether `url` is on a reserved .invalid host, as LOCAL_PUBLIC_URL_TEMPLATE's are.
+
+    Nothing can download such a URL, so its archive comes from the local store only: Bazel
+    takes it through --distdir, the tools read it from artifacts/. An archive pinned at any
+    other URL is downloaded from there.
+    """
+    return (urllib.parse.urlparse(url).hostname or "").endswith(".invalid")
 
 
 def ref_from_url(url: str) -> ArchiveRef | None:
@@ -347,7 +359,9 @@ class S3Store:
         self._claim(ref)
         try:
             self._create(ref.relative_path, data, "application/gzip", public=self.public_read)
-        except StoreError:
+        except BaseException:
+            # Any failure of the upload, an interrupt (Ctrl-C) included, frees the version: a
+            # claim left without its archive would refuse every later publisher of it.
             with contextlib.suppress(StoreError):
                 self._release(ref)
             raise
@@ -376,8 +390,18 @@ class S3Store:
                 f"the claim on {ref.name} version {ref.version} in the {self.description} was "
                 "released while publishing (another publisher failed); publish again"
             )
-        if holder != ref.sha256:
+        if holder == ref.sha256:
+            return
+        if holder in self.digests(ref.name, ref.version):
             raise version_taken(self, ref.name, ref.version, holder)
+        # A claim whose archive never arrived: another publisher is uploading it now, or one
+        # was killed before it could release the claim. Nothing is published under it.
+        claim = f"s3://{self.bucket}/{self.key(_claim_path(ref))}"
+        raise PublishRefused(
+            f"{ref.name} version {ref.version} in the {self.description} is claimed for sha256 "
+            f"{holder} but holds no archive: another publisher is uploading it, or one was "
+            f"interrupted; if none is running, delete the claim {claim} and publish again"
+        )
 
     def _claimant(self, ref: ArchiveRef) -> str | None:
         claim = self._get(_claim_path(ref))

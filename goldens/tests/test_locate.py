@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -129,14 +130,41 @@ def test_the_version_used_when_several_hold_the_sha(
     assert f"artifacts/{NAME}/{used}/{SHA}/" in source.description
 
 
-def test_without_a_pin_or_a_stored_archive_only_testdata_is_searched(
+def test_without_a_pin_only_testdata_is_searched(
     repo: Path, testdata: Path, outside_bazel: Path
 ) -> None:
     unpinned = locate.golden_sources("torch", testdata, repo_root=repo)
     assert [s.folder for s in unpinned] == [testdata]
+    assert not outside_bazel.exists()
+
+
+def test_a_pinned_archive_deleted_from_the_store_is_an_error_naming_the_restore(
+    repo: Path, testdata: Path, outside_bazel: Path
+) -> None:
+    """Not a silent fallback to the testdata folder, whose goldens nobody pinned."""
     _store_path(repo, 1).unlink()
-    missing = locate.golden_sources("own", testdata, repo_root=repo)
-    assert [s.folder for s in missing] == [testdata]
+    with pytest.raises(locate.PinnedArchiveMissing) as raised:
+        locate.golden_sources("own", testdata, repo_root=repo)
+    message = str(raised.value)
+    assert message.startswith(f"{NAME}: MODULE.bazel pins {_url(1)} (sha256 {SHA}), which the ")
+    assert f"git checkout -- {repo / 'artifacts' / NAME}" in message
+    assert not outside_bazel.exists()
+
+
+def test_a_pin_bazel_downloads_that_the_store_lacks_is_an_error_naming_the_fetch(
+    repo: Path, testdata: Path, outside_bazel: Path
+) -> None:
+    """An S3 pin (upload_artifact --bucket=... --update-module) is downloaded by Bazel; plain
+    pytest reads the local store only, so it says how to get the archive."""
+    url = f"https://goldens.s3.amazonaws.com/artifacts/{NAME}/2/{SHA}/{NAME}.tar.gz"
+    _pin(repo, url)
+    shutil.rmtree(repo / "artifacts")
+    with pytest.raises(locate.PinnedArchiveMissing) as raised:
+        locate.golden_sources("own", testdata, repo_root=repo)
+    message = str(raised.value)
+    assert f"MODULE.bazel pins {url} (sha256 {SHA})" in message
+    assert f"python3 -m tools.artifacts.upload_artifact fetch {NAME} --output-dir=DIR" in message
+    assert 'TEST_LLAMA_GOLDENS="$(echo DIR/*)"' in message
     assert not outside_bazel.exists()
 
 

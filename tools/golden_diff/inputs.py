@@ -86,8 +86,16 @@ class Inputs:
             return None
         return stanza.parse(self.module_file.read_text(encoding="utf-8")).get(self.name)
 
-    def stored_versions(self) -> str:
-        return ", ".join(str(v) for v in self.store.versions(self.name)) or "none"
+    # The store is listed through these, so an unreachable one (an S3 endpoint, credentials)
+    # is bad input naming the flag being resolved, like any other store failure.
+    def versions(self, flag: str) -> list[int]:
+        return checked(flag, lambda: self.store.versions(self.name))
+
+    def digests(self, version: int, flag: str) -> list[str]:
+        return checked(flag, lambda: self.store.digests(self.name, version))
+
+    def stored_versions(self, flag: str) -> str:
+        return ", ".join(str(v) for v in self.versions(flag)) or "none"
 
 
 def load_input(inputs: Inputs, spec: str | None, flag: str) -> GoldenSet:
@@ -109,7 +117,8 @@ def load_input(inputs: Inputs, spec: str | None, flag: str) -> GoldenSet:
         return load_test_outputs(inputs, path, flag)
     raise InputError(
         f"{flag}={spec} (resolved to {path}) is none of: {INPUT_HELP}; "
-        f"versions of {inputs.name} in the {inputs.store.description}: {inputs.stored_versions()}"
+        f"versions of {inputs.name} in the {inputs.store.description}: "
+        f"{inputs.stored_versions(flag)}"
     )
 
 
@@ -157,16 +166,16 @@ def load_pinned(inputs: Inputs, flag: str) -> GoldenSet:
     if pin is None or not SHA256_PATTERN.fullmatch(pin.sha256):
         raise InputError(
             f"{flag}: {inputs.name} is not pinned in {inputs.module_file}; give a version "
-            f"({inputs.stored_versions()}), a sha256, a folder or an archive instead"
+            f"({inputs.stored_versions(flag)}), a sha256, a folder or an archive instead"
         )
     pinned = ref_from_url(pin.url)
-    if pinned is not None and pin.sha256 in inputs.store.digests(inputs.name, pinned.version):
+    if pinned is not None and pin.sha256 in inputs.digests(pinned.version, flag):
         return load_stored(inputs, ArchiveRef(inputs.name, pinned.version, pin.sha256), flag)
     return load_sha256(inputs, pin.sha256, flag)
 
 
 def load_version(inputs: Inputs, version: int, flag: str) -> GoldenSet:
-    digests = inputs.store.digests(inputs.name, version)
+    digests = inputs.digests(version, flag)
     if digests:
         return load_stored(inputs, ArchiveRef(inputs.name, version, digests[0]), flag)
     pin = inputs.pin()
@@ -175,22 +184,22 @@ def load_version(inputs: Inputs, version: int, flag: str) -> GoldenSet:
         return load_sha256(inputs, pin.sha256, flag)
     raise InputError(
         f"{flag}={version}: version {version} of {inputs.name} is not in the "
-        f"{inputs.store.description} (versions there: {inputs.stored_versions()}); give one "
+        f"{inputs.store.description} (versions there: {inputs.stored_versions(flag)}); give one "
         "of those, or pick the store with --artifacts-dir or --bucket"
     )
 
 
 def load_sha256(inputs: Inputs, sha256: str, flag: str) -> GoldenSet:
     """The archive with this sha256: from the store when it holds it, else fetched by the pin."""
-    for version in inputs.store.versions(inputs.name):
-        if sha256 in inputs.store.digests(inputs.name, version):
+    for version in inputs.versions(flag):
+        if sha256 in inputs.digests(version, flag):
             return load_stored(inputs, ArchiveRef(inputs.name, version, sha256), flag)
     pin = inputs.pin()
     if pin is None or pin.sha256 != sha256:
         raise InputError(
             f"{flag}={sha256}: this sha256 of {inputs.name} is neither pinned in "
             f"{inputs.module_file} nor in the {inputs.store.description}; give a stored "
-            f"version ({inputs.stored_versions()}) or its sha256"
+            f"version ({inputs.stored_versions(flag)}) or its sha256"
         )
     pinned = ref_from_url(pin.url)
     label = inputs.name if pinned is None else f"{inputs.name} version {pinned.version}"

@@ -6,7 +6,8 @@ that mode has its own), and transformers' when asked with --torch or when their 
 compares them with the pinned archives the way golden_diff does (identical, noise, moved, over
 tolerance, tokens changed, cases changed), prints the review, and only then publishes: with
 --accept every changed golden file, or, in a terminal, one file at a time (accept, reject,
-skip, show the diff). Each archive with an accepted file gets its next version
+skip, show the diff). Each archive with an accepted file gets its next version (or, when a
+stored version holds the same files, that version again; --dry-run names the same version)
 through the upload command (tools/artifacts), pinned in MODULE.bazel and the distdir file, and
 the golden tests run again. An identical or noise-only result publishes nothing and says so.
 
@@ -16,7 +17,7 @@ the change, so it is shown, never accepted: recompute without --from.
 
 Under CI=true nothing is published. Exit status: 0 nothing to publish, or published and the
 tests passed; 1 changes pending (not accepted), or the tests failed after publishing; 2 bad
-input.
+input (flags, files, a store that cannot be read; one line on stderr).
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from pathlib import Path
 
 from goldens import schema
 from goldens.artifacts import archive
-from goldens.artifacts.store_options import add_store_arguments, store_from_args
+from goldens.artifacts.store import PublishRefused, StoreError
+from goldens.artifacts.store_options import (
+    CheckFailed,
+    UsageError,
+    add_store_arguments,
+    store_from_args,
+)
 from goldens.cli_files import OneLineParser, output_directory, repo_root, user_path
 from goldens.diff import (
     OWN_NAME,
@@ -60,6 +67,8 @@ PUBLISHABLE = ("moved", "over tolerance", "tokens changed", "cases changed")
 NOT_FROM_A_FORCED_RUN = ("tokens changed", "cases changed")
 # The producers whose runs are the engine archive's goldens: eager's and the ggml mode's.
 GOLDEN_PRODUCERS = (schema.PRODUCERS["own"], schema.PRODUCERS["ggml"])
+# What pins, as check_pinnable's refusal names it: golden_update pins every version it publishes.
+PINNING = "golden_update (it pins what it publishes)"
 GOLDEN_TESTS = [
     "//max_tests/integration/architectures/llama3:test_llama",
     "//max_tests/integration/architectures/llama3:test_llama_long",
@@ -134,7 +143,17 @@ def main(argv: Sequence[str] | None = None, regenerate: Regenerate | None = None
         return int(stop.code or 0)
     try:
         return _update(args, regenerate or _regenerate)
-    except (UpdateError, InputError, ValueError) as error:
+    # Bad flags, and a store that cannot be reached or refuses: each stops golden_update
+    # before it publishes anything (upload_artifact reports its own failures when publishing).
+    except (
+        UpdateError,
+        InputError,
+        ValueError,
+        UsageError,
+        CheckFailed,
+        StoreError,
+        PublishRefused,
+    ) as error:
         print(f"golden_update: error: {error}", file=sys.stderr)
         return 2
 
@@ -148,6 +167,8 @@ def _update(args: argparse.Namespace, regenerate: Regenerate) -> int:
         )
     module_file = user_path(args.module_file) if args.module_file else repo_root() / "MODULE.bazel"
     store = store_from_args(args)
+    if args.accept:  # refused now, not after minutes of regenerating
+        upload_artifact.check_pinnable(store, module_file, PINNING)
     inputs = {name: Inputs(name, store, module_file) for name in (OWN_NAME, TORCH_NAME)}
     pinned = {name: load_pinned(inputs[name], "pinned") for name in inputs}
 
@@ -185,9 +206,20 @@ def _update(args: argparse.Namespace, regenerate: Regenerate) -> int:
         return 0
     if args.dry_run:
         for name, diffs in plan.items():
-            version = max(store.versions(name), default=0) + 1
-            files = ", ".join(d.name for d in diffs)
-            print(f"would publish {name} version {version} with {files} (dry run: nothing done)")
+            files = [d.name for d in diffs]
+            version, stored = version_to_pin(
+                inputs[name], _archive_members(inputs[name], files, pending, args)
+            )
+            listed = ", ".join(files)
+            if stored:
+                print(
+                    f"would pin {name} version {version} again, which holds these files "
+                    f"already: {listed} (dry run: nothing done)"
+                )
+            else:
+                print(
+                    f"would publish {name} version {version} with {listed} (dry run: nothing done)"
+                )
         return 0
     if ci:
         print("CI=true: nothing is published under CI", file=sys.stderr)
@@ -199,6 +231,7 @@ def _update(args: argparse.Namespace, regenerate: Regenerate) -> int:
             "by file)"
         )
         return 1
+    upload_artifact.check_pinnable(store, module_file, PINNING)
     for name, files in accepted.items():
         if files:
             _publish(inputs[name], files, pending, args)
@@ -345,36 +378,55 @@ def _decide(plan: dict[str, list[FileDiff]], args: argparse.Namespace) -> dict[s
     return accepted
 
 
+def _archive_members(
+    inputs: Inputs, files: list[str], pending: Path | None, args: argparse.Namespace
+) -> dict[str, bytes]:
+    """NAME's archive to pin: the pinned members with the accepted files replaced or added."""
+    members = fetch_members(inputs.store, inputs.pin(), f"pinned {inputs.name}")
+    for file_name in files:
+        members[file_name] = _new_bytes(file_name, pending, args)
+    return members
+
+
+def version_to_pin(inputs: Inputs, members: dict[str, bytes]) -> tuple[int, bool]:
+    """The version of NAME that pinning `members` pins, and whether the store holds it already.
+
+    The same files as a stored version (a change reverted after its goldens were published)
+    pin that version again instead of publishing a copy of it; else the newest version + 1 is
+    published. --dry-run asks this too, so it names the version that --accept pins.
+    """
+    data = archive.pack_members(members)
+    versions = inputs.store.versions(inputs.name)
+    for stored in sorted(versions, reverse=True):
+        same = upload_artifact.stored_with_same_files(inputs.store, inputs.name, stored, data)
+        if same is not None:
+            return stored, True
+    return max(versions, default=0) + 1, False
+
+
 def _publish(
     inputs: Inputs, files: list[str], pending: Path | None, args: argparse.Namespace
 ) -> None:
-    """NAME's next version: the pinned members with the accepted files replaced or added,
-    through the upload command (publish, pin, distdir)."""
-    name, pin = inputs.name, inputs.pin()
-    members = fetch_members(inputs.store, pin, f"pinned {name}")
-    for file_name in files:
-        members[file_name] = _new_bytes(file_name, pending, args)
-    # The same files as a stored version (a change reverted after its goldens were published):
-    # pin that version again instead of publishing a copy of it.
-    data = archive.pack_members(members)
-    version = "next"
-    for stored in sorted(inputs.store.versions(name), reverse=True):
-        same = upload_artifact.stored_with_same_files(inputs.store, name, stored, data)
-        if same is not None:
-            _progress(f"{name} version {stored} already holds these files: pinning it again")
-            version = str(stored)
-            break
+    """Pins NAME's archive of the accepted files through the upload command (publish, pin,
+    distdir): a stored version holding them, else the next version."""
+    name = inputs.name
+    members = _archive_members(inputs, files, pending, args)
+    version, stored = version_to_pin(inputs, members)
+    if stored:
+        _progress(f"{name} version {version} already holds these files: pinning it again")
     with tempfile.TemporaryDirectory(prefix="golden_update_") as scratch:
         paths = []
         for member, content in sorted(members.items()):
             (Path(scratch) / member).write_bytes(content)
             paths.append(str(Path(scratch) / member))
         forwarded = _forwarded_flags(args)
-        upload = ["upload", name, version, *paths, "--update-module", *forwarded]
+        upload = ["upload", name, str(version), *paths, "--update-module", *forwarded]
         code = upload_artifact.main(upload)
     if code != 0:
         raise UpdateError(f"publishing {name} failed (exit {code}, above)")
-    done = "published and pinned" if version == "next" else f"pinned version {version} of"
+    done = (
+        f"pinned version {version} of" if stored else f"published and pinned version {version} of"
+    )
     _progress(f"{done} {name}: {', '.join(files)}")
 
 

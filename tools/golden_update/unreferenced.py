@@ -9,7 +9,8 @@ version an earlier commit pinned, so any old commit still builds.
 
 Exit status: 0 nothing unread in the pinned archives (unpinned store versions are listed, not
 an error: they are the history); 1 a pinned archive holds files or cases no test reads; 2 bad
-input. CI runs the check as //tools/golden_update:unreferenced_test.
+input (one line on stderr: a MODULE.bazel that does not parse, a pinned archive whose bytes are
+not its pinned sha256). CI runs the check as //tools/golden_update:unreferenced_test.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from goldens import schema
-from goldens.artifacts import archive, stanza
+from goldens.artifacts import stanza
+from goldens.artifacts.extract import read_pinned
 from goldens.artifacts.store import ArchiveRef, LocalStore, ref_from_url
 from goldens.cli_files import OneLineParser, repo_root, user_path
 from goldens.record import case_specs
@@ -156,6 +158,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _read_pins(
+    module_file: Path, store: LocalStore
+) -> tuple[dict[str, stanza.GoldenPin], dict[str, dict[str, bytes]]]:
+    """MODULE.bazel's pins, and the files of each pinned archive the local store holds, each
+    archive checked against its pin's sha256 first (ChecksumMismatch names it and the fix)."""
+    if not module_file.is_file():
+        raise ValueError(f"--module-file {module_file} does not exist; point it at MODULE.bazel")
+    pins = stanza.parse(module_file.read_text(encoding="utf-8"))
+    pinned = {}
+    for pin in pins.values():
+        ref = ref_from_url(pin.url)
+        if ref is not None and store.path(ref).is_file():
+            pinned[pin.name] = read_pinned(store.path(ref), pin.sha256)
+    return pins, pinned
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -163,13 +181,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(stop.code or 0)
     store = LocalStore(user_path(args.artifacts_dir) if args.artifacts_dir else None)
     module_file = user_path(args.module_file) if args.module_file else repo_root() / "MODULE.bazel"
-    if not module_file.is_file():
-        print(
-            f"golden_unreferenced: error: --module-file {module_file} does not exist",
-            file=sys.stderr,
-        )
+    try:
+        pins, pinned = _read_pins(module_file, store)
+    # A MODULE.bazel that is missing or does not parse (StanzaError), a damaged pinned archive
+    # (ChecksumMismatch), one that cannot be read: bad input, reported before anything is done.
+    except (ValueError, OSError) as error:
+        print(f"golden_unreferenced: error: {error}", file=sys.stderr)
         return 2
-    pins = stanza.parse(module_file.read_text(encoding="utf-8"))
     pinned_now = {pin.sha256 for pin in pins.values()}
     repository = user_path(args.repository) if args.repository else repo_root()
     history = pinned_in_history(repository)
@@ -184,11 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             state = "never pinned"
         print(f"unpinned: {ref.relative_path} ({state})")
     problems = []
-    for pin in pins.values():
-        ref = ref_from_url(pin.url)
-        if ref is None or not store.path(ref).is_file():
-            continue
-        problems += unread_goldens(archive.unpack_members(store.path(ref).read_bytes()), pin.name)
+    for name, members in pinned.items():
+        problems += unread_goldens(members, name)
     for problem in problems:
         print(f"unread: {problem}")
     if args.delete:

@@ -106,6 +106,41 @@ def test_a_failed_upload_releases_the_versions_claim(s3_endpoint: str, s3_bucket
     assert publish(S3Store(s3_bucket, endpoint_url=s3_endpoint), "g", 1, V1_OTHER).published
 
 
+def test_an_interrupted_upload_releases_the_versions_claim(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    """Ctrl-C during the archive's PUT: the claim goes too, so the version stays free (a claim
+    left behind made a later publish of other bytes read "already published")."""
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint)
+
+    def interrupt(request: object, **_: object) -> None:
+        if getattr(request, "url", "").endswith(".tar.gz"):
+            raise KeyboardInterrupt
+
+    store._client.meta.events.register("before-send.s3.PutObject", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        publish(store, "g", 1, V1)
+    assert [key for key in _keys(s3_endpoint, s3_bucket) if key.startswith("artifacts/g/1/")] == []
+    assert publish(S3Store(s3_bucket, endpoint_url=s3_endpoint), "g", 1, V1_OTHER).published
+
+
+def test_a_claim_without_its_archive_is_refused_naming_the_claim(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    """A claim whose archive never arrived (a publisher killed before it could release it) is
+    not a published version: the refusal says so and names the claim to delete."""
+    claim = "artifacts/g/1/claim"
+    body = f"{archive.sha256_hex(V1)}\n".encode()
+    boto3.client("s3", endpoint_url=s3_endpoint).put_object(Bucket=s3_bucket, Key=claim, Body=body)
+    with pytest.raises(PublishRefused) as refused:
+        publish(S3Store(s3_bucket, endpoint_url=s3_endpoint), "g", 1, V1_OTHER)
+    message = str(refused.value)
+    assert "already published" not in message
+    assert f"claimed for sha256 {archive.sha256_hex(V1)} but holds no archive" in message
+    assert f"delete the claim s3://{s3_bucket}/{claim} and publish again" in message
+    assert _keys(s3_endpoint, s3_bucket) == [claim]
+
+
 def test_a_claim_released_while_claiming_asks_to_publish_again(
     s3_endpoint: str, s3_bucket: str
 ) -> None:

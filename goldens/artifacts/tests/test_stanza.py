@@ -1,4 +1,6 @@
 import difflib
+import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -164,12 +166,35 @@ def test_update_module_file_is_atomic_and_idempotent(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["MODULE.bazel"]
 
 
+def test_a_rename_that_fails_leaves_module_bazel_byte_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The promise that a crash never leaves MODULE.bazel half written: the new text goes to a
+    temporary file that one rename puts in place. With the rename failing, every byte of the
+    file is as it was and no temporary file is left beside it."""
+    module = tmp_path / "MODULE.bazel"
+    before = SAMPLE_MODULE.replace("\n", "\r\n").encode()  # bytes a text round trip would change
+    module.write_bytes(before)
+
+    def fail(source: object, target: object) -> None:
+        raise OSError(errno.EIO, "injected rename failure")
+
+    monkeypatch.setattr(os, "replace", fail)
+    monkeypatch.setattr(os, "rename", fail)
+    with pytest.raises(OSError, match="injected rename failure"):
+        stanza.update_module_file(module, PIN_A)
+    assert module.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["MODULE.bazel"]
+
+
 def test_distdir_fragment_has_one_sorted_folder_per_pinned_archive() -> None:
     pins = [
         PIN_B,
         GoldenPin("torch_llama_golden", SHA_A, PIN_A.url.replace("test_llama", "torch_llama")),
         GoldenPin("other", "d" * 64, "https://example.invalid/other.tar.gz"),  # not in the store
         GoldenPin("stale", SHA_B, PIN_A.url.replace("test_llama", "stale")),  # sha != URL's
+        # In the store layout, but on a host Bazel downloads from: no local folder needed.
+        GoldenPin("s3", SHA_A, f"https://b.s3.amazonaws.com/artifacts/s3/1/{SHA_A}/s3.tar.gz"),
     ]
     assert distdir.render(pins) == distdir.HEADER + (
         f"common --distdir=artifacts/test_llama_golden/3/{SHA_B}\n"

@@ -2,7 +2,6 @@
 
 import difflib
 import os
-import shutil
 import subprocess
 import urllib.error
 import urllib.request
@@ -14,7 +13,9 @@ from goldens.artifacts import archive, stanza
 from goldens.artifacts.sample_module import SAMPLE_MODULE
 from tools.artifacts.upload_artifact import main
 
-SCRIPT = Path(__file__).resolve().parents[2] / "upload-public-bazel-artifact.sh"
+# Beside this file's package, not resolved: under Bazel that is the runfiles tree, which holds
+# the script only as the target's data (resolving the symlink would find the source tree's).
+SCRIPT = Path(__file__).parents[2] / "upload-public-bazel-artifact.sh"
 
 
 def _repo_flags(repo: Path) -> list[str]:
@@ -265,6 +266,39 @@ def test_fetch_of_an_unpinned_name_is_bad_usage(
     assert code == 2 and "is not pinned" in err
 
 
+def test_update_module_with_a_store_elsewhere_is_exit_2_and_touches_nothing(
+    scratch_repo: Path, goldens: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The distdir fragment names artifacts/ beside MODULE.bazel: pinning an archive published
+    into another local store would pin one the repository does not have."""
+    elsewhere = tmp_path / "elsewhere"
+    flags = [f for f in _repo_flags(scratch_repo) if not f.startswith("--artifacts-dir")]
+    fragment = scratch_repo / "third_party" / "golden_distdir.bazelrc"
+    fragment.write_text("# as it was\n")
+    args = ["g", "1", str(goldens[0]), f"--artifacts-dir={elsewhere}", *flags, "--update-module"]
+    code, out, err = _run(capsys, *args)
+    assert code == 2 and out == ""
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert line.startswith(f"error: --update-module with --artifacts-dir={elsewhere}: "), err
+    assert f"--module-file={scratch_repo / 'MODULE.bazel'}" in line
+    assert (scratch_repo / "MODULE.bazel").read_text() == SAMPLE_MODULE
+    assert fragment.read_text() == "# as it was\n"
+    assert _store_files(scratch_repo) == [] and not elsewhere.exists()
+
+
+def test_verify_reports_a_stale_fragment(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = _repo_flags(scratch_repo)
+    assert _run(capsys, "g", "1", str(goldens[0]), *flags, "--update-module")[0] == 0
+    assert _run(capsys, "verify", *flags)[0] == 0
+    fragment = scratch_repo / "third_party" / "golden_distdir.bazelrc"
+    fragment.write_text(fragment.read_text().replace("/g/1/", "/g/2/"))
+    code, out, err = _run(capsys, "verify", *flags)
+    assert code == 1 and out == ""
+    assert f"error: {fragment} is stale; regenerate it: upload_artifact distdir" in err
+
+
 def test_distdir_check_reports_a_stale_fragment(
     scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -323,6 +357,29 @@ def test_an_s3_upload_is_public_read_and_pinned_after_an_anonymous_get(
     status, data = _anonymous_get(pin.url)
     assert status == 200 and archive.sha256_hex(data) == pin.sha256
     assert _anonymous_get(f"{s3_endpoint}/{s3_bucket}/artifacts/g/1/claim")[0] == 403
+
+
+def test_an_s3_pin_gets_no_distdir_line_and_verify_passes_without_a_local_copy(
+    s3_endpoint: str,
+    s3_bucket: str,
+    scratch_repo: Path,
+    goldens: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Bazel downloads an S3 pin over HTTP: the fragment names no local folder for it, and
+    verify (which .ci/run runs) passes, saying the pin is not in the local store."""
+    flags = _s3_pin_flags(scratch_repo, s3_endpoint, s3_bucket)
+    code, _, err = _run(capsys, "g", "1", str(goldens[0]), *flags)
+    assert code == 0, err
+    pin = stanza.parse((scratch_repo / "MODULE.bazel").read_text())["g"]
+    fragment = (scratch_repo / "third_party" / "golden_distdir.bazelrc").read_text()
+    assert "--distdir=" not in fragment
+    code, out, err = _run(capsys, "verify", *_repo_flags(scratch_repo))
+    assert code == 0, err
+    assert out.splitlines() == [
+        f"g 1: pinned at {pin.url}, not in the local store (fetched over HTTP)",
+        f"0 pinned archives match their sha256 in {scratch_repo / 'artifacts'}",
+    ]
 
 
 def test_an_object_nobody_may_read_is_exit_1_and_pins_nothing_until_it_is_public(
@@ -418,12 +475,10 @@ def test_an_unreachable_endpoint_is_exit_1_naming_the_connection(
     assert "Could not connect to the endpoint URL" in err.splitlines()[-1]
 
 
-@pytest.mark.skipif(
-    not SCRIPT.exists() or not shutil.which("bash"), reason="script not in runfiles"
-)
 def test_the_shell_wrapper_runs_from_the_callers_folder(
     scratch_repo: Path, goldens: list[Path]
 ) -> None:
+    assert SCRIPT.is_file(), f"{SCRIPT} is missing: cli_test needs it as data (BUILD.bazel)"
     result = subprocess.run(
         [
             str(SCRIPT),

@@ -462,6 +462,23 @@ def test_a_pinned_archive_missing_from_the_store_is_fetched_by_its_url(capsys, r
     assert "is not in the local store" in err
 
 
+@pytest.mark.parametrize("before", [None, "--from=3", f"--from={'a' * 64}", "--from=no/such"])
+def test_an_unreachable_store_is_one_line_exit_2_naming_the_endpoint(
+    capsys, repo: Path, base: Path, closed_port: int, fake_aws_credentials: None, before: str | None
+) -> None:
+    """Listing the store's versions and sha256s (for the pin, a version, a sha256, or the
+    message about an input that is none of them) goes through the same check as a download:
+    an S3 endpoint nobody listens on is bad input naming it, not a traceback (exit 1)."""
+    endpoint = f"http://127.0.0.1:{closed_port}"
+    store = [
+        "--bucket=goldens",
+        f"--endpoint-url={endpoint}",
+        f"--module-file={repo / 'MODULE.bazel'}",
+    ]
+    err = _error(capsys, OWN, *([before] if before else []), f"--to={base}", *store)
+    assert f"golden_diff: error: --from: listing on s3://goldens/artifacts at {endpoint}" in err
+
+
 def _sha_from_module(repo: Path) -> str:
     return stanza.parse((repo / "MODULE.bazel").read_text(encoding="utf-8"))[OWN].sha256
 

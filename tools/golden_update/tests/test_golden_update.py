@@ -7,6 +7,8 @@ distdir fragment are scratch copies, so every test checks what was published and
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -265,15 +267,72 @@ def test_a_pending_dir_holding_anything_else_is_refused_and_left_as_it_was(
     assert regenerate.calls == []
 
 
-def test_a_reverted_change_pins_the_earlier_version_again_and_publishes_nothing(repo: Path) -> None:
+def test_a_reverted_change_pins_the_earlier_version_again_and_publishes_nothing(
+    repo: Path, capsys
+) -> None:
     assert (
         golden_update.main(["--accept", "--no-test", *_flags(repo)], _regenerating(_moved())) == 0
     )
     assert _pins(repo)["test_llama_golden"] == 2
     stored = _store(repo)
+    # The dry run names the version --accept pins (it said max + 1, 3, for a version it reuses).
+    assert golden_update.main(["--dry-run", *_flags(repo)], _regenerating(BASE)) == 0
+    (dry,) = re.findall(
+        r"would (?:publish|pin) test_llama_golden version (\d+)", capsys.readouterr().out
+    )
     assert golden_update.main(["--accept", "--no-test", *_flags(repo)], _regenerating(BASE)) == 0
     assert _pins(repo)["test_llama_golden"] == 1  # version 1 holds these files
+    assert int(dry) == 1
     assert _store(repo) == stored  # nothing new in the store
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--store=s3"], "--store=s3 needs --bucket=NAME"),
+        (["--endpoint-url=http://127.0.0.1:{port}"], "--bucket/--endpoint-url need --store=s3"),
+        (["--bucket=goldens", "--endpoint-url=http://127.0.0.1:{port}"], "http://127.0.0.1:{port}"),
+    ],
+)
+def test_bad_store_flags_and_an_unreachable_store_are_one_line_exit_2(
+    flags: list[str],
+    named: str,
+    repo: Path,
+    closed_port: int,
+    fake_aws_credentials: None,
+    capsys,
+) -> None:
+    """A store flag store_from_args refuses, or an S3 endpoint nobody listens on, exits 2 with
+    one line naming it (they were a traceback, exit 1), before anything is regenerated."""
+    regenerate = _regenerating(_moved())
+    store_flags = [flag.format(port=closed_port) for flag in flags]
+    assert golden_update.main(["--dry-run", *_flags(repo), *store_flags], regenerate) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("golden_update: error: ") and err.count("\n") == 1, err
+    assert named.format(port=closed_port) in err
+    assert regenerate.calls == []
+
+
+def test_a_store_elsewhere_than_beside_module_bazel_is_refused_before_anything_is_done(
+    repo: Path, tmp_path: Path, capsys
+) -> None:
+    """golden_update pins what it publishes, and the distdir fragment names artifacts/ beside
+    MODULE.bazel: a pin of an archive published elsewhere would name one Bazel cannot find."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(repo / "artifacts", elsewhere)
+    fragment = repo / "third_party" / "golden_distdir.bazelrc"
+    before = (repo / "MODULE.bazel").read_bytes(), fragment.read_bytes(), _store(repo)
+    elsewhere_before = sorted(p.relative_to(elsewhere) for p in elsewhere.rglob("*"))
+    flags = [f for f in _flags(repo) if not f.startswith("--artifacts-dir")]
+    regenerate = _regenerating(_moved())
+    args = ["--accept", "--no-test", f"--artifacts-dir={elsewhere}", *flags]
+    assert golden_update.main(args, regenerate) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--artifacts-dir={elsewhere}" in err
+    assert f"--module-file={repo / 'MODULE.bazel'}" in err
+    assert ((repo / "MODULE.bazel").read_bytes(), fragment.read_bytes(), _store(repo)) == before
+    assert sorted(p.relative_to(elsewhere) for p in elsewhere.rglob("*")) == elsewhere_before
+    assert regenerate.calls == []
 
 
 def test_the_ggml_goldens_are_regenerated_beside_the_eager_ones(tmp_path, monkeypatch) -> None:

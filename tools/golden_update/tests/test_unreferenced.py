@@ -109,3 +109,63 @@ def test_delete_removes_only_versions_no_commit_ever_pinned(tmp_path: Path, caps
     assert unreferenced.main([*flags, "--delete"]) == 2
     assert "a shallow clone: git fetch --unshallow" in capsys.readouterr().err
     assert sorted(p.name for p in (shallow / "artifacts" / "g").iterdir()) == ["1", "2"]
+
+
+def _pinned_repo(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A scratch repository pinning archive g (one read golden); its flags."""
+    repo = tmp_path / "repo"
+    (repo / "third_party").mkdir(parents=True)
+    (repo / "MODULE.bazel").write_text(SAMPLE_MODULE)
+    golden = tmp_path / "tinyllama_float32_all_golden.json"
+    golden.write_bytes(_golden("tinyllama", "float32", SHORT))
+    upload = [
+        "upload",
+        "g",
+        "1",
+        str(golden),
+        "--update-module",
+        f"--artifacts-dir={repo / 'artifacts'}",
+        f"--module-file={repo / 'MODULE.bazel'}",
+        f"--distdir-bazelrc={repo / 'third_party' / 'golden_distdir.bazelrc'}",
+    ]
+    assert upload_artifact.main(upload) == 0
+    flags = [
+        f"--artifacts-dir={repo / 'artifacts'}",
+        f"--module-file={repo / 'MODULE.bazel'}",
+        "--repository=/nonexistent",
+    ]
+    return repo, flags
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b"not an archive",
+        # Another golden archive: it unpacks, and was read as if it were the pinned one.
+        archive.pack_members({"tinyllama_q8_0_all_golden.json": _golden("tinyllama", "q8_0", [])}),
+    ],
+)
+def test_a_damaged_pinned_archive_is_one_line_exit_2_naming_it(
+    damage: bytes, tmp_path: Path, capsys
+) -> None:
+    repo, flags = _pinned_repo(tmp_path)
+    assert unreferenced.main(flags) == 0
+    capsys.readouterr()
+    (pinned,) = (repo / "artifacts").rglob("*.tar.gz")
+    pinned.write_bytes(damage)
+    assert unreferenced.main(flags) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"golden_unreferenced: error: checksum mismatch: {pinned} has")
+
+
+def test_a_module_file_that_does_not_parse_is_one_line_exit_2(tmp_path: Path, capsys) -> None:
+    repo, flags = _pinned_repo(tmp_path)
+    module = repo / "MODULE.bazel"
+    module.write_text(module.read_text() + "http_archive(\n")
+    line = module.read_text().count("\n")
+    capsys.readouterr()
+    assert unreferenced.main(flags) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"golden_unreferenced: error: MODULE.bazel line {line}: ")
