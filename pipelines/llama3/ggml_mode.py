@@ -13,7 +13,8 @@ fewer instructions to unpack), in kernels/ggml_dot.c (whose header gives each ru
     GgmlRMSNorm      RMSNorm with ggml's double sum of squares
     GgmlFeedForward  SwiGLU with ggml's SiLU (its AVX2 expf algorithm, lane by lane)
     GgmlAttention    rope, cache writes and attention in one call, prefill and decode:
-                     ggml's rotation and softmax (expf as above, the sum in double)
+                     ggml's rotation and softmax (expf as above, the sum in double, in
+                     an order of its own)
     rope_tables      ggml's rope angles: float32, multiplied up pair by pair
     FusedDecode      a decode step through every layer in one kernel call
     GgmlTransformer  the model with ggml's rope tables and the fused decode step
@@ -22,8 +23,9 @@ The rest is the quantized mode's structure (packed.py: the fused q/k/v and gate/
 the embedding lookups). Every kernel build computes the same bits (plain C, AVX2, AVX-512
 VNNI) and nothing in front of a quantizer is left to torch's kernel level, so this mode's
 goldens hold on any x86 CPU. What is not ggml's to the bit: the lane order of the
-attention's float32 dot products; where llama.cpp still differs, docs/goldens.md says
-("The ggml mode").
+attention's float32 dot products, and the softmax's sum (ggml adds each 8 exponentials in
+float first, and takes a row's last n mod 8 from libm's expf); where llama.cpp still differs,
+docs/goldens.md says ("The ggml mode").
 
 Float weights (F32, BF16) and NVFP4 stay float, as in the quantized mode: ggml's
 vec_dot_type for F32 is F32, and this mode transcribes no other.
@@ -253,9 +255,9 @@ def rope_tables(
 
 class GgmlAttention(packed.PackedAttention):
     """The fused q/k/v product, then rotation, cache writes and attention in one kernel call
-    (ggml_attention: ggml's softmax, the same bits on every build), prefill and decode alike,
-    for one sequence with float32 caches; anything else (batches, an explicit mask, other
-    dtypes) takes PackedAttention's path."""
+    (ggml_attention: ggml's softmax but for its sum's order, the same bits on every build),
+    prefill and decode alike, for one sequence with float32 caches; anything else (batches, an
+    explicit mask, other dtypes) takes PackedAttention's path."""
 
     def __init__(self, config, wqkv: GgmlLinear, wo: nn.Module) -> None:
         super().__init__(config, wqkv, wo)

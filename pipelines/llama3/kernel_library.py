@@ -13,10 +13,12 @@ Bazel builds the sources four times (kernels/BUILD.bazel), for four instruction 
 Every build of ggml_dot.c computes the same bits (its header says how); packed_gemm.c's
 builds differ in summation order only. $LLAMA_GOLDENS_KERNELS names one build instead; a
 name the CPU cannot run (by its /proc/cpuinfo flags) is refused rather than left to crash on
-an illegal instruction. Nothing is compiled at run time: the libraries come from Bazel's
-runfiles (a data dependency of //pipelines/llama3, next to this file), else from
-$LLAMA_GOLDENS_KERNEL_DIR, else from the checkout's bazel-bin/pipelines/llama3/kernels/
-(plain pytest, after `./bazelw build //pipelines/llama3/kernels`).
+an illegal instruction. Nothing is compiled at run time: the libraries come from the folder
+$LLAMA_GOLDENS_KERNEL_DIR names where it is set, else from Bazel's runfiles (a data dependency
+of //pipelines/llama3, next to this file), else from the checkout's
+bazel-bin/pipelines/llama3/kernels/ (plain pytest, after `./bazelw build
+//pipelines/llama3/kernels`). Outside the runfiles, a library whose folder's kernels.sha256
+is not the hash of the checkout's sources is refused (_check_fresh).
 """
 
 from __future__ import annotations
@@ -104,12 +106,17 @@ def _locate(isa: str) -> pathlib.Path:
     configured = os.environ.get(DIRECTORY_ENV)
     if configured:
         path = pathlib.Path(configured) / name
-        if path.is_file():
-            return path
-        raise KernelUnavailable(
-            f"${DIRECTORY_ENV}={configured} holds no {name}: build the kernels with "
-            f"`{BUILD_COMMAND}` (they land in bazel-bin/pipelines/llama3/kernels/)"
+        if not path.is_file():
+            raise KernelUnavailable(
+                f"${DIRECTORY_ENV}={configured} holds no {name}: build the kernels with "
+                f"`{BUILD_COMMAND}` (they land in bazel-bin/pipelines/llama3/kernels/)"
+            )
+        _check_fresh(
+            path,
+            f" (it builds bazel-bin/pipelines/llama3/kernels/; ${DIRECTORY_ENV}={configured} "
+            "named this folder)",
         )
+        return path
     beside = _HERE / "kernels" / name  # Bazel's runfiles mirror the source tree
     if beside.is_file():
         return beside
@@ -124,9 +131,13 @@ def _locate(isa: str) -> pathlib.Path:
     return built
 
 
-def _check_fresh(built: pathlib.Path) -> None:
-    """A bazel-bin library built from other versions of the sources is refused: plain
-    pytest would otherwise test the old kernels after an edit to a source."""
+def _check_fresh(built: pathlib.Path, hint: str = "") -> None:
+    """A library outside the runfiles (bazel-bin's, or the folder $LLAMA_GOLDENS_KERNEL_DIR
+    names) built from other versions of the sources is refused: plain pytest would otherwise
+    test the old kernels after an edit to a source. The stamp is the folder's kernels.sha256,
+    which Bazel writes beside the libraries (kernels/BUILD.bazel, :source_hash): the sha256 of
+    SOURCES' bytes, one after the other. A folder without one (libraries built by hand, such
+    as a planted bug's) and a tree without the sources are taken as they are."""
     stamp = built.parent / "kernels.sha256"
     if not (all(source.is_file() for source in SOURCES) and stamp.is_file()):
         return
@@ -134,7 +145,7 @@ def _check_fresh(built: pathlib.Path) -> None:
     if stamp.read_text().strip() != digest:
         names = ", ".join(source.name for source in SOURCES)
         raise KernelUnavailable(
-            f"{built} was built from other versions of {names}: run `{BUILD_COMMAND}`"
+            f"{built} was built from other versions of {names}: run `{BUILD_COMMAND}`{hint}"
         )
 
 

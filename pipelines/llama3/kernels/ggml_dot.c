@@ -24,7 +24,9 @@
  * Every build computes the same bits: the AVX2 build with maddubs/madd, the AVX-512 VNNI
  * build with dpbusd for the same integer sums, the portable build with scalar loops and
  * fmaf for the same roundings. So a result depends neither on the CPU nor on the thread
- * count (each output is one row's dot product, whoever computes it).
+ * count (each output is one row's dot product, whoever computes it). The quantizers and
+ * products of every build are compared with Debian's libggml 0.27.0 itself (its
+ * libggml-cpu-haswell.so), bit for bit: pipelines/llama3/tests/test_ggml_known_answer.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -844,7 +846,11 @@ static void ggml_exp_shifted(float *x, int64_t n, float max) {
 
 /* sums[r] = the n values of row r of x (rows `stride` apart) added in double in order, for
  * r < rows: one addition at a time per row, the rows' chains interleaved (an addition's
- * latency, not its throughput, bounds one row alone). */
+ * latency, not its throughput, bounds one row alone). Not ggml's order: its AVX2
+ * ggml_vec_soft_max_f32 first adds each 8 exponentials in float (hsum_float_8's order; its
+ * AVX-512 builds each 16, _mm512_reduce_add_ps) and adds that float to the double sum, and
+ * takes the last n mod 8 exponentials from libm's expf (docs/goldens.md, "Where llama.cpp
+ * still differs"). Kept: the ggml goldens were made with this order. */
 static void sums_in_double(const float *x, int64_t stride, int64_t rows, int64_t n,
                            double *sums) {
   int64_t r = 0;
@@ -910,10 +916,12 @@ void ggml_swiglu_rows(const float *gu, int64_t rows, int64_t hidden, float *out)
 }
 
 /* --- attention ----------------------------------------------------------------------------
- * Grouped-query attention with ggml's arithmetic (llama.cpp without flash attention, float32
- * caches): scores q . k_j over eight lanes (one FMA per value, lanes summed as above), times
- * `scale`; softmax as ggml's soft_max: the maximum, exp(s - max) by ggml_expf, their sum in
- * double, each probability times (float)(1 / sum); out = sum_j p_j v_j, one FMA per j in order.
+ * Grouped-query attention after ggml's (llama.cpp without flash attention, float32 caches):
+ * scores q . k_j over eight lanes (one FMA per value, lanes summed as above), times `scale`;
+ * softmax: the maximum, exp(s - max) by ggml_expf, their sum in double, each probability
+ * times (float)(1 / sum), as ggml's soft_max, except the sum's order and the last n mod 8
+ * exponentials (sums_in_double says how; the factor differed in 677 of 2,000 rows measured);
+ * out = sum_j p_j v_j, one FMA per j in order.
  * The same bits on every build and thread count, for prefill and decode alike: torch's SDPA,
  * whose order depends on the CPU's kernel level, would let an 8-bit quantization downstream
  * flip on one machine and not another. */

@@ -176,8 +176,9 @@ def test_under_bazel_the_libraries_come_from_runfiles() -> None:
 
 
 def test_a_missing_or_stale_library_says_how_to_build_it(tmp_path, monkeypatch) -> None:
-    """Outside Bazel the libraries come from bazel-bin: absent, or built from another
-    version of the sources, they are refused with the command that builds them."""
+    """Outside Bazel the libraries come from bazel-bin, or from the folder
+    $LLAMA_GOLDENS_KERNEL_DIR names: absent, or built from another version of the sources
+    (the folder's kernels.sha256), they are refused with the command that builds them."""
     monkeypatch.delenv(kernel_library.DIRECTORY_ENV, raising=False)
     source = tmp_path / "pipelines" / "llama3" / "kernels" / "packed_gemm.c"
     source.parent.mkdir(parents=True)
@@ -198,14 +199,35 @@ def test_a_missing_or_stale_library_says_how_to_build_it(tmp_path, monkeypatch) 
     (bazel_bin / "kernels.sha256").write_text("0" * 64 + "\n")
     with pytest.raises(kernel_library.KernelUnavailable, match="other versions of packed_gemm"):
         kernel_library._locate("portable")
-    (bazel_bin / "kernels.sha256").write_text(
+    fresh = (
         hashlib.sha256(source.read_bytes() + other.read_bytes() + header.read_bytes()).hexdigest()
         + "\n"
     )
+    (bazel_bin / "kernels.sha256").write_text(fresh)
     assert kernel_library._locate("portable") == bazel_bin / "packed_gemm_portable.so"
     monkeypatch.setenv(kernel_library.DIRECTORY_ENV, str(tmp_path))
     with pytest.raises(kernel_library.KernelUnavailable, match="LLAMA_GOLDENS_KERNEL_DIR="):
         kernel_library._locate("portable")
+    # A configured folder gets the same check as bazel-bin: a stale stamp is refused, with the
+    # build command and the variable that named the folder.
+    configured = tmp_path / "configured"
+    configured.mkdir()
+    (configured / "packed_gemm_portable.so").write_bytes(b"")
+    (configured / "kernels.sha256").write_text("0" * 64 + "\n")
+    monkeypatch.setenv(kernel_library.DIRECTORY_ENV, str(configured))
+    with pytest.raises(kernel_library.KernelUnavailable) as error:
+        kernel_library._locate("portable")
+    assert str(error.value) == (
+        f"{configured / 'packed_gemm_portable.so'} was built from other versions of "
+        "packed_gemm.c, ggml_dot.c, half.h: run `./bazelw build //pipelines/llama3/kernels` (it "
+        f"builds bazel-bin/pipelines/llama3/kernels/; $LLAMA_GOLDENS_KERNEL_DIR={configured} "
+        "named this folder)"
+    )
+    (configured / "kernels.sha256").write_text(fresh)
+    assert kernel_library._locate("portable") == configured / "packed_gemm_portable.so"
+    # Without a stamp (libraries built by hand, a planted bug's) the folder is taken as it is.
+    (configured / "kernels.sha256").unlink()
+    assert kernel_library._locate("portable") == configured / "packed_gemm_portable.so"
 
 
 @pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
