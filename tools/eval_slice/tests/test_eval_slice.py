@@ -68,7 +68,15 @@ def _nearest_percentile(sorted_values, fraction):  # no interpolation
     return float(sorted_values[round(fraction * (len(sorted_values) - 1))])
 
 
+def _error_over_n(values):  # the standard error's variance over N, not N - 1
+    n = len(values)
+    mean = float(values.mean())
+    variance = float((values.astype("float64") ** 2).mean()) - mean * mean
+    return mean, (variance / n) ** 0.5 if n > 10 and variance > 0 else 0.0
+
+
 PLANTS = {
+    "error_over_n": ("mean_and_error", _error_over_n),
     "targets_off_by_one": ("targets", _off_by_one_targets),
     "kl_reversed": ("kl_divergence", _reversed_kl),
     "no_log_softmax": ("log_probs", _unnormalized),
