@@ -37,11 +37,19 @@ def pytest_test(name, srcs, deps = [], data = [], args = [], env = {}, tags = []
         # from the heap, kept for the next (MALLOC_TRIM_THRESHOLD_: up to 128 MiB of freed
         # heap top). Measured on a 128k-entry row (AMD EPYC, 1 thread): a golden step's
         # comparison 3.2 -> 0.9 ms, logsumexp 1.3 -> 0.45 ms. Allocation only, same numbers.
+        #
+        # The compiled mode: inductor checks each vector ISA the CPU's flags list by building
+        # a probe and loading it in a child Python, four ISAs on an AVX-512 machine, in
+        # every process that compiles (~5 s of a test process on 2 busy cores). With
+        # TORCHINDUCTOR_VEC_ISA_OK=1 it takes the CPU's flags as they are: the same ISAs and
+        # the same pick on this Intel Xeon and under ATEN_CPU_CAPABILITY=avx2 and default; a
+        # compiler that cannot build one fails the compile instead of silently falling back.
         env = {
             "MALLOC_MMAP_THRESHOLD_": "67108864",
             "MALLOC_TRIM_THRESHOLD_": "134217728",
             "OMP_NUM_THREADS": "1",
             "OMP_WAIT_POLICY": "passive",
+            "TORCHINDUCTOR_VEC_ISA_OK": "1",
         } | env,
         # Not sandboxed (still cached, still remotely executable): Python can then keep the
         # bytecode of torch and the other pip packages in the runfiles tree between runs
