@@ -9,14 +9,18 @@ llama-perplexity runs with --no-repack: its CPU kernels, not the weights repacke
 the CPU (on an Intel Xeon with AMX its default ran the batched products on AMX tiles, and the
 Q8_0 member's 99th-percentile KLD differed from the engine's by 11%, Q4_1's mean KLD by 6.8%,
 past the bounds). The bounds, from the measured gaps on the 2-chunk slice (Intel Xeon,
-llama.cpp's AVX-512 backend; the engine's ggml mode computes the same bits on every CPU,
-llama.cpp's backends for other CPUs were not measured, hence bounds of twice the gaps): llama.cpp
-stores the base's log-probabilities in 16 bits (~1e-4 nats) and its batched kernels round
-some activations differently, so a member's PPL differs by up to 0.74% (Q4_1), its mean KLD
-by up to 3.1% (Q4_1), its 99th-percentile KLD by up to 4.7% (Q4_1), its same-top rate by up to
-0.8 points (Q4_1); the bounds are about twice those. The base's PPL (float32, eager) agrees to
-1e-5 of its value. A scoring bug moves these figures by far more (the planted bugs of
-test_eval_slice.py: perplexity by orders of magnitude, KLD by 12% and more).
+2026-12-05, llama.cpp's sapphirerapids backend and, in a private mount namespace, its haswell
+(AVX2) backend alone; the engine's ggml mode computes the same bits on every CPU; llama.cpp's
+backends for other CPUs were not measured, hence bounds of about twice the largest gap):
+llama.cpp stores the base's log-probabilities in 16 bits (~1e-4 nats) and its batched kernels
+round some activations differently, so a member's figures differ by up to: PPL 0.74% and its
+error 0.73% (Q4_1, sapphirerapids), mean KLD 3.1% (Q4_1) and its error 3.6% (Q4_0), the
+99th-percentile KLD 8.7% (Q4_0, haswell; 7.1% on sapphirerapids), the 99.9th 14% (Q8_0 and
+Q4_1, haswell), the maximum 28% (Q8_0, haswell: one token of 510), the same-top rate 0.8
+points (Q4_1). Every figure the README's table shows side by side is compared. The base's
+PPL (float32, eager) agrees to 1e-5 of its value. A scoring bug moves these figures by far
+more (the planted bugs of test_eval_slice.py: perplexity by orders of magnitude, KLD by 12%
+and more).
 """
 
 from __future__ import annotations
@@ -34,7 +38,15 @@ from tools.eval_slice import eval_slice
 from tools.eval_slice.tests.conftest import CHUNKS
 
 REQUIRE_ENV = "CI_REQUIRE_LLAMA_CPP"
-BOUNDS = {"ppl": 0.015, "kld_mean": 0.06, "kld_p99": 0.10}  # relative
+BOUNDS = {  # relative
+    "ppl": 0.015,
+    "ppl_err": 0.015,
+    "kld_mean": 0.06,
+    "kld_err": 0.075,
+    "kld_p99": 0.175,
+    "kld_p999": 0.28,
+    "kld_max": 0.6,
+}
 SAME_TOP_POINTS = 0.015
 BASE_PPL = 1e-5
 
