@@ -14,6 +14,7 @@ Type ids and block sizes come from gguf-py's constants; only the wire layout liv
 """
 
 import dataclasses
+import math
 import mmap
 import os
 import pathlib
@@ -80,14 +81,15 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 def tensor_nbytes(shape: tuple[int, ...], tensor_type: GGMLQuantizationType) -> int:
-    """Bytes a tensor of `shape` (numpy order) takes in `tensor_type`."""
+    """Bytes a tensor of `shape` (numpy order) takes in `tensor_type`: in Python integers, so
+    a damaged dimension makes a huge count (past the file's end, refused) and never one that
+    wrapped around 64 bits to a small or negative one."""
     block_size, type_size = GGML_QUANT_SIZES[tensor_type]
-    n_elements = int(np.prod(shape, dtype=np.int64))
-    return n_elements // block_size * type_size
+    return math.prod(int(d) for d in shape) // block_size * type_size
 
 
 class GGUFFile:

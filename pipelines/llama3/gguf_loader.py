@@ -132,6 +132,12 @@ def read_config(reader: GGUFFile, path: str | os.PathLike) -> LlamaConfig:
         raise CheckpointError(
             path, f"head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
         )
+    if freq_factors is not None and len(freq_factors) != config.head_dim // 2:
+        raise CheckpointError(  # llama.cpp refuses it too (check_tensor_dims)
+            path,
+            f"tensor {ROPE_FREQS_TENSOR!r} holds {len(freq_factors)} factors; a head of "
+            f"{config.head_dim} dimensions rotates {config.head_dim // 2} pairs",
+        )
     return config
 
 

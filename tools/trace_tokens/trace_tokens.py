@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
     if args.json is not None and not args.json.parent.is_dir():
         parser.error(f"--json={args.json}: {args.json.parent} does not exist")
+    if args.json is not None and args.json.is_dir():  # found before both runs, not after
+        parser.error(f"--json={args.json} is a directory; name the file to write")
     against_gguf = args.against_gguf or args.gguf
     against_mode = args.against_mode or args.mode
     against_dtype = args.against_dtype or args.dtype

@@ -174,21 +174,40 @@ def _value_offset(key: str) -> int:
     return layout().data.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key) + 4
 
 
+def _first_dimension_offset(tensor: str) -> int:
+    """Where a tensor's first dimension (GGUF's ne[0], a u64) starts in the tensor index:
+    after the name's length, the name and the count of dimensions."""
+    entry = struct.pack("<Q", len(tensor)) + tensor.encode()
+    return layout().data.index(entry) + len(entry) + 4
+
+
 @fuzz_settings(40)
 @given(changes=mutations)
 @example(changes=[(_value_offset("llama.attention.head_count"), b"\x00")])
 @example(changes=[(_value_offset("llama.attention.head_count_kv"), b"\x00")])
 @example(changes=[(_value_offset("llama.block_count") + 3, b"\x10")])
 @example(changes=[(7822891, b"\x17")])  # a tensor name length: a 1 MB name
+@example(changes=[(_first_dimension_offset("rope_freqs.weight") + 7, b"\x80")])
 def test_mutated_metadata_loads_or_raises_checkpoint_error(
     tmp_dir: pathlib.Path, changes: list[tuple[int, bytes]]
 ):
-    """Parser, config and weights: the loader's checks of the values it reads. The four
-    examples are the bugs this property found (head_count 0 and head_count_kv 0 divided by
+    """Parser, config and weights: the loader's checks of the values it reads. The examples
+    are the bugs this property and an audit found (head_count 0 and head_count_kv 0 divided by
     zero, a huge block_count built names for 268M layers before checking any tensor, a damaged
-    tensor-name length put a megabyte of binary with newlines into the error message)."""
+    tensor-name length put a megabyte of binary with newlines into the error message; a
+    dimension of 2**63 and more wrapped the byte count negative in int64, past the end-of-file
+    check, into reshape's TypeError)."""
     with time_limit(), damaged_copy(tmp_dir, _mutated(changes)) as path:
         assert_loads_or_refuses(path)
+
+
+def test_rope_factors_for_another_head_size_are_refused_at_load(tmp_dir: pathlib.Path) -> None:
+    """rope_freqs with 4 factors where the head rotates 8 pairs: loaded without a word, the
+    first forward raised the rope's RuntimeError (llama.cpp names it: check_tensor_dims)."""
+    changes = [(_first_dimension_offset("rope_freqs.weight"), b"\x04")]
+    with damaged_copy(tmp_dir, _mutated(changes)) as path:
+        with pytest.raises(CheckpointError, match="holds 4 factors; a head of 16 dimensions"):
+            read_config(GGUFFile(path), path)
 
 
 # -- each property fails on a planted bug --------------------------------------------------

@@ -87,6 +87,7 @@ def test_the_quantized_kernels_against_eager_move_only_by_summation_order(files,
         ([f"--gguf={TINY_128K}", "--against-gguf=F32"], "not --gguf's 128256"),
         (["--gguf=F32", "--max-new-tokens=0"], "must be at least 1"),
         (["--gguf=F32", "--json=/nonexistent/steps.json"], "/nonexistent does not exist"),
+        (["--gguf=F32", "--json=/tmp"], "--json=/tmp is a directory"),
     ],
 )
 def test_bad_input_exits_2_naming_it(args, message, files, capsys) -> None:
