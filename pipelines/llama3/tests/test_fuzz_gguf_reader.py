@@ -205,9 +205,9 @@ def test_rope_factors_for_another_head_size_are_refused_at_load(tmp_dir: pathlib
     """rope_freqs with 4 factors where the head rotates 8 pairs: loaded without a word, the
     first forward raised the rope's RuntimeError (llama.cpp names it: check_tensor_dims)."""
     changes = [(_first_dimension_offset("rope_freqs.weight"), b"\x04")]
-    with damaged_copy(tmp_dir, _mutated(changes)) as path:
-        with pytest.raises(CheckpointError, match="holds 4 factors; a head of 16 dimensions"):
-            read_config(GGUFFile(path), path)
+    refused = pytest.raises(CheckpointError, match="holds 4 factors; a head of 16 dimensions")
+    with damaged_copy(tmp_dir, _mutated(changes)) as path, refused:
+        read_config(GGUFFile(path), path)
 
 
 # -- each property fails on a planted bug --------------------------------------------------
