@@ -325,6 +325,41 @@ def test_served_speculation_gives_the_same_tokens(engine, k, capsys) -> None:
     assert sum(stats.accepted) > 0 and rejected > 0 and bonus > 0, stats
 
 
+class _PreemptKeepsProposal(ServingEngine):
+    """Planted: a preempted sequence keeps its pending proposal, which its recomputation then
+    verifies against positions it no longer holds."""
+
+    def _preempt(self, seq, running, waiting) -> None:
+        proposal = seq.proposal
+        super()._preempt(seq, running, waiting)
+        seq.proposal = proposal
+
+
+@pytest.mark.parametrize(
+    "serving_class", [ServingEngine, _PreemptKeepsProposal], ids=["engine", "keeps_proposal"]
+)
+def test_served_speculation_under_preemption_and_chunked_prefill(engine, serving_class) -> None:
+    """Speculating requests in a pool of 8 blocks of 4 with prompts in chunks of 3: sequences
+    are preempted (asserted) and recomputed mid-speculation, and every request still gets
+    generate's tokens; the planted proposal kept across a preemption fails. (The other served
+    speculation tests have pools large enough that nothing is preempted.)"""
+    try:
+        _, references, results, serving = _served(
+            engine, 4, serving_class, block_size=4, num_blocks=8, chunk_size=3
+        )
+    except (ValueError, RuntimeError, IndexError, TypeError) as error:
+        assert serving_class is not ServingEngine, error
+        return
+    mismatched, total = [], speculative.Stats()
+    for i, reference in enumerate(references):
+        _tally(PROMPTS[i], results[str(i)].output, reference, mismatched, total)
+    if serving_class is ServingEngine:
+        assert serving.preemptions > 0, "nothing was preempted: the path is not taken"
+        assert not mismatched, mismatched
+    else:
+        assert mismatched, "the planted proposal kept across a preemption passed"
+
+
 def test_served_sampled_speculation_draws_the_same_tokens(engine) -> None:
     prompts, references, results, _ = _served(engine, 4, sampler=SAMPLER, block_size=4)
     for i, (prompt, reference) in enumerate(zip(prompts, references, strict=True)):

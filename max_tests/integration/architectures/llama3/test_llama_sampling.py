@@ -271,7 +271,7 @@ def test_planted_sampler_bugs_fail_the_sampling_goldens(goldens, monkeypatch, ca
 # and the greedy continuations drafted by a model (each proposal masked, the matcher rolled
 # back). One is test_constrained's alone: draft_unmasked, a greedy draft proposing from its
 # unmasked logits, whose refused proposals the verification cuts (the same tokens: only a
-# sampling draft's distribution shows it, which its G-test checks).
+# draft's proposal distribution shows it, which its draft check holds inside the mask).
 CONSTRAINT_PLANTS = (
     "eos_before_complete",
     "eos_never",
