@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipelines.llama3 import constrained, sampling, speculative
+from pipelines.llama3 import constrained, sampling, serving, speculative
 from pipelines.llama3.decoder import Decoder
 
 
@@ -71,6 +71,22 @@ def _no_rollback(monkeypatch) -> None:
     monkeypatch.setattr(constrained, "rollback_proposals", lambda matcher, taken: None)
 
 
+def _served_proposals_kept(monkeypatch) -> None:
+    """The serving engine's proposals are not rolled back out of the matcher (generate's are):
+    a divergence of the served path that only a constrained, speculating serving sees."""
+    real = serving.ServingEngine._propose
+
+    def _propose(self, seq):
+        rollback = constrained.rollback_proposals
+        constrained.rollback_proposals = lambda matcher, taken: None
+        try:
+            return real(self, seq)
+        finally:
+            constrained.rollback_proposals = rollback
+
+    monkeypatch.setattr(serving.ServingEngine, "_propose", _propose)
+
+
 def _draft_unmasked(monkeypatch) -> None:
     """The draft proposes from its unmasked distribution (the verification still masks)."""
     monkeypatch.setattr(
@@ -85,5 +101,6 @@ MUTATIONS = {
     "mask_after_sampling": _mask_after_sampling,
     "another_requests_mask": _shared_mask,
     "state_not_rolled_back": _no_rollback,
+    "served_proposals_kept": _served_proposals_kept,
     "draft_unmasked": _draft_unmasked,
 }

@@ -17,13 +17,15 @@
   masking is computed and printed (>= 0.999).
 - Every path: the serving engine gives each request of a ragged batch its own mask (tokens and
   masks equal to its solo `generate`) in the batch, chunked, prefix-cache and preempting
-  scenarios (the last must preempt), in the eager, quantized and ggml modes; speculative
-  decoding (n-gram, model and sampling drafts) keeps greedy constrained tokens and masks
-  exactly, the drafts masked too.
+  scenarios (the last must preempt), and speculating with a model draft (K = 4) in a batch and
+  under preemption, in the eager, quantized and ggml modes; speculative decoding (n-gram,
+  model and sampling drafts) keeps greedy constrained tokens and masks exactly, the drafts
+  masked too.
 - Planted (MUTATIONS), each FAILS the check it exists for (CAUGHT_BY): an end of sequence
   allowed before the text is complete, or never; the mask applied after sampling; another
-  request's mask in a ragged batch; the state not rolled back after draft proposals; one token
-  id off; a sampling draft proposing from its unmasked distribution (the q it reports then not
+  request's mask in a ragged batch; the state not rolled back after draft proposals, and
+  not rolled back after the serving engine's proposals only (generate's are); one token id
+  off; a sampling draft proposing from its unmasked distribution (the q it reports then not
   the one it drew from, which the rejection sampler's exactness needs).
 """
 
@@ -424,7 +426,13 @@ SCENARIOS = {
     "chunked": {"block_size": 4, "chunk_size": 3},
     "prefix": {"block_size": 4, "prefix_caching": True},
     "preempt": {"block_size": 4, "num_blocks": 16},  # five requests of ~11 blocks each
+    # every request speculating with SPEC_K proposals of a 0-layer model draft a step (the
+    # matcher takes each proposal and is rolled back), in a batch and under preemption
+    "spec": {"block_size": 4},
+    "spec-preempt": {"block_size": 4, "num_blocks": 16},
 }
+SPECULATING = ("spec", "spec-preempt")
+SPEC_K = 4
 PREAMBLE = "You answer in exactly the format you are asked for. "
 
 
@@ -449,9 +457,15 @@ def _serving_failures(engine, scenarios=tuple(SCENARIOS)) -> list[str]:
     failures = []
     for scenario in scenarios:
         serving = ServingEngine(engine, **SCENARIOS[scenario])
-        results = serving.serve(requests)
-        if scenario == "preempt" and serving.preemptions == 0:
-            failures.append("preempt: the pool preempted nothing (the scenario is not one)")
+        served = requests
+        if scenario in SPECULATING:
+            draft = self_draft(TESTDATA / "tiny_llama.gguf", 0)
+            served = [
+                dataclasses.replace(r, speculation=Speculation(draft, SPEC_K)) for r in requests
+            ]
+        results = serving.serve(served)
+        if scenario.endswith("preempt") and serving.preemptions == 0:
+            failures.append(f"{scenario}: the pool preempted nothing (the scenario is not one)")
         for request, name in zip(requests, names, strict=True):
             served, want = results[request.id].output, solo[request.id]
             if served.tokens != want.tokens:
@@ -546,7 +560,7 @@ def test_a_sampling_draft_draws_from_the_masked_distribution_and_rolls_back(tiny
 CHECKS = {
     "masks": lambda engine: _walk_members(engine, ["shared_prefixes", "choice", "ref"]),
     "distribution": _distribution_failures,
-    "serving": lambda engine: _serving_failures(engine, ("batch",)),
+    "serving": lambda engine: _serving_failures(engine, ("batch", "spec")),
     "speculation": _speculation_failures,
     "draft": _draft_failures,
 }
@@ -561,6 +575,7 @@ CAUGHT_BY = {
     "mask_after_sampling": "distribution",
     "another_requests_mask": "serving",
     "state_not_rolled_back": "speculation",
+    "served_proposals_kept": "serving",
     "draft_unmasked": "draft",
 }
 BROKEN_PLANT = ("TypeError", "AttributeError", "NameError", "ImportError")

@@ -269,9 +269,11 @@ def test_planted_sampler_bugs_fail_the_sampling_goldens(goldens, monkeypatch, ca
 # teacher-forced masks and rows (plain and through speculative verification), the solo
 # continuations, a ragged batch of every continuation (each request its own matcher),
 # and the greedy continuations drafted by a model (each proposal masked, the matcher rolled
-# back). One is test_constrained's alone: draft_unmasked, a greedy draft proposing from its
+# back). Two are test_constrained's alone: draft_unmasked, a greedy draft proposing from its
 # unmasked logits, whose refused proposals the verification cuts (the same tokens: only a
-# draft's proposal distribution shows it, which its draft check holds inside the mask).
+# draft's proposal distribution shows it, which its draft check holds inside the mask); and
+# served_proposals_kept, the serving engine's proposals left in the matcher, which only a
+# constrained request served speculatively shows (its `spec` serving scenario).
 CONSTRAINT_PLANTS = (
     "eos_before_complete",
     "eos_never",
