@@ -21,6 +21,11 @@ planted verification bug caught.
   token drawn from the draft, the ratio from the draft's distribution before its sampler's
   processing (the one drawn from is after it). The matrix prints each one's exact error, its
   draws' p-values and the power.
+- The p verify hands the rejection sampler and the bonus draw, slot by slot, on generate's and
+  the serving engine's paths, with penalties and a constraint: exactly the step's processed
+  distribution recomputed from the recorded row, the recorded mask and the tokens before it
+  (planted: temperature applied twice, penalties over the prompt alone; the G-test's draws
+  above compose no p of their own and let the first through at power 0.09).
 - With a real model (the tiny checkpoint drafting with its first 0 layers): generate and the
   serving engine emit rows equal to those of the same tokens forced without speculation (the
   rejected proposals' keys never read), and proposals are both accepted and rejected; planted,
@@ -359,3 +364,123 @@ def test_generate_drafts_by_sampling_on_request_and_refuses_it_without_a_sampler
         with pytest.raises(SystemExit) as refused:
             generate.main([*common, *extra])
         assert refused.value.code == 2 and message in capsys.readouterr().err, extra
+
+
+# --- the distribution handed to the rejection sampler, step by step ------------------------
+
+# Penalties, truncation and temperature all in play (each reads the history or the row).
+PENALIZED = SamplerSettings(
+    temperature=0.8,
+    top_k=40,
+    repetition_penalty=1.3,
+    presence_penalty=0.2,
+    frequency_penalty=0.1,
+    seed=11,
+)
+
+
+def _handed(monkeypatch) -> list[tuple]:
+    """Records, at each verification slot, (the target's row j, the position the slot
+    chooses, the p verify hands the rejection sampler or the bonus draw)."""
+    records: list = []
+    state: dict = {}
+    real_row, real_uniform = speculative.verification_row, sampling.uniform
+    real_step, real_bonus = speculative.rejection_step, speculative.bonus_distribution
+
+    def verification_row(rows, j):
+        state["row"] = rows[j].clone()
+        return real_row(rows, j)
+
+    def uniform(seed, position, domain=sampling.TOKEN_DOMAIN):
+        if domain == sampling.TOKEN_DOMAIN:
+            state["position"] = int(position)
+        return real_uniform(seed, position, domain)
+
+    def rejection_step(p, q, x, u_accept, u_residual):
+        records.append((state["row"], state["position"], p))
+        return real_step(p, q, x, u_accept, u_residual)
+
+    def bonus_distribution(p, q):
+        records.append((state["row"], state["position"], p))
+        return real_bonus(p, q)
+
+    monkeypatch.setattr(speculative, "verification_row", verification_row)
+    monkeypatch.setattr(sampling, "uniform", uniform)
+    monkeypatch.setattr(speculative, "rejection_step", rejection_step)
+    monkeypatch.setattr(speculative, "bonus_distribution", bonus_distribution)
+    return records
+
+
+def _handed_failures(engine, draft, monkeypatch, constraint=None) -> tuple[list[str], int]:
+    """Each p handed over in generate's and the serving engine's sampled speculative runs
+    (one request at a time) against the step's processed distribution computed here: the
+    recorded row, masked by the step's recorded allowed ids, penalized by the tokens before
+    the position (the prompt and the output), exactly. (failures, slots checked)."""
+    failures, checked, constrained = [], 0, constraint is not None
+    for text in PROMPTS:
+        prompt = engine.tokenizer.encode(text)
+        for path in ("generate", "served"):
+            with monkeypatch.context() as patch:
+                records = _handed(patch)
+                speculation = Speculation(draft, 4)
+                if path == "generate":
+                    out = engine.generate(
+                        prompt, NEW_TOKENS, constrained, sampling=PENALIZED,
+                        speculation=speculation, constraint=constraint, record_allowed=constrained,
+                    )  # fmt: skip
+                else:
+                    request = Request(
+                        "r", prompt, NEW_TOKENS, sampling=PENALIZED, ignore_eos=not constrained,
+                        speculation=speculation, constraint=constraint, record_allowed=constrained,
+                    )  # fmt: skip
+                    out = ServingEngine(engine, block_size=4).serve([request])["r"].output
+            sequence = [*prompt, *out.tokens]
+            for row, position, (ids, probs) in records:
+                logits = row
+                if constraint is not None:
+                    mask = torch.zeros(row.shape[-1], dtype=torch.bool)
+                    mask[torch.as_tensor(out.allowed[position - len(prompt)])] = True
+                    logits = row.masked_fill(~mask, float("-inf"))
+                want_ids, want = sampling.processed(logits, PENALIZED, sequence[:position])
+                checked += 1
+                if not (np.array_equal(ids, want_ids) and np.allclose(probs, want, atol=1e-12)):
+                    failures.append(f"{path} {text!r} position {position}: p is not the step's")
+    return failures, checked
+
+
+def _temperature_twice(self, logits):
+    return sampling.processed(
+        self.masked(logits) / self.sampling.temperature, self.sampling, self.history()
+    )
+
+
+def _prompt_only_history(self, logits):
+    return sampling.processed(self.masked(logits), self.sampling, self.prompt)
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [None, _temperature_twice, _prompt_only_history],
+    ids=["engine", "temperature_twice", "prompt_only_history"],
+)
+@pytest.mark.parametrize("constrained", [False, True], ids=["free", "constrained"])
+def test_the_rejection_sampler_is_handed_the_steps_distribution(monkeypatch, plant, constrained):
+    """The target p verify hands the rejection sampler and the bonus draw is the step's
+    processed distribution (penalties over the history so far, top-k, temperature, the
+    constraint's mask), exactly, on generate's path and the serving engine's. The draws'
+    G-test above cannot see a p computed wrongly inside verify at the draws it makes (the
+    exact checks compose p themselves); planted, temperature applied twice (the G-test's
+    power at its draws: 0.09) and penalties over the prompt alone fail here."""
+    from pipelines.llama3.constrained import Constraint
+
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    draft = speculative.self_draft(TESTDATA / "tiny_llama.gguf", 0, sample=True)
+    constraint = Constraint.regex("[a-z ]{4,40}") if constrained else None
+    if plant is not None:
+        monkeypatch.setattr(Decoder, "distribution", plant)
+    failures, checked = _handed_failures(engine, draft, monkeypatch, constraint)
+    assert checked >= 20, checked  # measured 38 slots constrained, more free
+    if plant is None:
+        assert failures == [], failures[:5]
+    else:
+        assert failures, "the planted distribution passed"
