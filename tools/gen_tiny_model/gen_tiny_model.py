@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from goldens.cli_files import OneLineParser, PathError, atomic_path, output_directory, user_path
+from pipelines.llama3.gguf_writer import Vocabulary
 from tools.gen_tiny_model import llama3_tokenizer
 from tools.gen_tiny_model.tiny_llama import ENCODINGS, ROW_MULTIPLE, TinyLlamaConfig, write_gguf
 
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Path | None]:
+def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Vocabulary | None]:
     hidden, heads, kv_heads = args.hidden_dim, args.n_heads, args.n_kv_heads
     if hidden % heads:
         raise UsageError(f"--n-heads={heads} must divide --hidden-dim={hidden}")
@@ -91,14 +92,6 @@ def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Path | No
     output = user_path(args.output)
     if output.is_dir():
         raise UsageError(f"--output={args.output} is a directory; name the .gguf file to write")
-    tokenizer_dir = None
-    if args.tokenizer_dir is not None:
-        tokenizer_dir = user_path(args.tokenizer_dir)
-        if not (tokenizer_dir / "tokenizer.json").is_file():
-            raise UsageError(
-                f"--tokenizer-dir={args.tokenizer_dir} has no tokenizer.json; point it at a "
-                "folder written by //tools/gen_tiny_model:write_tokenizer"
-            )
     config = TinyLlamaConfig(
         n_layers=args.n_layers,
         n_heads=heads,
@@ -106,11 +99,45 @@ def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Path | No
         hidden_dim=hidden,
         intermediate_dim=intermediate,
     )
+    vocab = None
+    if args.tokenizer_dir is not None:
+        vocab = _tokenizer_dir_vocab(args.tokenizer_dir, config.vocab_size)
     try:  # last: nothing is created for an invalid command
         output_directory(output.parent, "--output's folder")
     except PathError as error:
         raise UsageError(str(error)) from error
-    return config, output, tokenizer_dir
+    return config, output, vocab
+
+
+def _tokenizer_dir_vocab(flag_value: str, vocab_size: int) -> Vocabulary:
+    """The GGUF vocabulary of --tokenizer-dir's tokenizer.json, read and checked before any
+    output folder is created: the file parses as a tokenizer of `vocab_size` tokens (the
+    model's rows) that holds the BOS and EOS tokens the GGUF metadata names."""
+    flag = f"--tokenizer-dir={flag_value}"
+    fix = "write one with //tools/gen_tiny_model:write_tokenizer"
+    folder = user_path(flag_value)
+    if not (folder / "tokenizer.json").is_file():
+        raise UsageError(f"{flag} has no tokenizer.json; {fix}")
+    try:
+        tokenizer = llama3_tokenizer.load_tokenizer_dir(folder)
+    except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read
+        reason = (str(error).splitlines() or [type(error).__name__])[0][:120]
+        raise UsageError(f"{flag}: tokenizer.json is not a tokenizer ({reason}); {fix}") from None
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size != vocab_size:
+        raise UsageError(
+            f"{flag}: tokenizer.json has {size} tokens, the Llama 3.1 model needs "
+            f"{vocab_size}; {fix}"
+        )
+    bos, eos = llama3_tokenizer.BOS_TOKEN, llama3_tokenizer.EOS_TOKEN
+    missing = [token for token in (bos, eos) if tokenizer.token_to_id(token) is None]
+    if missing:
+        raise UsageError(f"{flag}: tokenizer.json has no {' or '.join(missing)}; {fix}")
+    try:
+        return llama3_tokenizer.gguf_vocab(tokenizer)
+    except (KeyError, RuntimeError) as error:  # no BPE merges; ids with gaps
+        reason = f"tokenizer.json has no GGUF vocabulary ({error})"
+        raise UsageError(f"{flag}: {reason}; {fix}") from None
 
 
 def _check_block_rows(encoding: str, hidden: int, intermediate: int) -> None:
@@ -135,24 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config, output, tokenizer_dir = validate(args)
+        config, output, vocab = validate(args)
     except UsageError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 
-    if tokenizer_dir is None:
+    if vocab is None:  # build_tokenizer checks its size (128256: TinyLlamaConfig's)
         print("building the Llama 3.1 tokenizer from llama-models", file=sys.stderr)
-        tokenizer = llama3_tokenizer.build_tokenizer()
-    else:
-        tokenizer = llama3_tokenizer.load_tokenizer_dir(tokenizer_dir)
-    vocab = llama3_tokenizer.gguf_vocab(tokenizer)
-    if len(vocab.tokens) != config.vocab_size:
-        print(
-            f"{PROG}: error: tokenizer has {len(vocab.tokens)} tokens, the Llama 3.1 model "
-            f"needs {config.vocab_size}",
-            file=sys.stderr,
-        )
-        return 2
+        vocab = llama3_tokenizer.gguf_vocab(llama3_tokenizer.build_tokenizer())
 
     print(f"writing {args.quantization_encoding} checkpoint {config}", file=sys.stderr)
     with atomic_path(output) as tmp:

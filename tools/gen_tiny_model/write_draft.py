@@ -75,7 +75,8 @@ def _shapes(reader: GGUFFile, target: Path, ffn: int) -> list[tuple[str, tuple[i
 
 
 def write_draft(target: Path, output: Path, ffn: int = 16) -> None:
-    """Write the draft of `target` to `output` (see the module docstring)."""
+    """Write the draft of `target` to `output` (see the module docstring), creating `output`'s
+    folder only once the target has been read and checked: a bad target leaves no folder."""
     try:
         reader = GGUFFile(target)
     except CheckpointError as error:
@@ -84,6 +85,10 @@ def write_draft(target: Path, output: Path, ffn: int = 16) -> None:
     if "token_embd.weight" not in reader.tensors or "output_norm.weight" not in reader.tensors:
         raise UsageError(f"--target={target} has no token_embd.weight or output_norm.weight")
     arch = reader.get("general.architecture")
+    try:
+        output_directory(output.parent, "--output's folder")
+    except PathError as error:
+        raise UsageError(str(error)) from error
     with atomic_path(output) as partial:
         writer = GGUFWriter(partial, arch)
         for key, value in reader.fields.items():
@@ -133,11 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--target={args.target} is not a file; give a GGUF checkpoint")
         if output.is_dir():
             raise UsageError(f"--output={args.output} is a directory; name the .gguf to write")
-        try:
-            output_directory(output.parent, "--output's folder")
-        except PathError as error:
-            raise UsageError(str(error)) from error
-        write_draft(target, output, args.intermediate_dim)
+        write_draft(target, output, args.intermediate_dim)  # checks the target, then the folder
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

@@ -1,3 +1,5 @@
+import pathlib
+
 import pytest
 import torch
 
@@ -92,8 +94,50 @@ def test_invalid_command_creates_no_output_folder(tmp_path, capsys):
 
 def test_tokenizer_dir_without_tokenizer_json_exits_2(tmp_path, capsys):
     assert main([f"--output={tmp_path / 'm.gguf'}", f"--tokenizer-dir={tmp_path}", *VALID]) == 2
-    assert "has no tokenizer.json" in capsys.readouterr().err
+    assert "has no tokenizer.json; write one with" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+TESTDATA = "max_tests/integration/architectures/llama3/testdata"
+
+
+def _tokenizer_without_eot() -> str:
+    """testdata's tokenizer.json with <|eot_id|> (the EOS token) renamed: the right size."""
+    text = (pathlib.Path(TESTDATA) / "tokenizer.json").read_text(encoding="utf-8")
+    assert text.count('"<|eot_id|>"') == 1, "the planted tokenizer no longer plants"
+    return text.replace('"<|eot_id|>"', '"<|eot_idX|>"')
+
+
+def _three_token_tokenizer() -> str:
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).to_str()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (lambda: "{}", "tokenizer.json is not a tokenizer (Model missing"),
+        (_three_token_tokenizer, "tokenizer.json has 3 tokens, the Llama 3.1 model needs 128256"),
+        (_tokenizer_without_eot, "tokenizer.json has no <|eot_id|>"),
+    ],
+    ids=["empty-object", "three-tokens", "no-eos"],
+)
+def test_a_bad_tokenizer_exits_2_naming_the_flag_and_creates_no_output_folder(
+    tmp_path, capsys, content, message
+):
+    """The tokenizer is read and checked before the output folder is created (a tokenizer.json
+    of {} raised tokenizers' Exception, exit 1, after creating it)."""
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "tokenizer.json").write_text(content(), encoding="utf-8")
+    output = tmp_path / "absent" / "m.gguf"
+    assert main([f"--output={output}", f"--tokenizer-dir={tokenizer_dir}", *VALID]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gen_tiny_model: error: --tokenizer-dir={tokenizer_dir}: "), err
+    assert message in err and "//tools/gen_tiny_model:write_tokenizer" in err, err
+    assert err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == [tokenizer_dir]
 
 
 def test_relative_output_resolves_against_bazel_working_directory(tmp_path, monkeypatch):
@@ -131,6 +175,26 @@ def test_write_draft_refuses_bad_input_with_exit_2_and_writes_nothing(
         assert write_draft.main([*args, f"--output={output}"]) == 2
     assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("target", [f"{TESTDATA}/config.json", f"{TESTDATA}/tokenizer.json"])
+def test_write_draft_checks_the_target_before_creating_the_output_folder(tmp_path, capsys, target):
+    """A target that is not a GGUF checkpoint leaves no folder behind (the output's folder was
+    created first: TMP/absent/sub stayed after the exit 2)."""
+    output = tmp_path / "absent" / "sub" / "d.gguf"
+    assert write_draft.main([f"--target={target}", f"--output={output}"]) == 2
+    err = capsys.readouterr().err
+    assert "not a readable GGUF file" in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_draft_output_under_a_file_exits_2(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert write_draft.main([f"--target={TINY}", f"--output={blocker / 'd.gguf'}"]) == 2
+    err = capsys.readouterr().err
+    assert "--output's folder=" in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == [blocker] and blocker.read_text() == "not a folder"
 
 
 def test_write_draft_same_target_same_bytes_and_an_output_folder_is_refused(tmp_path, capsys):
