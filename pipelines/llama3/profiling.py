@@ -7,6 +7,8 @@ The engine names its own parts in that trace with `region(name)`:
     prefill, decode step        Llama3Engine.generate: the prompt's forward; each new token
                                 (the decoder's choice and the next forward)
     speculative decode          generate's decode under speculation (drafts and verification)
+    verification step           one round of it (speculative.decode): the draft's proposals,
+                                the forward that verifies them, the decoder's choices
     serving step                ServingEngine.step: admission, block tables, the decoder...
     serving forward             ...and the step's one forward over every running piece
     q4_gemm, q8_gemm,           the quantized mode's C kernels (packed.py): products,
@@ -42,16 +44,16 @@ from collections.abc import Iterator
 import torch
 
 _NO_OP = contextlib.nullcontext()
-_taking = 0  # traces being taken (nested traces each record everything)
+_taking: Trace | None = None  # the trace being taken: one at a time (see `trace`)
 
 
 def region(name: str):
     """A named range in the trace being taken; a no-op context when none is."""
-    return torch.profiler.record_function(name) if _taking else _NO_OP
+    return torch.profiler.record_function(name) if _taking is not None else _NO_OP
 
 
 class TraceError(ValueError):
-    """A trace that cannot be written where asked."""
+    """A trace that cannot be taken (another is being taken) or written where asked."""
 
 
 def check_writable(path: str | os.PathLike) -> pathlib.Path:
@@ -88,18 +90,27 @@ class Trace:
 def trace(path: str | os.PathLike) -> Iterator[Trace]:
     """Profile the block; write its Chrome trace-event file to `path` (through a temporary
     file, renamed into place: a trace is whole or absent) and count its events into the
-    Trace it yields."""
+    Trace it yields.
+
+    One trace at a time: a trace inside another raises TraceError before profiling starts
+    (torch.profiler sessions do not nest: the inner one's end stops the outer's, whose own
+    end then crashed the process with a segmentation fault, its file never written)."""
     global _taking
+    if _taking is not None:
+        raise TraceError(
+            f"cannot trace to {path} while the trace to {_taking.path} is being taken; "
+            "traces do not nest: end that one first"
+        )
     taken = Trace(check_writable(path))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profile:
-        _taking += 1
+        _taking = taken
         try:
             yield taken
         finally:
-            _taking -= 1
+            _taking = None
     partial = taken.path.with_name(f".{taken.path.name}.partial")
     profile.export_chrome_trace(str(partial))
     taken.events = len(events(partial))

@@ -58,7 +58,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pipelines.llama3 import constrained, sampling
+from pipelines.llama3 import constrained, profiling, sampling
 
 
 class Draft:
@@ -276,13 +276,14 @@ def decode(model, decoder, logits, position: int, speculation: Speculation, step
         step_logits[len(decoder.tokens)] = row
 
     while token is not None:
-        proposal, dists = proposals(decoder, speculation)
-        block = torch.tensor([[token, *proposal]], dtype=torch.long, device=device)
-        rows = model(block, block_start(position))[0]  # [1 + len(proposal), vocab]
-        accepted, token = verify(decoder, rows, proposal, dists, keep)
-        stats.proposed.append(len(proposal))
-        stats.accepted.append(accepted)
-        position = next_position(position, accepted, block.shape[1])
+        with profiling.region("verification step"):  # a --profile trace's range per forward
+            proposal, dists = proposals(decoder, speculation)
+            block = torch.tensor([[token, *proposal]], dtype=torch.long, device=device)
+            rows = model(block, block_start(position))[0]  # [1 + len(proposal), vocab]
+            accepted, token = verify(decoder, rows, proposal, dists, keep)
+            stats.proposed.append(len(proposal))
+            stats.accepted.append(accepted)
+            position = next_position(position, accepted, block.shape[1])
     return stats
 
 

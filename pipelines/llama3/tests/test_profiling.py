@@ -12,10 +12,12 @@ one Perfetto's UI and chrome://tracing both run. That browser check is headless 
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -38,6 +40,8 @@ KERNELS = {
     "quantized": ("packed_decode_layers",),
     "ggml": ("ggml_decode_layers",),
 }
+# The quantized mode's kernels a verification forward (several rows at once) may call.
+SPECULATIVE_KERNELS = ("q4_gemm", "swiglu_rows", "packed_decode_layers")
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +55,24 @@ def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
     return files
 
 
-def _ranges(events: list[dict], name: str) -> list[tuple[float, float]]:
-    return [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name]
+# A range as the trace records it: (pid, tid, start, end), times in microseconds.
+Range = tuple[object, object, float, float]
 
 
-def _inside(inner: tuple[float, float], outers: list[tuple[float, float]]) -> bool:
-    return any(start <= inner[0] and inner[1] <= end for start, end in outers)
+def _ranges(events: list[dict], name: str) -> list[Range]:
+    return [
+        (e["pid"], e["tid"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name
+    ]
+
+
+def _inside(inner: Range, outers: list[Range]) -> bool:
+    """`inner` lies within one of `outers` on the same thread of the same process: a range on
+    another thread is not inside a step, whatever its times (a viewer draws it elsewhere)."""
+    pid, tid, start, end = inner
+    return any(
+        (pid, tid) == (o_pid, o_tid) and o_start <= start and end <= o_end
+        for o_pid, o_tid, o_start, o_end in outers
+    )
 
 
 def check_trace_events(events: list[dict]) -> None:
@@ -81,7 +97,11 @@ def test_generate_profile_holds_the_prefill_each_decode_step_and_the_kernels(
     argv += [f"--max-new-tokens={NEW_TOKENS}", f"--profile={trace}"]
     assert generate.main(argv) == 0
     assert f"profile: {trace}" in capsys.readouterr().out
-    events = profiling.events(trace)
+    check_generate_trace(profiling.events(trace), mode)
+
+
+def check_generate_trace(events: list[dict], mode: str) -> None:
+    """A generate trace: one prefill, a range per decode step, each kernel call inside one."""
     check_trace_events(events)
     prefill, steps = _ranges(events, "prefill"), _ranges(events, "decode step")
     assert len(prefill) == 1
@@ -91,6 +111,97 @@ def test_generate_profile_holds_the_prefill_each_decode_step_and_the_kernels(
         assert calls, f"{mode}: no {kernel!r} in the trace"
         assert all(_inside(call, prefill + steps) for call in calls), kernel
         assert any(_inside(call, steps) for call in calls), f"{kernel}: in no decode step"
+
+
+def _drop_a_decode_step(monkeypatch) -> None:
+    """The third decode step records no range (its kernel calls then lie in no step)."""
+    real, seen = profiling.region, []
+
+    def region(name: str):
+        if name == "decode step":
+            seen.append(name)
+            if len(seen) == 3:
+                return contextlib.nullcontext()
+        return real(name)
+
+    monkeypatch.setattr(profiling, "region", region)
+
+
+def _close_each_step_before_its_forward(monkeypatch) -> None:
+    """Each decode step's range closes as it opens: the step's kernel calls come after it."""
+    real = profiling.region
+
+    @contextlib.contextmanager
+    def closed_at_once(name: str):
+        with real(name):
+            pass
+        yield
+
+    def region(name: str):
+        return closed_at_once(name) if name == "decode step" else real(name)
+
+    monkeypatch.setattr(profiling, "region", region)
+
+
+def _record_the_kernel_on_another_thread(monkeypatch) -> None:
+    """The decode kernel's calls recorded on another thread at the same times: inside their
+    steps by the clock, outside them by thread. (torch.profiler did not record a range opened
+    on a thread started during the trace, so the plant moves the recorded events instead.)"""
+    real, kernel = profiling.events, KERNELS["quantized"][0]
+
+    def events(path):
+        return [{**e, "tid": e["tid"] + 1} if e.get("name") == kernel else e for e in real(path)]
+
+    monkeypatch.setattr(profiling, "events", events)
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        _drop_a_decode_step,
+        _close_each_step_before_its_forward,
+        _record_the_kernel_on_another_thread,
+    ],
+)
+def test_the_generate_trace_check_fails_on_a_planted_profiling_bug(
+    plant, monkeypatch, checkpoints, tmp_path, capsys
+) -> None:
+    """check_generate_trace catches a step left out and kernel calls outside their steps, by
+    the clock or by thread (the nesting check compared times across threads)."""
+    plant(monkeypatch)
+    trace = tmp_path / "trace.json"
+    argv = [f"--gguf={checkpoints['quantized']}", "--prompt=the cap", "--mode=quantized"]
+    assert generate.main([*argv, f"--max-new-tokens={NEW_TOKENS}", f"--profile={trace}"]) == 0
+    capsys.readouterr()
+    with pytest.raises(AssertionError):
+        check_generate_trace(profiling.events(trace), "quantized")
+
+
+def test_speculative_generate_profiles_one_range_per_verification_forward(
+    checkpoints, tmp_path, capsys
+) -> None:
+    """Under --speculate the decode is a run of verification steps (the draft's proposals, the
+    forward that verifies them, the decoder's choices): one range each, as many as the forwards
+    the speculation summary counts, inside the speculative decode; every kernel call, the
+    draft's (a 1-layer self draft) among them, inside the prefill or a step. (The whole decode
+    was one range with no step inside it.)"""
+    trace = tmp_path / "trace.json"
+    argv = [f"--gguf={checkpoints['quantized']}", "--prompt=the cap", "--mode=quantized"]
+    argv += ["--max-new-tokens=12", "--speculate=4", "--draft-layers=1", f"--profile={trace}"]
+    assert generate.main(argv) == 0
+    out = capsys.readouterr().out
+    summary = re.search(r"(\d+) verification forwards, (\d+)/\d+ proposals accepted", out)
+    assert summary and int(summary[2]) > 0, f"no accepted proposal to verify: {out}"
+    events = profiling.events(trace)
+    check_trace_events(events)
+    prefill, steps = _ranges(events, "prefill"), _ranges(events, "verification step")
+    assert len(prefill) == 1 and len(steps) == int(summary[1]) > 0
+    assert _ranges(events, "decode step") == []
+    decode = _ranges(events, "speculative decode")
+    assert len(decode) == 1 and all(_inside(step, decode) for step in steps)
+    calls = [c for kernel in SPECULATIVE_KERNELS for c in _ranges(events, kernel)]
+    assert calls and all(_inside(call, prefill + steps) for call in calls)
+    assert any(_inside(call, steps) for call in calls), "no kernel call in a verification step"
 
 
 def test_the_serving_engine_traces_each_scheduler_step_with_its_forward(checkpoints, tmp_path):
@@ -116,6 +227,26 @@ def test_without_a_trace_a_region_records_nothing(checkpoints, tmp_path) -> None
     with profiling.trace(tmp_path / "t.json"):
         assert profiling.region("q4_gemm") is not profiling.region("decode step")
     assert profiling.region("q4_gemm") is profiling.region("decode step")
+
+
+def test_a_trace_inside_another_raises_and_the_outer_trace_is_written(tmp_path) -> None:
+    """torch.profiler sessions do not nest: a trace inside another is refused, one line, before
+    it starts, and the outer one goes on recording (the inner trace was written, then the
+    process died of a segmentation fault, the outer trace lost)."""
+    outer, inner = tmp_path / "outer.json", tmp_path / "inner.json"
+    with profiling.trace(outer) as taken:
+        with pytest.raises(profiling.TraceError) as refused, profiling.trace(inner):
+            pytest.fail("the nested trace ran its block")
+        with profiling.region("after the refusal"):
+            pass
+    message = str(refused.value)
+    assert "do not nest" in message and str(outer) in message and "\n" not in message
+    assert not inner.exists()
+    events = profiling.events(outer)
+    assert taken.events == len(events) and _ranges(events, "after the refusal")
+    with profiling.trace(inner):  # the refusal leaves nothing behind: the next trace runs
+        pass
+    assert profiling.events(inner)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
