@@ -480,10 +480,7 @@ def test_text_prompts_stop_strings_and_seeded_sampling(checkpoint, solo) -> None
                 "stream": stream,
             }
             if stream:
-                connection, base = _connection(running.url, CLIENT_TIMEOUT_S)
-                connection.request("POST", base + "/completions", json.dumps(body).encode())
-                events = _events(connection.getresponse())
-                connection.close()
+                events = _stream(running.url, body)
                 got = "".join(e["choices"][0]["text"] for e in events[:-1])
                 reason = events[-2]["choices"][0]["finish_reason"]
             else:
