@@ -641,12 +641,12 @@ class ServingEngine:
         the pool."""
         proposal, seq.proposal = seq.proposal, []
         dists, seq.dists = seq.dists, None
+        before = len(seq.decoder.tokens)
         accepted, token = speculative.verify(
             seq.decoder, rows.cpu(), proposal, dists, seq.logits.append
         )
         seq.done = token is None
-        seq.stats.proposed.append(len(proposal))
-        seq.stats.accepted.append(accepted)
+        seq.stats.add(len(proposal), accepted, len(seq.decoder.tokens) - before)
         seq.fed += proposal[:accepted]
         seq.computed = self._accepted_end(start, accepted, len(proposal))
         if not seq.done:

@@ -246,19 +246,32 @@ class Speculation:
 
 @dataclasses.dataclass
 class Stats:
-    """Per verification forward: how many tokens the draft proposed and how many were kept."""
+    """Per verification forward: how many tokens the draft proposed, how many were kept, and
+    how many tokens the forward chose (the accepted ones and the replacement or bonus token;
+    the accepted ones alone when the sequence stopped on one)."""
 
     proposed: list[int] = dataclasses.field(default_factory=list)
     accepted: list[int] = dataclasses.field(default_factory=list)
+    chosen: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def forwards(self) -> int:
         return len(self.proposed)
 
+    def add(self, proposed: int, accepted: int, chosen: int) -> None:
+        self.proposed.append(proposed)
+        self.accepted.append(accepted)
+        self.chosen.append(chosen)
+
+    def merge(self, other: "Stats") -> None:
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.chosen += other.chosen
+
     def summary(self) -> str:
         proposed, accepted = sum(self.proposed), sum(self.accepted)
         rate = accepted / proposed if proposed else float("nan")
-        tokens = (accepted + self.forwards) / self.forwards if self.forwards else float("nan")
+        tokens = sum(self.chosen) / self.forwards if self.forwards else float("nan")
         return (
             f"{self.forwards} verification forwards, {accepted}/{proposed} proposals accepted "
             f"({rate:.2f}), {tokens:.2f} tokens per forward"
@@ -280,9 +293,9 @@ def decode(model, decoder, logits, position: int, speculation: Speculation, step
             proposal, dists = proposals(decoder, speculation)
             block = torch.tensor([[token, *proposal]], dtype=torch.long, device=device)
             rows = model(block, block_start(position))[0]  # [1 + len(proposal), vocab]
+            before = len(decoder.tokens)
             accepted, token = verify(decoder, rows, proposal, dists, keep)
-            stats.proposed.append(len(proposal))
-            stats.accepted.append(accepted)
+            stats.add(len(proposal), accepted, len(decoder.tokens) - before)
             position = next_position(position, accepted, block.shape[1])
     return stats
 

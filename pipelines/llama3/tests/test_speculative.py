@@ -103,8 +103,9 @@ def _tally(name: str, out, reference, mismatched: list, total: speculative.Stats
     if out.tokens != reference.tokens:
         mismatched.append(name)
         return 0.0
-    total.proposed += out.speculation.proposed
-    total.accepted += out.speculation.accepted
+    # every token after the prefill's was chosen by one verification forward
+    assert sum(out.speculation.chosen) == len(out.tokens) - 1, (name, out.speculation)
+    total.merge(out.speculation)
     return _delta(out.logits, reference.logits)
 
 
@@ -120,6 +121,18 @@ def test_greedy_speculation_gives_the_same_tokens(engine, k, capsys) -> None:
     rejected = sum(p - a for p, a in zip(stats.proposed, stats.accepted, strict=True))
     bonus = sum(p == a and p > 0 for p, a in zip(stats.proposed, stats.accepted, strict=True))
     assert sum(stats.accepted) > 0 and rejected > 0 and bonus > 0, stats
+
+
+def test_tokens_per_forward_counts_what_each_forward_chose() -> None:
+    """A forward that stops the sequence on an accepted proposal chose the accepted tokens
+    alone (no bonus): [4 of 4 and a bonus, 3 of 3 and the last step] is 8 tokens in 2
+    forwards, not 4.5 a forward."""
+    stats = speculative.Stats()
+    stats.add(4, 4, 5)
+    stats.add(3, 3, 3)
+    assert stats.summary() == (
+        "2 verification forwards, 7/7 proposals accepted (1.00), 4.00 tokens per forward"
+    )
 
 
 def test_the_ngram_draft_proposes_what_followed_the_last_match() -> None:

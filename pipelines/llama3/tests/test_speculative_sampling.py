@@ -167,8 +167,7 @@ def _draws() -> tuple[list[int], list[int], speculative.Stats]:
             last = next(emitted, None)
             if last is not None:
                 (bonus if accepted == proposed else slots).append(last)
-        total.proposed += stats.proposed
-        total.accepted += stats.accepted
+        total.merge(stats)
     return slots, bonus, total
 
 
@@ -306,8 +305,7 @@ def _sampled_runs(engine, draft) -> tuple[float, speculative.Stats]:
     for prompt, run in zip(prompts * 2, runs, strict=True):
         forced = engine.generate(prompt, len(run.tokens), forced_tokens=run.tokens)
         worst = max(worst, _delta(run.logits, forced.logits))
-        total.proposed += run.speculation.proposed
-        total.accepted += run.speculation.accepted
+        total.merge(run.speculation)
     return worst, total
 
 
