@@ -263,7 +263,7 @@ class Stats:
         self.accepted.append(accepted)
         self.chosen.append(chosen)
 
-    def merge(self, other: "Stats") -> None:
+    def merge(self, other: Stats) -> None:
         self.proposed += other.proposed
         self.accepted += other.accepted
         self.chosen += other.chosen
