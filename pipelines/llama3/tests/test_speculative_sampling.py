@@ -26,6 +26,10 @@ planted verification bug caught.
   distribution recomputed from the recorded row, the recorded mask and the tokens before it
   (planted: temperature applied twice, penalties over the prompt alone; the G-test's draws
   above compose no p of their own and let the first through at power 0.09).
+- Constrained (a toy vocabulary of 8 letters and a language whose mask alternates with the
+  position): each stratum's draws (proposal slot 0 or 1, bonus; even or odd position) held
+  to the masked target by the G-test, ALPHA in all (Bonferroni over the 6 strata). Planted,
+  a draft masking every proposal by the verified state fails, its power printed (>= 0.999).
 - With a real model (the tiny checkpoint drafting with its first 0 layers): generate and the
   serving engine emit rows equal to those of the same tokens forced without speculation (the
   rejected proposals' keys never read), and proposals are both accepted and rejected; planted,
@@ -482,3 +486,135 @@ def test_the_rejection_sampler_is_handed_the_steps_distribution(monkeypatch, pla
         assert failures == [], failures[:5]
     else:
         assert failures, "the planted distribution passed"
+
+
+# --- constrained: the draws over fixed rows, the language changing the mask step by step -----
+
+# A toy vocabulary (the letters a-h as ids 0-7, an end of sequence at 8) and a language whose
+# mask alternates: an even position allows a c d e g (and the end), an odd one a b e f h. The
+# rows are the fixed rows above, the end at -30 (never in a top-k of 4).
+LETTERS = "abcdefgh"
+LANGUAGE = "([acdeg][abefh])*"
+C_TARGET_ROW, C_DRAFT_ROW = [*TARGET_ROW, -30.0], [*DRAFT_ROW, -30.0]
+C_K = 2  # slot 1 is the first a draft masked by the wrong state would propose for
+STRATA = 6  # (parity, slot 0 or 1) of proposal slots, and the bonus tokens by parity
+
+
+class _LetterTokenizer:
+    """What constrained.Vocabulary reads of a tokenizer, for the toy vocabulary."""
+
+    class backend:
+        @staticmethod
+        def encode(text: str, add_special_tokens: bool = False):
+            return types.SimpleNamespace(ids=[LETTERS.index(c) for c in text])
+
+    eos_ids, bos_id = {8}, None
+
+    def token_bytes(self) -> tuple[list[bytes], set[int]]:
+        return [c.encode() for c in LETTERS] + [b"<eos>"], {8}
+
+
+def _allowed(parity: int) -> list[int]:
+    return [LETTERS.index(c) for c in ("acdeg" if parity == 0 else "abefh")]
+
+
+def _masked_distribution(row: list[float], parity: int):
+    logits = torch.full((len(row),), float("-inf"))
+    allowed = _allowed(parity)
+    logits[allowed] = torch.tensor(row)[allowed]
+    return sampling.processed(logits, TARGET_SAMPLER)
+
+
+def _constrained_draws() -> tuple[dict, speculative.Stats]:
+    """{stratum: tokens} of RUNS seeded constrained runs over the fixed rows, C_K = 2: a
+    proposal slot's tokens under ("slot", parity of its position, j), the bonus tokens under
+    ("bonus", parity)."""
+    from pipelines.llama3.constrained import Constraint, matcher
+
+    strata: dict = {}
+    total, tokenizer = speculative.Stats(), _LetterTokenizer()
+    target = _FixedRows(C_TARGET_ROW)
+    for seed in range(RUNS):
+        decoder = Decoder(
+            STEPS, eos_ids={8}, prompt=[0], sampling=TARGET_SAMPLER, seed=seed,
+            constraint=matcher(Constraint.regex(LANGUAGE), tokenizer),
+        )  # fmt: skip
+        draft = SamplingDraft(types.SimpleNamespace(model=_FixedRows(C_DRAFT_ROW), device="cpu"))
+        step_logits = torch.empty(STEPS, len(C_TARGET_ROW))
+        stats = speculative.decode(
+            target, decoder, target.row, 1, Speculation(draft, C_K), step_logits, "cpu"
+        )
+        index = 1  # the first token is the prefill's plain draw
+        for proposed, accepted in zip(stats.proposed, stats.accepted, strict=True):
+            for j in range(accepted):
+                strata.setdefault(("slot", index % 2, j), []).append(decoder.tokens[index])
+                index += 1
+            if index < len(decoder.tokens):
+                parity = index % 2
+                key = ("bonus", parity) if accepted == proposed else ("slot", parity, accepted)
+                strata.setdefault(key, []).append(decoder.tokens[index])
+                index += 1
+        assert index == len(decoder.tokens) == STEPS, (seed, stats)
+        total.merge(stats)
+    return strata, total
+
+
+def _masked_by_the_verified_state(self, history, k, decoder, choose):
+    # planted: every proposal masked by the verified tokens' state (the matcher not advanced
+    # by the proposals before it); a proposal the language refuses is cut off by `proposals`
+    return self._run(history, k, lambda logits, context: choose(decoder.masked(logits), context))
+
+
+def _slot_under_the_plant(parity: int) -> dict[int, float]:
+    """The exact distribution of slot 1's token at `parity` under the plant: its proposal
+    drawn from the draft masked for the other parity, kept only if the language allows it
+    (else the slot is a bonus draw), then accepted or replaced by the implementation's terms."""
+    p, q = _masked_distribution(C_TARGET_ROW, parity), _masked_distribution(C_DRAFT_ROW, 1 - parity)
+    viable = [(int(x), float(w)) for x, w in zip(*q, strict=True) if int(x) in _allowed(parity)]
+    mass = sum(w for _, w in viable)
+    rest = _draw_distribution(speculative.residual_distribution(p, q))
+    out: dict[int, float] = {}
+    for x, w in viable:
+        a = speculative.accept_probability(p, q, x)
+        out[x] = out.get(x, 0.0) + w / mass * a
+        for t, r in rest.items():
+            out[t] = out.get(t, 0.0) + w / mass * (1 - a) * r
+    return out
+
+
+@pytest.mark.parametrize("plant", [None, "masked_by_the_verified_state"])
+def test_constrained_draws_follow_the_masked_target(monkeypatch, plant, capsys) -> None:
+    """Constrained speculative sampling emits the target's distribution under the language's
+    mask at each position: RUNS seeded runs of STEPS tokens over the fixed rows with a
+    sampling draft (K = 2), the tokens of each stratum (proposal slot 0 or 1, bonus; even or
+    odd position) held to the masked target by the G-test at ALPHA / STRATA each (false-alarm
+    rate at most ALPHA = 1e-6 in all, Bonferroni; seeded, so a run replays exactly). Planted,
+    a draft that masks every proposal by the verified state (not advanced by the proposals
+    before it) skews slot 1: its power, from the exact distribution at the drawn counts, is
+    printed and must be at least 0.999."""
+    if plant is not None:
+        monkeypatch.setattr(speculative.ModelDraft, "_masked_run", _masked_by_the_verified_state)
+    strata, stats = _constrained_draws()
+    rows, failed, power = [], [], 0.0
+    for key in sorted(strata):
+        want = _masked_distribution(C_TARGET_ROW, key[1])
+        want = dict(zip(want[0].tolist(), want[1].tolist(), strict=True))
+        drawn = strata[key]
+        p_value = multinomial.g_test(drawn, want)
+        if p_value <= ALPHA / STRATA:
+            failed.append(key)
+        if plant is not None and key[0] == "slot" and key[2] == 1:
+            exact = _slot_under_the_plant(key[1])
+            power = max(power, multinomial.power(exact, want, len(drawn), ALPHA / STRATA))
+        rows.append(f"  {key}: {len(drawn)} draws, G-test p-value {p_value:.3g}")
+    with capsys.disabled():
+        print(f"\nconstrained speculative sampling ({plant or 'unmutated'}), K={C_K}, "
+              f"{RUNS} runs x {STEPS}: {stats.summary()}")  # fmt: skip
+        print("\n".join(rows) + (f"\n  power against the plant: {power:.6f}" if plant else ""))
+    assert len(strata) == STRATA, sorted(strata)
+    assert all(len(drawn) >= 100 for drawn in strata.values()), rows
+    if plant is None:
+        assert not failed, rows
+    else:
+        assert power >= 0.999, power
+        assert failed, rows
