@@ -193,6 +193,12 @@ def _shard() -> _Shard | None:
             raise SystemExit(
                 f"pytest_runner: PYTEST_SHARD_WEIGHTS entry {entry!r}: write WORD=NUMBER"
             ) from None
+        if not (math.isfinite(weights[word]) and weights[word] > 0):
+            # a weight of 0 or less moves the cut points backwards: a test falls in no shard
+            raise SystemExit(
+                f"pytest_runner: PYTEST_SHARD_WEIGHTS entry {entry!r}: a weight is a positive "
+                "number (a test's relative seconds)"
+            )
     index = int(os.environ.get("TEST_SHARD_INDEX", "0"))
     return _Shard(total, index, order == "contiguous", weights)
 

@@ -226,6 +226,44 @@ def test_shards_split_the_selected_tests_and_together_run_each_once(project):
     assert "PYTEST_SHARD_WEIGHTS entry 'n': write WORD=NUMBER" in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("weight", ["-1", "0", "nan", "inf"])
+def test_a_weight_that_is_not_positive_and_finite_is_refused(project, weight):
+    """Planted before the check: `[p]=-1` over four cases put test_n[q] in no shard, and
+    every shard passed."""
+    (project / "test_many.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('n', 'pqrs')\ndef test_n(n):\n    pass\n"
+    )
+    env = _shard_env(project, 0) | {
+        "PYTEST_SHARDS": "contiguous",
+        "PYTEST_SHARD_WEIGHTS": f"[p]={weight}",
+    }
+    result = _run(project, "test_many.py", env=env)
+    assert result.returncode != 0
+    assert f"PYTEST_SHARD_WEIGHTS entry '[p]={weight}': a weight is a positive number" in (
+        result.stdout + result.stderr
+    )
+
+
+def test_every_test_falls_in_exactly_one_shard_in_order() -> None:
+    """The contiguous cut over drawn counts, shard counts 1-5 and positive weights (seeded):
+    each test in one shard of 0..total-1, the shards in the tests' order (so each is a run)."""
+    import random
+
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        import pytest_runner
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    rng = random.Random(35)
+    for _ in range(500):
+        total, count = rng.randint(1, 5), rng.randint(1, 40)
+        ids = [f"test_x[{i}]" for i in range(count)]
+        weights = {f"[{i}]": rng.choice([1e-3, 0.5, 1.0, 7.0, 400.0]) for i in range(count)}
+        shards = pytest_runner._Shard(total, 0, True, weights)._shards(ids)
+        assert all(0 <= s < total for s in shards), (total, weights, shards)
+        assert shards == sorted(shards), (total, weights, shards)
+
+
 def test_a_shard_left_without_a_test_passes_saying_so(project):
     result = _run(project, "test_llama.py", "-k", RIGHT, env=_shard_env(project, 1))
     assert result.returncode == 0, result.stdout
