@@ -4,10 +4,11 @@ Batches of 1, 4 and 16 requests on SmolLM2 (Q4_1), each of --prompt-tokens promp
 --new-tokens generated ones, served by pipelines/llama3/serving.py (continuous batching over
 the paged KV cache), by `Llama3Engine.generate` one request after another, and by llama.cpp's
 `llama-batched-bench` (the same prompt and generated lengths, several sequences in one batch,
-the same threads; tools/llama_cpp/install.sh installs it from Debian), by default and with
---no-repack (`no-repack`: the weights as the file holds them, multiplied by the per-block dot
-products the ggml mode reproduces; by default llama.cpp repacks them at load for the CPU's
-kernels, on a CPU with AMX its batched products' tiles). Prints total tokens per second
+the same forwards: the prefill and --new-tokens - 1 decode steps, the same threads;
+tools/llama_cpp/install.sh installs it from Debian), by default and with --no-repack
+(`no-repack`: the weights as the file holds them, multiplied by the per-block dot products
+the ggml mode reproduces; by default llama.cpp repacks them at load for the CPU's kernels,
+on a CPU with AMX its batched products' tiles). Prints total tokens per second
 (prompt and generated tokens over the wall time of the batch) of each, and the ratios
 served/sequential, served/llama.cpp and served/no-repack, all from this one run; and the
 serving engine's own cost per scheduler step (`sched ms/step`: the wall time outside the
@@ -81,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--batches", default="1,4,16", help="requests per batch")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per request")
-    parser.add_argument("--new-tokens", type=int, default=16, help="generated per request")
+    parser.add_argument(
+        "--new-tokens", type=at_least(2), default=16, help="generated per request (at least 2)"
+    )
     parser.add_argument("--threads", type=at_least(1), default=2, help="torch threads (default: 2)")
     parser.add_argument(
         "--clients",
@@ -118,18 +121,29 @@ def llama_cpp_batched(
         return {}, "llama-batched-bench not installed (tools/llama_cpp/install.sh)"
     context = max(batches) * (args.prompt_tokens + args.new_tokens) + 64
     command = [binary, "-m", str(smollm2_gguf()), "-c", str(context)]
-    command += ["-npp", str(args.prompt_tokens), "-ntg", str(args.new_tokens)]
+    # the same forwards as the engine's: the prefill (its logits choose the first new token),
+    # then --new-tokens - 1 decode steps (-ntg counts decode steps after the prefill)
+    command += ["-npp", str(args.prompt_tokens), "-ntg", str(args.new_tokens - 1)]
     command += ["-npl", ",".join(map(str, batches)), "-t", str(args.threads)]
     command += [] if repack else ["--no-repack"]
     done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
     if done.returncode != 0:
         return {}, f"llama-batched-bench failed (exit {done.returncode}): {done.stderr[-300:]}"
+    return batched_totals(done.stdout, args.prompt_tokens + args.new_tokens), ""
+
+
+def batched_totals(table: str, tokens: int) -> dict[int, float]:
+    """Per batch size B, B x `tokens` (a request's prompt and new tokens, as the engine's rows
+    count them) over the batch's wall time, from llama-batched-bench's table (| PP | TG | B |
+    N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |): its own S t/s counts the
+    TG decode steps' tokens and not the one the prefill's logits choose."""
     totals = {}
-    for line in done.stdout.splitlines():
+    for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 10 and re.fullmatch(r"\d+", cells[2]):
-            totals[int(cells[2])] = float(cells[9])  # B, S t/s
-    return totals, ""
+            batch = int(cells[2])
+            totals[batch] = batch * tokens / float(cells[8])  # B x tokens / T s
+    return totals
 
 
 def _ggml_backend() -> str | None:

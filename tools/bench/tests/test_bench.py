@@ -152,3 +152,39 @@ def test_bench_serving_refuses_clients_its_prompts_cannot_keep_apart(clients, ca
         serving.main(["--modes=", f"--clients={clients}"])
     assert exit_info.value.code == 2
     assert f"--clients={clients}: " in capsys.readouterr().err
+
+
+# llama-batched-bench's table as Debian's build prints it (-npp 8 -ntg 3 -npl 1,2)
+BATCHED_TABLE = """
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|     8 |      3 |    1 |     11 |    0.327 |    24.48 |    0.026 |   116.05 |    0.353 |    31.19 |
+|     8 |      3 |    2 |     22 |    0.029 |   561.07 |    0.520 |    11.53 |    0.549 |    40.07 |
+"""
+
+
+def test_llama_cpp_runs_the_engines_forwards_and_is_counted_as_the_engine_is(
+    tmp_path, monkeypatch
+) -> None:
+    """The served rows run a prefill (whose logits choose the first new token) and NEW - 1
+    decode steps for PROMPT + NEW tokens a request; llama-batched-bench runs TG decode steps
+    after its prefill and its S t/s counts PROMPT + TG. It gets -ntg NEW - 1 and its rate is
+    B x (PROMPT + NEW) over its T s: the same forwards, the same tokens (it got -ntg NEW, one
+    decode step more than the engine, before)."""
+    argv = tmp_path / "argv"
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {argv}\ncat <<'EOF'\n{BATCHED_TABLE}\nEOF\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(serving, "smollm2_gguf", lambda: tmp_path / "model.gguf")
+    args = serving._parser().parse_args(["--prompt-tokens=8", "--new-tokens=4"])
+    totals, why = serving.llama_cpp_batched(args, [1, 2])
+    assert why == "" and "-npp 8 -ntg 3 " in argv.read_text() + " "
+    assert totals == pytest.approx({1: 12 / 0.353, 2: 24 / 0.549}, rel=1e-12)
+
+
+def test_bench_serving_needs_two_new_tokens(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        serving.main(["--modes=", "--new-tokens=1"])
+    assert exit_info.value.code == 2
+    assert "argument --new-tokens: " in capsys.readouterr().err
