@@ -240,6 +240,15 @@ class Llama3Engine:
             return frozenset(self.tokenizer.eos_ids)
         return frozenset({self.config.eos_token_id} - {None})
 
+    def text(self, tokens: list[int], stopped: bool) -> str:
+        """The text of generated `tokens`; a sequence `stopped` on an end-of-sequence id
+        (finish reason "stop") ends with that token, a stop condition and not text: it is left
+        out (its id stays in the ids, log-probabilities and usage), as OpenAI's API and
+        llama-server leave it out."""
+        if stopped and tokens and tokens[-1] in self.eos_ids:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens)
+
     @property
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: every matrix once (embedding rows aside)."""

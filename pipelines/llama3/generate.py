@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConstraintError as error:
         print(f"error: {_option(constraint.kind)}: {error}", file=sys.stderr)
         return 2
-    print(args.prompt + engine.tokenizer.decode(out.tokens))
+    print(args.prompt + engine.text(out.tokens, stopped=True))  # the CLI stops on one
     prefill_rate = len(input_ids) / out.prefill_seconds
     print(
         f"{len(input_ids)} prompt tokens at {prefill_rate:.1f} tok/s, "

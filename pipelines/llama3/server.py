@@ -8,8 +8,10 @@
 
 Endpoints: `POST /v1/completions` (OpenAI's legacy completions: `prompt` as text, token ids or
 a list of either; `max_tokens`, `temperature` (0: greedy; OpenAI's default 1), `top_p`,
-`top_k`, `min_p`, `seed`, the penalties, `stop`, `logprobs` (top-K log-probabilities of each
-generated token), `stream` (server-sent events, `data: [DONE]` last), and vLLM's
+`top_k`, `min_p`, `seed`, the penalties (refused with temperature 0: greedy applies none),
+`stop`, `logprobs` (top-K log-probabilities of each generated token; the text leaves out the
+end-of-sequence token a stopped answer ends with, its id stays here), `stream` (server-sent
+events, `data: [DONE]` last), and vLLM's
 `return_tokens_as_token_ids` and `ignore_eos`; constrained decoding by one of
 `response_format` (`json_object`, `json_schema`), llama-server's `json_schema` and `grammar`
 (GBNF), or vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`:
@@ -473,12 +475,10 @@ class Server:
         temperature = _field(body, "temperature", (int, float), 1.0, "a number >= 0")
         if temperature < 0:
             raise BadRequest(f'"temperature" must be >= 0, not {temperature}', "temperature")
-        if temperature == 0:
-            return None  # greedy
         top_k = _field(body, "top_k", (int,), 0, "an integer")
-        try:
-            return SamplerSettings(
-                temperature=float(temperature),
+        try:  # every field checked, greedy or not
+            settings = SamplerSettings(
+                temperature=float(temperature or 1.0),
                 top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" -1
                 top_p=float(_field(body, "top_p", (int, float), 1.0, "a number")),
                 min_p=float(_field(body, "min_p", (int, float), 0.0, "a number")),
@@ -495,6 +495,18 @@ class Server:
             )
         except ValueError as error:
             raise BadRequest(str(error)) from None
+        if temperature != 0:
+            return settings
+        # greedy: the truncations keep the top token and the seed draws nothing, but a
+        # penalty can move the argmax, and the greedy decoder applies none: refused, not ignored
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if getattr(settings, name) != getattr(SamplerSettings(), name):
+                raise BadRequest(
+                    f'"{name}" with "temperature": 0 (greedy, which applies no penalty): send a '
+                    f'temperature above 0 to sample with it, or drop "{name}"',
+                    name,
+                )
+        return None
 
     # -- answering -------------------------------------------------------------------------
 
@@ -552,7 +564,7 @@ class Server:
             served = results[i]
             tokens = served.output.tokens
             generated += len(tokens)
-            text, _ = self._text(tokens, completion.stop)
+            text, _ = self._text(tokens, completion.stop, served.finish_reason == "stop")
             choice = {"index": i, "text": text, "finish_reason": served.finish_reason}
             choice["logprobs"] = (
                 None
@@ -606,7 +618,8 @@ class Server:
                 first = len(tokens[i])
                 tokens[i] += event.tokens
                 final = event.served is not None
-                text, cut = self._text(tokens[i], completion.stop)
+                stopped = final and event.served.finish_reason == "stop"
+                text, cut = self._text(tokens[i], completion.stop, stopped)
                 if not final and not cut:
                     text = self._sendable(text, shown[i], completion.stop)
                 piece = text[shown[i] :]
@@ -645,12 +658,14 @@ class Server:
         if unfinished:
             self.worker.cancel(unfinished)
 
-    def _text(self, tokens: list[int], stop: tuple[str, ...]) -> tuple[str, bool]:
-        """The generated text, cut before the first stop string; whether one was cut."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
+    def _text(
+        self, tokens: list[int], stop: tuple[str, ...], stopped: bool = False
+    ) -> tuple[str, bool]:
+        """The generated text (`Llama3Engine.text`: without the end-of-sequence token a
+        `stopped` sequence ends with), cut before the first stop string; whether one was cut."""
+        if self.engine.tokenizer is None:
             return "", False
-        text = tokenizer.decode(tokens)
+        text = self.engine.text(tokens, stopped)
         ends = [text.find(s) for s in stop if s in text]
         if ends:
             return text[: min(ends)], True

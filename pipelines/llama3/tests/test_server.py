@@ -428,6 +428,13 @@ BAD = [
     (b'{"prompt": [1, 2], "presence_penalty": NaN}', 400, "presence_penalty=nan must be a finite"),
     (b'{"prompt": [1, 2], "frequency_penalty": -Infinity}', 400, "frequency_penalty=-inf must"),
     ({"prompt": [1, 2], "repetition_penalty": 1e-320}, 400, "must lie in [0.001, 1000]"),
+    # greedy checks the sampler fields too, and refuses a penalty it would not apply
+    ({"prompt": [1, 2], "temperature": 0, "top_p": 0}, 400, "top_p=0.0 must lie in (0, 1]"),
+    (
+        {"prompt": [1, 2], "temperature": 0, "presence_penalty": 0.5},
+        400,
+        '"presence_penalty" with "temperature": 0 (greedy, which applies no penalty)',
+    ),
 ]
 
 
@@ -465,7 +472,8 @@ def test_text_prompts_stop_strings_and_seeded_sampling(checkpoint, solo) -> None
         )
         assert status == 200, answer
         reference = solo.generate(tokenizer.encode(prompt), 12)
-        assert answer["choices"][0]["text"] == tokenizer.decode(reference.tokens)
+        stopped = answer["choices"][0]["finish_reason"] == "stop"
+        assert answer["choices"][0]["text"] == solo.text(reference.tokens, stopped)
         assert answer["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt))
         # a stop string: the text ends before it, finish_reason "stop"
         text = answer["choices"][0]["text"]
@@ -564,7 +572,16 @@ def test_constrained_completions_in_every_request_form(checkpoint, solo) -> None
             assert status == 200, (fields, answer)
             want = solo.generate(tokenizer.encode(prompt), 10, constraint=constraint)
             text = answer["choices"][0]["text"]
-            assert text == tokenizer.decode(want.tokens), fields
+            # the end-of-sequence token that ends a complete member is not text
+            stopped = answer["choices"][0]["finish_reason"] == "stop"
+            assert stopped == (want.tokens[-1] in solo.eos_ids), (fields, want.tokens)
+            assert text == tokenizer.decode(want.tokens[: len(want.tokens) - stopped]), fields
+            if "guided_choice" in fields:  # 'yes<|eot_id|>' before
+                assert stopped and text in ("yes", "no"), text
+                ids = {"logprobs": 0, "return_tokens_as_token_ids": True}
+                streamed = _streamed_choices(_stream(running.url, {**body, **ids}))[0]
+                assert (streamed["text"], streamed["finish"]) == (text, "stop"), streamed
+                assert streamed["tokens"] == want.tokens, streamed  # the id is kept
         for fields, field in (
             ({"guided_regex": "[0-9"}, "guided_regex"),
             ({"json_schema": "not a schema"}, "json_schema"),
