@@ -615,7 +615,7 @@ def test_the_generate_command_constrains_and_names_a_bad_constraint(tiny, capsys
     base = ["--gguf", gguf, "--prompt", "Answer: ", "--max-new-tokens", "6"]
     assert generate.main([*base, "--choice", "yes", "--choice", "no"]) == 0
     first_line = capsys.readouterr().out.splitlines()[0]
-    assert first_line in ("Answer: yes<|eot_id|>", "Answer: no<|eot_id|>"), first_line
+    assert first_line in ("Answer: yes", "Answer: no"), first_line  # <|eot_id|> is no text
     for option, value, message in (
         ("--regex", "[0-9", "unclosed character class"),
         ("--json-schema", "{bad", "not JSON"),
