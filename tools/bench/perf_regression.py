@@ -18,8 +18,9 @@ re-derived by hand.
 Refused (exit 2), because the ratios would measure a different experiment: a record whose
 schema_version differs, whose setup (checkpoint, thread count, prompt and generation
 lengths, repeats, device, dtype) differs from the baseline's, or that lacks a mode the
-baseline has; also a different machine class (CPU model or core count), since the two
-implementations use different kernels whose ratio can move between CPUs, unless
+baseline has; also a different machine class (CPU model, the CPU flags that choose kernels
+where both record them, or core count), since the two implementations use different kernels
+whose ratio can move between CPUs, unless
 `--allow-other-machine` turns that into a warning. Different torch/transformers/python
 versions only warn: they are a likely cause worth naming, not a reason to refuse. So does a
 record measured under another load than the baseline's runs (1-minute load average at the
@@ -59,6 +60,8 @@ DEFAULT_SAFETY_FACTOR = 2.0
 DEFAULT_FLOOR = 0.05
 MIN_BASELINE_RUNS = 3  # fewer runs say too little about the spread
 MACHINE_KEYS = ("cpu_model", "cpu_count")
+FEATURES_KEY = "cpu_features"  # compared where both sides record them
+REFRESH_HINT = "the same model string may be another CPU level; refresh the baseline"
 LOAD_KEY = "load_average_start"
 LOAD_TOLERANCE = 1.0  # one core's worth of other work moves the ratios (module docstring)
 RERUN = "rerun `./bazelw run //tools:bench -- --json FILE`"
@@ -291,13 +294,19 @@ def _machine_warning(
     baseline: dict[str, Any], record: dict[str, Any], path: Path, allow_other_machine: bool
 ) -> list[str]:
     machine = _differences(baseline["machine"], record["machine"], MACHINE_KEYS)
+    features = [m.get(FEATURES_KEY) for m in (baseline["machine"], record["machine"])]
+    unnamed = []
+    if None in features:  # made before records named them: the model string alone
+        unnamed = [f"{FEATURES_KEY} not recorded in the baseline or the record: {REFRESH_HINT}"]
+    elif features[0] != features[1]:
+        machine.append(f"{FEATURES_KEY} {features[0]!r} vs {features[1]!r}")
     if machine and not allow_other_machine:
         raise InputError(
             f"record {path} comes from another machine class than the baseline "
             f"({'; '.join(machine)}); make a baseline on this machine, or pass "
             "--allow-other-machine to compare anyway"
         )
-    return (
+    return unnamed + (
         [f"other machine class ({'; '.join(machine)}): the bands do not apply"] if machine else []
     )
 

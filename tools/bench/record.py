@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from goldens.cli_files import PathError, output_directory, user_path, write_atomically
-from goldens.machine import cpu_model
+from goldens.machine import cpu_features, cpu_model
 
 SCHEMA_VERSION = 1
 PEER = "transformers"
@@ -66,8 +66,14 @@ class Timings:
 
 
 def machine_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
-    """The machine class a ratio belongs to: CPU model and how many cores the OS reports."""
-    return {"cpu_model": cpu_model(cpuinfo), "cpu_count": os.cpu_count()}
+    """The machine class a ratio belongs to: CPU model, the flags that choose the kernels
+    (one model string, "Intel(R) Xeon(R) Processor", names VMs with AVX2 alone and with
+    AVX-512 and AMX) and how many cores the OS reports."""
+    return {
+        "cpu_model": cpu_model(cpuinfo),
+        "cpu_features": cpu_features(cpuinfo),
+        "cpu_count": os.cpu_count(),
+    }
 
 
 def load_average() -> float:

@@ -225,6 +225,33 @@ def test_other_machine_compares_with_a_warning_when_allowed(baseline, tmp_path, 
     assert "warning: other machine class (cpu_count 2 vs 64)" in capsys.readouterr().err
 
 
+AVX2_ONLY, AVX512 = ["avx2", "fma"], ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"]
+
+
+def _with_features(path: Path, features) -> dict[str, Any]:
+    data = _read(path)
+    return data | {"machine": data["machine"] | {"cpu_features": features}}
+
+
+def test_a_cpu_of_another_level_under_the_same_model_string_is_refused(baseline, tmp_path, capsys):
+    """One model string ("Intel(R) Xeon(R) Processor") names VMs with AVX2 alone and with
+    AVX-512: a record whose kernel-choosing flags differ from the baseline's is another
+    machine class (before, only the model string and core count were compared)."""
+    runs = [_write(tmp_path / p.name, _with_features(p, AVX512)) for p in BASELINE_RUNS]
+    made = tmp_path / "avx512_baseline.json"
+    assert main(["--write-baseline", str(made), *map(str, runs)]) == 0
+    capsys.readouterr()
+    same = _write(tmp_path / "same.json", _with_features(NORMAL_RUNS[0], AVX512))
+    assert main(["--baseline", str(made), str(same)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    other = _write(tmp_path / "avx2.json", _with_features(NORMAL_RUNS[0], AVX2_ONLY))
+    assert main(["--baseline", str(made), str(other)]) == 2
+    assert "another machine class than the baseline (cpu_features [" in capsys.readouterr().err
+    # a baseline made before the flags were recorded: compared, with a warning that says so
+    assert main(["--baseline", str(baseline), str(other)]) == 0
+    assert "cpu_features not recorded in the baseline or the record" in capsys.readouterr().err
+
+
 def test_other_versions_only_warn(baseline, tmp_path, capsys):
     good = _read(NORMAL_RUNS[0])
     newer = _write(tmp_path / "v.json", good | {"versions": good["versions"] | {"torch": "9.9"}})
