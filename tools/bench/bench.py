@@ -16,7 +16,8 @@ best of 3) with the fraction of it each side's decode implies.
 Generations alternate between all sides `--repeats` times (llama-bench: one run of it per
 round) and each side keeps its fastest prefill and decode, so a burst of load from another
 process skews no side alone. `--check` exits 1 below the acceptance bars (RATIO_BARS and the
-load and token bars in _acceptance; a bar counts when both its sides were measured).
+load and token bars in _acceptance; a bar whose peer was not measured prints SKIP and fails
+--check, unless --no-llama-cpp left llama.cpp out on purpose).
 `--json FILE` also writes the numbers as a record (tools/bench/record.py) that perf_regression
 compares with a baseline.
 
@@ -436,13 +437,16 @@ def _acceptance(sides: dict[str, Side], prompt_tokens: int, new_tokens: int) -> 
         if mode in sides and peer in sides:
             ratio = timing[mode].metric(metric) / timing[peer].metric(metric)
             bars.append((ratio >= least, f"{mode}/{peer}: {metric} >= {least}"))
+        elif mode in sides:  # said, not dropped: a bar left out is no bar cleared
+            bars.append((None, f"{mode}/{peer}: {metric} >= {least} ({peer} not measured)"))
     reference = sides.get("eager")
     for name in MODES:
         # ggml computes llama.cpp's program (8-bit activations): its tokens may leave eager's
         # (on SmolLM2 after a few), as llama.cpp's do; its goldens are its own (test_llama)
         if reference is not None and name in sides and name not in ("eager", "ggml"):
             bars.append((sides[name].tokens == reference.tokens, f"{name} greedy tokens = eager's"))
-    return [f"{'PASS' if ok else 'FAIL'} {what}" for ok, what in bars]
+    verdict = {True: "PASS", False: "FAIL", None: "SKIP"}
+    return [f"{verdict[ok]} {what}" for ok, what in bars]
 
 
 def _write_json(
@@ -624,8 +628,22 @@ def main(argv: list[str] | None = None) -> int:
         )
     if profile_path:
         print(f"profile: {profile_path} ({events} trace events; Perfetto's UI, chrome://tracing)")
-    if args.check and any(v.startswith("FAIL") for v in verdicts):
+    return check_status(verdicts, args.no_llama_cpp) if args.check else 0
+
+
+def check_status(verdicts: list[str], no_llama_cpp: bool) -> int:
+    """--check's exit status: 1 below a bar, or with a bar not judged (SKIP) unless
+    --no-llama-cpp left its peer out on purpose; the reason on stderr."""
+    if any(v.startswith("FAIL") for v in verdicts):
         print("FAILED: below the acceptance bar", file=sys.stderr)
+        return 1
+    if any(v.startswith("SKIP") for v in verdicts) and not no_llama_cpp:
+        print(
+            "FAILED: a bar could not be judged (its peer was not measured: see the SKIP lines); "
+            "install llama.cpp (tools/llama_cpp/install.sh), or pass --no-llama-cpp to check "
+            "without it",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

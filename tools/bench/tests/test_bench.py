@@ -42,9 +42,12 @@ def test_bars_of_todays_modes():
     ]
 
 
-def test_no_llama_cpp_no_llama_cpp_bars():
+def test_without_llama_cpp_its_bars_are_skipped_and_said():
     verdicts = _verdicts(_side("quantized", decode_tps=10.0), _side("transformers"))
-    assert verdicts == ["FAIL quantized/transformers: decode >= 2.0"]
+    assert verdicts == [
+        "FAIL quantized/transformers: decode >= 2.0",
+        "SKIP quantized/llama.cpp: decode >= 0.75 (llama.cpp not measured)",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -68,8 +71,22 @@ def test_ggml_against_llama_cpp(prefill_tps, decode_tps, expected):
     ]
 
 
-def test_ggml_without_llama_cpp_has_no_bar():
-    assert _verdicts(_side("ggml"), _side("transformers")) == []
+def test_a_bar_whose_peer_was_not_measured_is_said_skipped():
+    """Not dropped (it was: --check then passed with no bar judged); `main` fails a --check
+    run with a SKIP unless --no-llama-cpp asked for it."""
+    assert _verdicts(_side("ggml"), _side("transformers")) == [
+        "SKIP ggml/llama.cpp: decode >= 1.0 (llama.cpp not measured)",
+        "SKIP ggml/llama.cpp: prefill >= 1.0 (llama.cpp not measured)",
+    ]
+
+
+def test_check_fails_on_a_bar_it_could_not_judge_unless_its_peer_was_left_out(capsys):
+    skipped = ["PASS eager/transformers: decode >= 1.0", "SKIP ggml/llama.cpp: decode >= 1.0"]
+    assert bench.check_status(skipped, no_llama_cpp=False) == 1
+    assert "a bar could not be judged" in capsys.readouterr().err
+    assert bench.check_status(skipped, no_llama_cpp=True) == 0
+    assert bench.check_status(["PASS x", "FAIL y"], no_llama_cpp=True) == 1
+    assert bench.check_status(["PASS x"], no_llama_cpp=False) == 0
 
 
 def test_llama_bench_side_prints_n_a_for_load_and_is_not_token_compared(capsys):
