@@ -9,6 +9,7 @@ prompt position the judge lanes compared), then the three entries closest to the
 thresholds; exit 1 when no test ran at all, so a CI that ran nothing is never green.
 
   python3 -m bazel.test_summary "$(./bazelw info bazel-testlogs)"
+  python3 -m bazel.test_summary --passed TEST_FUNCTION TESTLOGS_FOLDER   # exit 1 unless it passed
 """
 
 from __future__ import annotations
@@ -64,7 +65,24 @@ def summarize(testlogs: Path) -> dict[str, int]:
     return counts
 
 
+def passed(testlogs: Path, name: str) -> bool:
+    """Whether a test case `name` (its function, without parameters) passed: not skipped,
+    not failed, under `testlogs` (a target's folder or the whole tree)."""
+    for xml in reports(testlogs):
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            if case.get("name", "").split("[")[0] != name:
+                continue
+            if all(case.find(tag) is None for tag in ("skipped", "failure", "error")):
+                return True
+    return False
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "--passed":  # CI's probe: did this one test pass here?
+        if passed(Path(argv[2]), argv[1]):
+            return 0
+        print(f"test_summary: {argv[1]} did not pass under {argv[2]} (skipped, failed or absent)")
+        return 1
     if len(argv) != 1 or not Path(argv[0]).is_dir():
         print(f"usage: python3 -m bazel.test_summary BAZEL_TESTLOGS_DIR (got {argv})")
         return 2

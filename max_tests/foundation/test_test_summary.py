@@ -95,3 +95,17 @@ def test_every_lane_that_counts_golden_checks_counts_its_ambiguous_steps_too() -
     assert len(counting) >= 4, [p.name for p in counting]
     silent = [p.name for p in counting if 'record_property("ambiguous_steps"' not in p.read_text()]
     assert silent == []
+
+
+def test_the_probe_passes_only_where_its_test_passed(tmp_path, capsys):
+    """CI's probe (.ci/run): LLAMA3_1_GGUF reached test_llama only if its probe test passed;
+    a skip (EXPECTED_LLAMA3_1_GGUF did not arrive) exited 0 and was taken for a pass before."""
+    shard = tmp_path / "test_llama" / "shard_1_of_2"
+    shard.mkdir(parents=True)
+    probe = '<testsuites><testsuite><testcase name="test_probe{}"{}</testsuite></testsuites>'
+    (shard / "test.xml").write_text(probe.format("", "/>"))
+    assert test_summary.main(["--passed", "test_probe", str(tmp_path)]) == 0
+    (shard / "test.xml").write_text(probe.format("[x]", '><skipped message="no"/></testcase>'))
+    assert test_summary.main(["--passed", "test_probe", str(tmp_path)]) == 1
+    assert "test_probe did not pass under" in capsys.readouterr().out
+    assert test_summary.main(["--passed", "test_other", str(tmp_path)]) == 1
