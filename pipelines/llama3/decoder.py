@@ -11,7 +11,8 @@ One place for the choice that `Llama3Engine.generate` and the serving engine
   prompt and the tokens fed so far;
 - **teacher forcing**: with `forced_tokens`, step i feeds forced_tokens[i] to the next step
   instead of the choice, and no end-of-sequence id stops it: the logits of every step follow
-  the sequence being checked, while `tokens` keeps the model's own choice;
+  the sequence being checked, while `tokens` keeps the model's own choice; there are exactly
+  `max_new_tokens` forced tokens (another count is refused, naming both);
 - **constraints**: with `constraint` (constrained.Matcher: a JSON schema, regex, choice or
   grammar), every token outside the language gets logit -inf before the choice (greedy or
   sampled: the distribution restricted and renormalized), end-of-sequence ids only where the
@@ -62,9 +63,15 @@ class Decoder:
             seed = self.sampling.seed
             self.seed = sampling_lib.system_seed() if seed is None else seed
         if self.forced_tokens is not None:
-            # teacher forcing runs the forced sequence to its end: no early stop
-            self.max_new_tokens, self.eos_ids = len(self.forced_tokens), frozenset()
-            self.stop_strings = ()
+            # teacher forcing runs the forced sequence to its end (no early stop): one step per
+            # forced token, the same rule for generate and the serving engine
+            if len(self.forced_tokens) != self.max_new_tokens:
+                raise ValueError(
+                    f"{len(self.forced_tokens)} forced tokens for max_new_tokens "
+                    f"{self.max_new_tokens}: teacher forcing feeds one per step, so give "
+                    "as many forced tokens as steps"
+                )
+            self.eos_ids, self.stop_strings = frozenset(), ()
         if self.constraint is not None and self.forced_tokens is None and not self.eos_ids:
             raise ValueError(
                 "a constrained sequence ends with an end-of-sequence id once its text is "

@@ -84,7 +84,8 @@ class Request:
     id: str
     prompt: list[int]
     max_new_tokens: int
-    forced_tokens: list[int] | None = None  # teacher forcing: fed instead of the greedy choice
+    # teacher forcing: fed instead of the greedy choice, one per step (max_new_tokens of them)
+    forced_tokens: list[int] | None = None
     prompt_positions: tuple[int, ...] = ()  # prompt positions whose logits to return
     sampling: SamplerSettings | None = None  # None: greedy (decoder.Decoder)
     stop: tuple[str, ...] = ()  # stop strings: the generated text containing one ends it
@@ -310,20 +311,29 @@ class ServingEngine:
 
     def submit(self, requests: Sequence[Request]) -> None:
         """Queue requests behind those waiting; `step` serves them. The first call sizes the
-        pool (`num_blocks`, else enough for these requests at once)."""
+        pool (`num_blocks`, else enough for these requests at once). All or nothing: a request
+        refused (by the checks, or by its decoder: its constraint, its forced tokens) refuses
+        the whole call, and none of its requests is queued."""
         self._check(requests)
         ids = collections.Counter(r.id for r in requests)
         ids.update(seq.request.id for seq in [*self.waiting, *self.running])
         clash = sorted(i for i, n in ids.items() if n > 1)
         if clash:
             raise ValueError(f"request ids {clash} are not unique among the pending requests")
+        decoders = []
+        for r in requests:  # every request's decoder before any request is queued
+            try:
+                decoders.append(self._decoder(r))
+            except ValueError as error:  # e.g. constrained.ConstraintError: named, type kept
+                error.args = (f"request {r.id!r}: {error}", *error.args[1:])
+                raise
         if self.pool is None:
             lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
             needed = sum(blocks_for(n, self.block_size) for n in lengths)
             self.pool = self._new_pool(self.num_blocks or needed + 1)
         now = time.perf_counter()
-        for r in requests:
-            seq = _Sequence(r, self._order, list(r.prompt), decoder=self._decoder(r), submitted=now)
+        for r, decoder in zip(requests, decoders, strict=True):
+            seq = _Sequence(r, self._order, list(r.prompt), decoder=decoder, submitted=now)
             seq.stats = speculative.Stats() if r.speculation is not None else None
             self.waiting.append(seq)
             self._order += 1
@@ -394,13 +404,13 @@ class ServingEngine:
         return done
 
     def _decoder(self, request: Request) -> Decoder:
-        """The request's decoder: the checkpoint's end-of-sequence ids, as generate's."""
-        forced = request.forced_tokens
+        """The request's decoder: the checkpoint's end-of-sequence ids, as generate's; its
+        rules are generate's (one step per forced token, a constraint needs the ids)."""
         tokenizer = self.engine.tokenizer
         return Decoder(
             request.max_new_tokens,
             frozenset() if request.ignore_eos else self.engine.eos_ids,
-            None if forced is None else forced[: request.max_new_tokens],
+            request.forced_tokens,
             sampling=request.sampling,
             prompt=request.prompt,
             stop_strings=request.stop,
@@ -416,11 +426,6 @@ class ServingEngine:
                 raise ValueError(f"request {r.id!r}: empty prompt or max_new_tokens < 1")
             if any(not 0 <= t < vocab for t in [*r.prompt, *(r.forced_tokens or [])]):
                 raise ValueError(f"request {r.id!r}: token ids outside the vocabulary")
-            if r.forced_tokens is not None and len(r.forced_tokens) < r.max_new_tokens:
-                raise ValueError(
-                    f"request {r.id!r}: {len(r.forced_tokens)} forced tokens for "
-                    f"max_new_tokens {r.max_new_tokens}: teacher forcing feeds one per step"
-                )
             if any(not 0 <= p < len(r.prompt) - 1 for p in r.prompt_positions):
                 raise ValueError(f"request {r.id!r}: prompt positions outside the prompt")
             if r.stop and self.engine.tokenizer is None:

@@ -15,6 +15,7 @@ import torch
 
 from pipelines.llama3 import Llama3Engine, sampling
 from pipelines.llama3 import serving as serving_module
+from pipelines.llama3.constrained import Constraint
 from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import BlockPool, PoolExhausted, Request, ServingEngine
 from pipelines.llama3.tests.pool_mutations import ShortWholePromptCopy
@@ -444,6 +445,54 @@ def test_a_stop_string_ends_the_request_where_its_text_first_holds_it() -> None:
     assert _held(serving) == 0
     with pytest.raises(ValueError, match="request 'empty': an empty stop string"):
         serving.serve([Request("empty", CUT_PROMPT, 2, stop=("",))])
+
+
+def test_forced_tokens_take_one_step_each_on_both_paths_or_are_refused_on_both() -> None:
+    """One rule (decoder.Decoder's): as many forced tokens as max_new_tokens run that many
+    steps in generate and the serving engine alike; fewer or more are refused by both, naming
+    both numbers. (generate once ran len(forced_tokens) steps whatever max_new_tokens said,
+    while the serving engine cut the forced tokens to max_new_tokens.)"""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    forced = [7, 8, 9, 10, 11]
+    solo = engine.generate(CUT_PROMPT, 5, forced_tokens=forced)
+    served = ServingEngine(engine).serve([Request("r", CUT_PROMPT, 5, forced)])["r"]
+    assert len(solo.tokens) == len(served.output.tokens) == 5
+    assert solo.tokens == served.output.tokens and served.finish_reason == "length"
+    for steps in (3, 7):
+        message = f"5 forced tokens for max_new_tokens {steps}: teacher forcing feeds one per"
+        with pytest.raises(ValueError, match=message):
+            engine.generate(CUT_PROMPT, steps, forced_tokens=forced)
+        with pytest.raises(ValueError, match=f"request 'r': {message}"):
+            ServingEngine(engine).serve([Request("r", CUT_PROMPT, steps, forced)])
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        Request("bad", OTHER_PROMPT, 4, constraint=Constraint.regex("(")),
+        Request("bad", OTHER_PROMPT, 4, constraint=Constraint.choice(["a"]), ignore_eos=True),
+        Request("bad", OTHER_PROMPT, 4, forced_tokens=[1, 2]),
+    ],
+    ids=["constraint_error", "constraint_ignoring_eos", "forced_count"],
+)
+def test_a_refused_request_queues_no_request_of_its_call(refused) -> None:
+    """submit is all or nothing: a request its decoder refuses (a constraint that does not
+    compile, a constraint ignoring the end-of-sequence ids, a wrong count of forced tokens)
+    refuses the call, naming it, and queues none of its requests, so the next serve() runs
+    and gives generate's tokens. (It once queued the requests before the refused one:
+    pending stayed 1 and every later serve() was refused.)"""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    serving = ServingEngine(engine, block_size=4)
+    ok = Request("ok", CUT_PROMPT, 4)
+    with pytest.raises(ValueError, match="request 'bad': "):
+        serving.serve([ok, refused])
+    assert serving.pending == 0
+    with pytest.raises(ValueError, match="request 'bad': "):
+        serving.submit([ok, refused])
+    assert serving.pending == 0
+    served = serving.serve([ok])["ok"]
+    assert served.output.tokens == engine.generate(CUT_PROMPT, 4).tokens
+    assert all(refs == 0 for refs in serving.pool.refs)
 
 
 # Seeded sampling on the serving paths: a request's draws are keyed by its seed and the

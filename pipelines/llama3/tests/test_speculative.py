@@ -560,3 +560,85 @@ def test_the_model_draft_proposes_its_own_greedy_tokens() -> None:
     stale = StaleCache(reference)
     got = [stale.propose(h, 5) for h in histories]
     assert got != wants, "a draft reading keys of another history proposed the same tokens"
+
+
+# --- a stop inside a speculative round ------------------------------------------------------
+
+
+_VERIFY = speculative.verify
+
+
+def _verify_past_the_stop(decoder, rows, proposal, dists=None, keep=None):
+    """Planted: after a stop inside a round, the later proposals the rows confirm are kept."""
+    before = len(decoder.tokens)
+    accepted, token = _VERIFY(decoder, rows, proposal, dists, keep)
+    if token is None:
+        for j in range(len(decoder.tokens) - before, len(proposal)):
+            if int(torch.argmax(rows[j])) != proposal[j]:
+                break
+            if keep is not None:
+                keep(rows[j])
+            decoder.tokens.append(proposal[j])
+            accepted += 1
+    return accepted, token
+
+
+def _stopped_runs(engine, prompt, draft, monkeypatch, stop=()) -> dict[str, tuple]:
+    """(tokens, finish reason, logits rows) of generate without and with speculation (the
+    scripted draft, K 8) and of the serving engine with it, stopping on the engine's
+    end-of-sequence ids and on `stop`."""
+    from pipelines.llama3 import engine as engine_module
+
+    decoders = []
+
+    class Recorded(engine_module.Decoder):  # generate's decoder, for its finish_reason
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            decoders.append(self)
+
+    runs = {}
+    with torch.inference_mode(), monkeypatch.context() as patch:
+        patch.setattr(engine_module, "Decoder", Recorded)
+        for name, speculation in (("plain", None), ("speculative", Speculation(draft, 8))):
+            out = engine.generate(prompt, STEPS, stop=stop, speculation=speculation)
+            runs[name] = (out.tokens, decoders[-1].finish_reason, len(out.logits))
+    request = Request("r", prompt, STEPS, stop=stop, speculation=Speculation(draft, 8))
+    served = ServingEngine(engine, block_size=4).serve([request])["r"]
+    runs["served"] = (served.output.tokens, served.finish_reason, len(served.output.logits))
+    runs["served stats"] = served.output.speculation
+    return runs
+
+
+def test_a_stop_inside_a_speculative_round_drops_the_later_proposals(monkeypatch) -> None:
+    """Token i of a greedy reference, in the middle of a verification forward whose proposals
+    (the reference's own tokens, K 8) run past it, made an end-of-sequence id, or completed
+    by a stop string spanning tokens i - 1 and i: generate without and with speculation and
+    the serving engine with it all end with the reference's first i + 1 tokens, "stop" (the
+    rows confirm the later proposals: only the stop drops them). Planted: the proposals the
+    rows confirm after the stop kept, every speculative path fails."""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    prompt = engine.tokenizer.encode(PROMPTS[1])  # 16 distinct greedy tokens
+    with torch.inference_mode():
+        reference = engine.generate(prompt, STEPS, stop_on_eos=False)
+    draft = _scripted(prompt, reference)
+    # the forwards: [t0, t1, r2, ...] rejects at 2; [t2, t3..t10] holds i = 6 in its middle
+    i, tokens, decode = 6, reference.tokens, engine.tokenizer.decode
+    assert tokens[i] not in tokens[:i] and not engine.eos_ids & set(tokens), tokens
+    starts = [len(decode(tokens[:n])) for n in range(i + 2)]
+    text = decode(tokens[: i + 1])
+    stop_string = text[starts[i - 1] + 1 : starts[i] + 2]  # the end of token i - 1, i's start
+    assert all(stop_string not in decode(tokens[:n]) for n in range(i + 1)), stop_string
+    assert stop_string in text and text.startswith(decode(tokens[:i])), stop_string
+    want, eos_ids = (tokens[: i + 1], "stop", i + 1), engine.tokenizer.eos_ids
+    for stop in ({"eos_ids": {tokens[i]}}, {"stop": (stop_string,)}):
+        engine.tokenizer.eos_ids = stop.get("eos_ids", eos_ids)  # the engine's own copy
+        runs = _stopped_runs(engine, prompt, draft, monkeypatch, stop.get("stop", ()))
+        stats = runs.pop("served stats")
+        assert runs == dict.fromkeys(runs, want), (stop, runs, tokens)
+        assert stats.proposed[-1] == 8 and stats.accepted[-1] == 4, stats  # t3..t6 of t3..t10
+        with monkeypatch.context() as patch:
+            patch.setattr(speculative, "verify", _verify_past_the_stop)
+            planted = _stopped_runs(engine, prompt, draft, monkeypatch, stop.get("stop", ()))
+        planted.pop("served stats")
+        assert planted["plain"] == want, planted
+        assert planted["speculative"] != want and planted["served"] != want, (stop, planted)
