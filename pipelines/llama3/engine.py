@@ -296,8 +296,8 @@ class Llama3Engine:
         with `sampling`, drawn by sampling.SamplerSettings at each position under its seed).
 
         With `forced_tokens` (teacher forcing) step i feeds forced_tokens[i] to the next step
-        instead of the greedy choice, for len(forced_tokens) steps and no EOS stop: every
-        step's logits then follow the same prefix as the sequence being checked, and
+        instead of the greedy choice, for len(forced_tokens) steps (= max_new_tokens) and no
+        EOS stop: every step's logits then follow the same prefix as the sequence checked, and
         `tokens` still holds the model's own greedy choice at each step.
         `prompt_positions` (0-based, before the last prompt position) also returns the same
         prefill's logits at those positions (`prompt_logits`); the LM head runs on them only.
