@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+import statistics
 
 import numpy as np
 import pytest
@@ -48,3 +50,19 @@ def test_a_sampler_far_from_its_golden_is_inconclusive_not_a_clean_verdict() -> 
     df = 9
     rate = multinomial.noncentral_sf(multinomial.critical(df, ALPHA), df, 2 * 2000 * 0.5)
     assert rate > 10 * ALPHA
+
+
+def test_the_critical_value_holds_past_a_thousand_degrees_of_freedom() -> None:
+    """critical() bisected over [0, 1000] and capped there: from df ~800 at alpha 1e-6 it gave
+    1000, where chi2_sf is near 1 (planted: that bracket). Now its tail is alpha at df 2000,
+    it agrees with the Wilson-Hilferty cube-root approximation (independent of chi2_sf;
+    within 0.1% here), and it increases with df."""
+    df = 2000
+    x = multinomial.critical(df, ALPHA)
+    assert multinomial.chi2_sf(x, df) == pytest.approx(ALPHA, rel=0.01)
+    z = statistics.NormalDist().inv_cdf(1 - ALPHA)
+    wilson_hilferty = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    assert x == pytest.approx(wilson_hilferty, rel=1e-3)
+    dfs = [1, 9, 100, 500, 799, 800, 801, 1000, 2000, 5000]
+    values = [multinomial.critical(d, ALPHA) for d in dfs]
+    assert all(b > a for a, b in itertools.pairwise(values)), values

@@ -20,7 +20,8 @@ The chain, in float64 over the whole vocabulary, two named orders (`SamplerSetti
 
 Every step ranks tokens by (logit descending, id ascending): top-k keeps exactly the first k
 (a tie at the k-th logit is broken by id, never over-accepted); top-p keeps the smallest
-prefix of that ranking whose probability reaches top_p (the first token always); min-p keeps
+prefix of that ranking whose probability reaches top_p (the first token always; a prefix whose
+mass equals top_p exactly is enough, `top_p`); min-p keeps
 the tokens whose probability is at least min_p times the most likely one's. The draw walks the
 kept tokens in id order (not in that ranking) and takes the one whose cumulative interval
 holds the uniform: the cumulative probability at each id then moves by at most the total
@@ -32,20 +33,31 @@ tokens that swap ranks would swap whole intervals).
 a tolerance may keep different tokens, as near a tie they may choose different greedy tokens.
 `kept_bounds(run's logits, settings, history, atol)` computes, stage by stage of the chain and
 apart from it, the tokens the chain keeps however a reference within atol of these logits
-ranks them (certain) and those it may keep (possible): any two penalized logits' difference
-may be off by 2 atol max(r, 1/r) (divided by T after the temperature stage); top-k keeps a
-token for certain when fewer than k others could rank above it, possibly when fewer than k
-surely do; top-p and min-p compare the mass or probability that could (or surely does) rank
-above a token, each ratio off by that factor. At one step, P (the reference's processed
-distribution) against Q (the run's):
+(the premise below) ranks them (certain) and those it may keep (possible): any two penalized
+logits' difference may be off by 2 atol max(r, 1/r) (divided by T after the temperature
+stage); top-k keeps a token for certain when fewer than k others could rank above it,
+possibly when fewer than k surely do; top-p and min-p compare the mass or probability that
+could (or surely does) rank above a token, each ratio off by that factor. At one step, P (the
+reference's processed distribution) against Q (the run's):
 
 1. the kept tokens of both P and Q lie between the run's bounds (each holds every certain
    token and none that is not possible), else FAIL;
 2. TV(P, Q), over the tokens both keep, each renormalized, is at most the margin the logits'
-   tolerance allows (`draw_margin`: with every log-probability within atol, the processed
-   log-probabilities are within delta = 2 atol max(r, 1/r) / T, r the repetition penalty, T
-   the temperature, so TV <= expm1(delta) / 2), else FAIL;
+   tolerance allows (`draw_margin`: the processed log-probabilities are within delta =
+   2 atol max(r, 1/r) / T, r the repetition penalty, T the temperature, so TV <=
+   expm1(delta) / 2), else FAIL;
 3. kept sets that differ but pass 1 and 2 are BOUNDARY (counted, not failed).
+
+The tolerance's premise (both rules): every log-probability within atol of the reference's;
+with a repetition penalty (r != 1), every raw logit within atol of the reference's. That
+penalty divides or multiplies a seen token's raw logit, so a common shift of all logits, which
+moves no log-probability, moves the penalized ones apart (shift 0.5, r 1.3: FAILs,
+`test_a_common_logit_shift_breaks_only_the_repetition_penalty`); presence and frequency
+subtract the same amounts in both runs, and temperature and the truncations see only
+differences. Under the premise any two penalized logits' difference is off by at most
+2 atol max(r, 1/r); logits within atol/2 meet both forms. A run that meets only the
+log-probability form under a repetition penalty may FAIL without a bug: a false alarm, never a
+missed one.
 
 **The draw rule** (`compare_draws`), for a run whose logits legitimately differ from the
 reference's within a tolerance, like the near-tie rule for greedy tokens: at one step, with the
@@ -75,9 +87,21 @@ import numpy as np
 import torch
 
 ORDERS = ("transformers", "llama_cpp")
+# Below a thousandth, a temperature changes nothing but its overflow: at 1e-3 a logit gap of
+# 0.75 already leaves the lower token exp(-750), under float64's smallest number, so the draw
+# is the greedy token except between logits that close; and any float32 logit, even after
+# the largest penalties, divided by 1e-3 stays finite (3.4e38 x 1e3 / 1e-3 = 3.4e44), where
+# 1e-308 made a logit of 2 inf and every probability NaN (token 0 drawn, not the argmax).
+# Temperature 0 is greedy decoding, no sampler (the server maps it so itself).
+TEMPERATURE_MIN = 1e-3
 # A factor of a thousand either way already makes a repeated token certain or impossible; a
 # penalty far outside it divides a logit into inf (1e-320 did, through the server).
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)
+# Presence and frequency subtract from logits: a thousand either way already makes a seen token
+# certain or impossible (OpenAI's API allows [-2, 2]); far outside it, frequency x count
+# overflows (-1e308 on a token seen twice made its logit inf and every probability NaN), and a
+# huge presence rounds the seen tokens' logits together.
+ADDITIVE_PENALTY_RANGE = (-1e3, 1e3)
 FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -112,6 +136,11 @@ class SamplerSettings:
             raise ValueError("sampler settings: " + "; ".join(problems))
         if not self.temperature > 0:
             problems.append(f"temperature={self.temperature} must be > 0 (greedy: no sampler)")
+        elif self.temperature < TEMPERATURE_MIN:
+            problems.append(
+                f"temperature={self.temperature} must be >= {TEMPERATURE_MIN:g} (smaller is "
+                "greedy to float64 and overflows the logits; greedy: no sampler)"
+            )
         if self.top_k < 0:
             problems.append(f"top_k={self.top_k} must be >= 0 (0: off)")
         if not 0 < self.top_p <= 1:
@@ -124,6 +153,12 @@ class SamplerSettings:
                 f"repetition_penalty={self.repetition_penalty} must lie in [{low:g}, {high:g}] "
                 "(1: off)"
             )
+        low, high = ADDITIVE_PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not low <= getattr(self, name) <= high:
+                problems.append(
+                    f"{name}={getattr(self, name)} must lie in [{low:g}, {high:g}] (0: off)"
+                )
         if self.order not in ORDERS:
             problems.append(f"order={self.order!r} is not one of {', '.join(ORDERS)}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
@@ -233,7 +268,22 @@ def _ranked_for(values: np.ndarray, settings: SamplerSettings) -> tuple[np.ndarr
 
 def _softmax(values: np.ndarray) -> np.ndarray:
     e = np.exp(values - values.max())
-    return e / e.sum()
+    total = e.sum()
+    if not np.isfinite(total):  # NaN: a value inf or NaN (processed refuses those it is given)
+        raise ValueError(
+            "sampling: the processed probabilities are not finite (a logit divided by the "
+            "temperature overflowed float64?): no distribution to draw from"
+        )
+    return e / total
+
+
+def _refuse_non_finite(values: np.ndarray) -> None:
+    """ValueError unless the row's largest logit is finite: a NaN anywhere or a +inf gives NaN
+    probabilities (token 0 was drawn, not the argmax), and a row all -inf keeps no token."""
+    top = values.max()  # NaN where any value is NaN
+    if not np.isfinite(top):
+        what = "every logit is -inf" if np.isneginf(top) else "a logit is NaN or +inf"
+        raise ValueError(f"sampling: the step's logits are not drawable: {what}")
 
 
 def top_k(ids, values, k: int):
@@ -241,6 +291,10 @@ def top_k(ids, values, k: int):
 
 
 def top_p(ids, values, p: float):
+    """The smallest ranked prefix whose probability reaches `p`: a token is kept when the mass
+    ranked above it (cumsum - probs, in float64) is below `p`. At an exact tie, a prefix whose
+    mass equals `p` is enough: four equal logits at top_p 0.5 keep two (0.25 + 0.25, exact in
+    binary). A mass equal to `p` only in decimal is decided by the rounding of that sum."""
     if p >= 1.0:
         return ids, values
     probs = _softmax(values)
@@ -269,6 +323,7 @@ def processed(
     ranked (logit descending, id ascending) where a truncation is set, else in id order."""
     values = np.asarray(logits, dtype=np.float64).reshape(-1)
     values = penalized(values, settings, history)
+    _refuse_non_finite(values)
     ids, values = _ranked_for(values, settings)
     s = settings
     steps = {
@@ -365,12 +420,14 @@ def kept_bounds(
     logprob_atol: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(certain, possible): the ids the chain keeps from these logits however a reference whose
-    log-probabilities are within `logprob_atol` of them ranks its tokens, and the ids it may
+    log-probabilities are within `logprob_atol` of them ranks its tokens (with a repetition
+    penalty: whose raw logits are; the premise in the module docstring), and the ids it may
     keep (the kept-set rule, module docstring). With atol 0 both are `processed`'s kept ids."""
     if logprob_atol <= 0.0:
         ids, _ = processed(logits, settings, history)
         return ids, ids
     values = penalized(np.asarray(logits, dtype=np.float64).reshape(-1), settings, history)
+    _refuse_non_finite(values)
     s = settings
     r = s.repetition_penalty
     slack = 2.0 * logprob_atol * max(r, 1.0 / r)  # any two penalized logits' difference
@@ -398,8 +455,9 @@ def kept_bounds(
 
 
 def draw_margin(logprob_atol: float, settings: SamplerSettings) -> float:
-    """The largest TV between two processed distributions whose logits' log-probabilities
-    are within `logprob_atol` of each other and that keep the same tokens (module docstring)."""
+    """The largest TV between two processed distributions that keep the same tokens, of logits
+    whose log-probabilities are within `logprob_atol` of each other (with a repetition
+    penalty: whose raw logits are; a common shift moves the penalized ones; module docstring)."""
     r = settings.repetition_penalty
     delta = 2.0 * logprob_atol * max(r, 1.0 / r) / settings.temperature
     return float(np.expm1(delta) / 2.0)

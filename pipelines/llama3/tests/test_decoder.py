@@ -42,10 +42,13 @@ def test_an_end_of_sequence_choice_stops_and_is_kept() -> None:
 
 
 def test_teacher_forcing_feeds_the_forced_tokens_and_ignores_the_end_of_sequence() -> None:
-    decoder = Decoder(99, eos_ids={2}, forced_tokens=[4, 4, 4])
-    assert decoder.max_new_tokens == 3  # one step per forced token
+    decoder = Decoder(3, eos_ids={2}, forced_tokens=[4, 4, 4])
     assert _run(decoder, _logits(2, 2, 2, 2)) == [4, 4, None]
     assert decoder.tokens == [2, 2, 2]  # the model's own choice, recorded
+    # one step per forced token: another count is refused (generate ran len(forced) steps
+    # and the serving engine max_new_tokens before)
+    with pytest.raises(ValueError, match="3 forced tokens for max_new_tokens 99"):
+        Decoder(99, eos_ids={2}, forced_tokens=[4, 4, 4])
 
 
 def test_a_stop_string_stops_at_the_token_that_completes_it_and_says_why() -> None:
@@ -112,10 +115,30 @@ def test_an_unseeded_request_draws_its_seed_from_the_system() -> None:
 
 
 def test_teacher_forcing_penalizes_the_forced_history() -> None:
-    """The penalties' history is what was fed: the forced tokens, not the draws."""
-    forced = [7, 7, 7, 7]
-    decoder = _sampled(5, forced=forced, steps=4)
-    history = [1, 2, 7, 7, 7]
-    ids, probs = sampling.processed(torch.zeros(64), decoder.sampling, history)
-    u = float(sampling.uniform(5, len(history)))
-    assert decoder.tokens[3] == int(sampling.pick(ids, probs, u))
+    """The penalties' history is what was fed: the prompt and the forced tokens, not the draws.
+    Tokens 3 and 7 lead every row (logit 6; the rest 0): the forced 3s push 3 down (repetition
+    1.5, presence 2, frequency 1 per time seen), so a correct decoder draws 7 at nearly every
+    step, where a history of the model's own draws penalizes 7 instead, and the prompt alone
+    penalizes neither (planted, each: the draws differ)."""
+    settings = SamplerSettings(
+        temperature=1.0,
+        seed=5,
+        repetition_penalty=1.5,
+        presence_penalty=2.0,
+        frequency_penalty=1.0,
+    )
+    prompt, forced = [1, 2], [3] * 8
+    row = torch.zeros(16)
+    row[3] = row[7] = 6.0
+    for seed in (5, 6, 7):
+        decoder = Decoder(8, forced_tokens=forced, sampling=settings, prompt=prompt, seed=seed)
+        for _ in range(decoder.max_new_tokens):
+            decoder.step(row)
+        expected = []
+        for step in range(len(forced)):
+            history = [*prompt, *forced[:step]]
+            ids, probs = sampling.processed(row, settings, history)
+            u = float(sampling.uniform(seed, len(history)))
+            expected.append(int(sampling.pick(ids, probs, u)))
+        assert decoder.tokens == expected, seed
+        assert expected[1:].count(7) >= 6, expected  # the penalties bite

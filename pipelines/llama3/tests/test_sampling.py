@@ -2,12 +2,15 @@
 
 - Philox4x32-10 gives Random123's known-answer vectors.
 - The processed distribution equals an independent reference (plain Python over lists, both
-  chain orders) on a table of cases that puts each step at its edge: ties at the top-k
-  boundary, a top-p boundary, min-p below a flat top, penalties, extreme temperatures.
+  chain orders written out in REFERENCE_CHAINS, not read from sampling.CHAINS) on a table of
+  cases that puts each step at its edge: ties at the top-k boundary, a top-p boundary (off
+  exact mass ties: test_the_top_p_cases_lie_off_mass_ties; the engine's rule at an exact tie
+  has its own test), min-p below a flat top, penalties, extreme temperatures, and a row where
+  min-p before or after top-p keeps other tokens (each order's top-p/min-p swap fails).
 - Draws: for each case, DRAWS tokens drawn by the engine's sampler (seed SEED, positions
   0 .. DRAWS-1) are tested against the reference probabilities by a G-test at ALPHA = 1e-6.
   The unmutated sampler passes every case; the chance that it fails one is at most
-  len(CASES) x ALPHA = 1.2e-5 over seeds (the seed is fixed, so the run replays exactly).
+  len(CASES) x ALPHA = 1.4e-5 over seeds (the seed is fixed, so the run replays exactly).
   Each planted sampler bug (MUTATIONS) fails at least one case; the test prints, per bug, the
   case that catches it and the G-test's power there at ALPHA (noncentral chi-square with
   lambda = 2 DRAWS KL(mutated || reference), normal approximation), and asserts power >= 0.999.
@@ -15,12 +18,17 @@
 - The draw rule and the kept-set rule (sampling.compare_draws, compare_kept): seeded steps
   with logits within a tolerance never FAIL (AMBIGUOUS and BOUNDARY counted), and each planted
   rule-breaker (another uniform, ranking-order draws, logits past the tolerance, bounds too
-  narrow, a top-p keeping one token more) FAILs.
+  narrow, a top-p keeping one token more) FAILs; a common shift of the logits FAILs only under
+  a repetition penalty (the tolerance's premise, sampling's module docstring).
+- Refused: settings out of range (a temperature under sampling.TEMPERATURE_MIN, presence and
+  frequency penalties past ADDITIVE_PENALTY_RANGE, seeds outside [0, 2**64)) and rows with a
+  NaN or +inf logit, which drew token 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -63,7 +71,24 @@ def test_the_uniforms_depend_on_the_seed_and_the_position_only() -> None:
     assert not np.array_equal(sampling.uniform(8, np.arange(1000)), u)
 
 
+def test_the_uniforms_use_all_64_bits_of_the_seed() -> None:
+    """Planted: a key of the seed's low 32 bits (seed & 0xFFFFFFFF) drew these equal; and a
+    known answer at the largest seed and a position past 2**32 (pinned from this code)."""
+    for seed in (0, 1, 12345, 2**32 - 1, 2**63):
+        for position in (0, 5, 2**33 + 1):
+            assert sampling.uniform(seed, position) != sampling.uniform(seed + 2**32, position)
+    assert float(sampling.uniform(2**64 - 1, 2**40)) == 0.9599552145480266
+
+
 # --- an independent reference: plain Python over lists ------------------------------------
+
+
+# The chains' orders, written here apart from sampling.CHAINS (the engine's table), so that an
+# order edited there fails against this reference instead of moving with it.
+REFERENCE_CHAINS = {
+    "transformers": ("temperature", "top_k", "top_p", "min_p"),
+    "llama_cpp": ("top_k", "top_p", "min_p", "temperature"),
+}
 
 
 def _reference(logits: list[float], s: SamplerSettings, history: list[int]) -> dict[int, float]:
@@ -102,7 +127,7 @@ def _reference(logits: list[float], s: SamplerSettings, history: list[int]) -> d
         best = max(p.values())
         return [t for t in tokens if p[t] >= s.min_p * best] if s.min_p > 0 else tokens
 
-    for name in sampling.CHAINS[s.order]:
+    for name in REFERENCE_CHAINS[s.order]:
         kept = step(name, kept)
     return probs(kept)
 
@@ -119,7 +144,13 @@ class Case:
     history: list[int] = dataclasses.field(default_factory=list)
 
 
-FLAT = _logits([0.3, 0.25, 0.15, 0.1, 0.08, 0.05, 0.04, 0.02, 0.007, 0.003])
+# No ranked prefix of FLAT's mass lies within 0.02 of a case's top_p, tempered or not, after
+# top-k or not (test_the_top_p_cases_lie_off_mass_ties): each planted bug is caught by what it
+# does, not by how float64 rounds a sum equal to top_p (0.3 + 0.25 + 0.15 + 0.1 against 0.8).
+FLAT = _logits([0.31, 0.255, 0.165, 0.105, 0.07, 0.04, 0.03, 0.015, 0.007, 0.003])
+# min-p 0.2 before top-p 0.7 keeps 4 tokens (0.4 .. 0.09) whose renormalized mass reaches 0.7
+# at two; after it, top-p keeps 3 (the mass above the 4th is 0.76) and min-p all three.
+MIN_P_ROW = _logits([0.4, 0.25, 0.11, 0.09, 0.03, 0.03, 0.03, 0.03, 0.03])
 CASES = [
     Case("top_k tie", _logits([0.4, 0.3, 0.3, 0.0]), SamplerSettings(top_k=2)),
     Case("top_p edge", FLAT, SamplerSettings(temperature=0.7, top_p=0.6)),
@@ -151,6 +182,12 @@ CASES = [
     Case("hot", FLAT, SamplerSettings(temperature=2.0)),
     Case("top_p 0.05", FLAT, SamplerSettings(top_p=0.05)),
     Case("top_k 1", FLAT, SamplerSettings(top_k=1, temperature=2.0)),
+    Case("transformers min_p after top_p", MIN_P_ROW, SamplerSettings(top_p=0.7, min_p=0.2)),
+    Case(
+        "llama_cpp min_p after top_p",
+        MIN_P_ROW,
+        SamplerSettings(temperature=2.0, top_p=0.7, min_p=0.2, order="llama_cpp"),
+    ),
 ]
 
 
@@ -165,6 +202,66 @@ def test_the_processed_distribution_is_the_references(case: Case) -> None:
     assert set(ids.tolist()) == set(expected), (ids, expected)
     for t, p in zip(ids.tolist(), probs.tolist(), strict=True):
         assert abs(p - expected[t]) < 1e-12, (t, p, expected[t])
+
+
+def _is_the_references(case: Case) -> bool:
+    ids, probs = sampling.processed(np.array(case.logits), case.settings, case.history)
+    expected = _expected(case)
+    return set(ids.tolist()) == set(expected) and all(
+        abs(p - expected[t]) < 1e-12 for t, p in zip(ids.tolist(), probs.tolist(), strict=True)
+    )
+
+
+# Planted: orders edited in the engine's table (sampling.CHAINS), each of which some case above
+# sees (a reference that read the table moved with it: the first passed).
+EDITED_ORDERS = {
+    "transformers: min-p before top-p": (
+        "transformers",
+        ("temperature", "top_k", "min_p", "top_p"),
+    ),
+    "llama_cpp: min-p before top-p": ("llama_cpp", ("top_k", "min_p", "top_p", "temperature")),
+    "transformers: temperature after top-p": (
+        "transformers",
+        ("top_k", "top_p", "temperature", "min_p"),
+    ),
+    "llama_cpp: temperature first": ("llama_cpp", ("temperature", "top_k", "top_p", "min_p")),
+}
+
+
+@pytest.mark.parametrize("plant", EDITED_ORDERS)
+def test_an_order_edited_in_the_engines_table_is_not_the_references(plant, monkeypatch) -> None:
+    order, chain = EDITED_ORDERS[plant]
+    monkeypatch.setattr(sampling, "CHAINS", {**sampling.CHAINS, order: chain})
+    assert [c.name for c in CASES if not _is_the_references(c)], plant
+
+
+def test_the_top_p_cases_lie_off_mass_ties() -> None:
+    """Each top-p case's threshold lies 0.02 or more from every ranked prefix's mass, in each
+    arrangement a planted order could give it: tempered or not, after top-k and min-p or not."""
+    for case in (c for c in CASES if c.settings.top_p < 1.0):
+        s = case.settings
+        assert not case.history  # no penalties to apply first
+        for t, k, m in itertools.product({1.0, s.temperature}, {0, s.top_k}, {0.0, s.min_p}):
+            ranked = sorted((v / t for v in case.logits), reverse=True)[: k or None]
+            weights = [math.exp(v - ranked[0]) for v in ranked]
+            weights = [w for w in weights if w >= m]  # the top one's weight is 1
+            masses = itertools.accumulate(w / sum(weights) for w in weights[:-1])
+            assert min((abs(mass - s.top_p) for mass in masses), default=1.0) >= 0.02, (
+                case.name,
+                (t, k, m),
+            )
+
+
+def test_top_p_at_an_exact_tie_keeps_the_prefix_that_reaches_it() -> None:
+    """The engine's rule where a ranked prefix's mass equals top_p exactly (equal logits: exact
+    quarters and eighths): that prefix is enough, the next token is not kept (the mass above
+    it, cumsum - probs, equals top_p: not below it). The reference agrees. Another rule would
+    change the sampling goldens (sampling.top_p's docstring)."""
+    for n, p, kept in ((4, 0.5, 2), (4, 0.75, 3), (8, 0.375, 3), (8, 0.125, 1), (4, 0.25, 1)):
+        ids, _ = sampling.processed(np.zeros(n), SamplerSettings(top_p=p))
+        assert ids.tolist() == list(range(kept)), (n, p, ids)
+        reference = _reference([0.0] * n, SamplerSettings(top_p=p), [])
+        assert sorted(reference) == list(range(kept)), (n, p, reference)
 
 
 def test_the_edges_named_by_peers_bugs() -> None:
@@ -190,11 +287,86 @@ def test_the_edges_named_by_peers_bugs() -> None:
         ("min_p", 1.0, "min_p=1.0 must lie in [0, 1)"),
         ("order", "vllm", "order='vllm' is not one of transformers, llama_cpp"),
         ("seed", -1, "seed=-1 must lie in [0, 2**64)"),
+        ("seed", 2**64, "seed=18446744073709551616 must lie in [0, 2**64)"),
+        ("temperature", 1e-4, "temperature=0.0001 must be >= 0.001"),
+        ("temperature", 1e-308, "temperature=1e-308 must be >= 0.001"),
+        ("temperature", 1e-320, "temperature=1e-320 must be >= 0.001"),
+        ("presence_penalty", -1e308, "presence_penalty=-1e+308 must lie in [-1000, 1000]"),
+        ("presence_penalty", 1000.5, "presence_penalty=1000.5 must lie in [-1000, 1000]"),
+        ("frequency_penalty", -1e308, "frequency_penalty=-1e+308 must lie in [-1000, 1000]"),
+        ("frequency_penalty", 1e4, "frequency_penalty=10000.0 must lie in [-1000, 1000]"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(field, value, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplerSettings(**{field: value})
+
+
+def test_the_settings_ranges_edges_are_accepted_and_draw_finite_distributions() -> None:
+    """The smallest temperature draws the argmax, even of float32's largest logits after the
+    largest penalties (where 1e-308 drew token 0: NaN probabilities); the additive penalties'
+    bounds on a token seen a thousand times stay finite (-1e308 seen twice made a logit inf)."""
+    SamplerSettings(seed=0), SamplerSettings(seed=2**64 - 1)
+    row = torch.tensor([0.1, 3.0, 2.0, -1.0])
+    for extra in ({}, {"min_p": 0.1}, {"top_p": 0.5}, {"top_k": 3}):
+        settings = SamplerSettings(temperature=sampling.TEMPERATURE_MIN, **extra)
+        assert [sampling.sample(row, settings, seed, [], 0) for seed in range(5)] == [1] * 5
+    huge = torch.tensor([-3.4e38, 3.4e38, 3.3e38, 0.0])
+    settings = SamplerSettings(
+        temperature=1e-3, repetition_penalty=1e-3, presence_penalty=-1e3, frequency_penalty=-1e3
+    )
+    ids, probs = sampling.processed(huge, settings, [0, 1, 2] * 1000)
+    assert np.isfinite(probs).all() and int(ids[np.argmax(probs)]) == 1
+    for penalty in (-1e3, 1e3):
+        settings = SamplerSettings(presence_penalty=penalty, frequency_penalty=penalty)
+        ids, probs = sampling.processed(row, settings, [2] * 1000)
+        assert np.isfinite(probs).all() and probs.sum() == pytest.approx(1.0)
+        assert probs[ids.tolist().index(2)] == (1.0 if penalty < 0 else 0.0)
+
+
+NOT_DRAWABLE = {
+    "a NaN logit": ([0.1, 3.0, math.nan, -1.0], "a logit is NaN or \\+inf"),
+    "a +inf logit": ([0.1, 3.0, math.inf, -1.0], "a logit is NaN or \\+inf"),
+    "NaN last": ([0.1, 3.0, 2.0, math.nan], "a logit is NaN or \\+inf"),
+    "every logit -inf": ([-math.inf] * 4, "every logit is -inf"),
+}
+
+
+@pytest.mark.parametrize("row", NOT_DRAWABLE)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        SamplerSettings(),
+        SamplerSettings(top_k=2),
+        SamplerSettings(top_p=0.5),
+        SamplerSettings(min_p=0.1),
+        SamplerSettings(order="llama_cpp", top_k=3, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+    ],
+    ids=["plain", "top_k", "top_p", "min_p", "llama_cpp chain"],
+)
+def test_a_row_without_a_finite_top_logit_is_refused(row, settings) -> None:
+    """NaN or +inf anywhere drew token 0 (or, with min-p, raised numpy's zero-size error; with
+    top-k a NaN outside the candidates was ignored): a clear ValueError instead, from the
+    draw and from the kept-set bounds alike. A -inf logit alone is a masked token."""
+    values, message = NOT_DRAWABLE[row]
+    logits = torch.tensor(values, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"the step's logits are not drawable: {message}"):
+        sampling.sample(logits, settings, 1, [0], 1)
+    with pytest.raises(ValueError, match="not drawable"):
+        sampling.kept_bounds(logits, settings, [0], 0.01)
+    masked = torch.tensor([0.1, 3.0, -math.inf, -1.0])
+    assert sampling.sample(masked, settings, 1, [0], 1) in {0, 1, 3}
+
+
+def test_logits_that_overflow_under_the_temperature_are_refused() -> None:
+    """The last guard: float64 logits beyond float32's range, divided by the temperature,
+    overflow to inf (no setting can prevent that): refused, not drawn as token 0."""
+    logits = np.array([1e306, 2e306, 0.0])
+    with (
+        np.errstate(over="ignore", invalid="ignore"),
+        pytest.raises(ValueError, match="the processed probabilities are not finite"),
+    ):
+        sampling.processed(logits, SamplerSettings(temperature=1e-3))
 
 
 # --- draws against the reference: the G-test and the planted bugs ---------------------------
@@ -304,16 +476,24 @@ def _ranked_order_pick(ids, probs, u):
     return ids[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(ids) - 1)]
 
 
-def _rule_counts(scale: float = 1.0, run_pick=None, run_position: int = 0) -> dict[str, int]:
-    """The draw rule's verdicts over TRIALS seeded steps: a prompt of 5 random tokens, the
-    reference's logits N(0, 2) over 64 ids, the run's within scale x ATOL (log-softmax)."""
+def _rule_counts(
+    scale: float = 1.0,
+    run_pick=None,
+    run_position: int = 0,
+    shift: float = 0.0,
+    rule_settings: list[SamplerSettings] = RULE_SETTINGS,
+    trials: int = TRIALS,
+) -> dict[str, int]:
+    """The draw rule's verdicts over `trials` seeded steps: a prompt of 5 random tokens, the
+    reference's logits N(0, 2) over 64 ids, the run's raw logits within scale x ATOL / 2 of
+    them (so log-probabilities within scale x ATOL), then all moved by `shift`."""
     rng = np.random.default_rng(SEED)
     counts = {"equal": 0, "AMBIGUOUS": 0, "FAIL": 0}
-    for trial in range(TRIALS):
-        settings = RULE_SETTINGS[trial % len(RULE_SETTINGS)]
+    for trial in range(trials):
+        settings = rule_settings[trial % len(rule_settings)]
         prompt = rng.integers(0, 64, size=5).tolist()
         logits = rng.normal(0.0, 2.0, size=64)
-        nudged = logits + rng.uniform(-scale * ATOL / 2, scale * ATOL / 2, size=64)
+        nudged = logits + rng.uniform(-scale * ATOL / 2, scale * ATOL / 2, size=64) + shift
         seed = trial
         position = len(prompt)
         p = sampling.processed(logits, settings, prompt)
@@ -355,6 +535,40 @@ def test_a_draw_no_tolerance_explains_fails_the_draw_rule(bug, kwargs, capsys) -
     with capsys.disabled():
         print(f"\ndraw rule, planted {bug}: {counts}")
     assert counts["FAIL"] >= 0.5 * TRIALS, counts
+
+
+SHIFT_TRIALS = 600
+
+
+def test_a_common_logit_shift_breaks_only_the_repetition_penalty(capsys) -> None:
+    """The tolerance's premise (sampling's module docstring): a common shift of the logits (0.5)
+    moves no log-probability, yet under a repetition penalty (1.3, on the raw logits) it FAILs
+    steps, so log-probabilities within atol are not enough there; raw logits within atol (the
+    premise's form for a repetition penalty) never FAIL, and without a repetition penalty the
+    shift changes nothing (presence and frequency subtract the same amounts)."""
+    rng = np.random.default_rng(SEED)
+    logits = rng.normal(0.0, 2.0, size=64)
+    shifted = torch.log_softmax(torch.tensor(logits + 0.5), -1)
+    assert float((shifted - torch.log_softmax(torch.tensor(logits), -1)).abs().max()) < 1e-12
+    penalty = [SamplerSettings(temperature=t, repetition_penalty=1.3) for t in (0.7, 1.5)]
+    additive = [SamplerSettings(presence_penalty=0.5, frequency_penalty=0.2), RULE_SETTINGS[0]]
+    n = SHIFT_TRIALS
+    counts = {
+        "shift 0.5, repetition penalty": _rule_counts(
+            0, shift=0.5, rule_settings=penalty, trials=n
+        ),
+        "raw logits within atol, repetition penalty": _rule_counts(
+            2.0, rule_settings=penalty, trials=n
+        ),
+        "shift 0.5, presence and frequency": _rule_counts(
+            0, shift=0.5, rule_settings=additive, trials=n
+        ),
+    }
+    with capsys.disabled():
+        print(f"\ndraw rule, a common logit shift, {SHIFT_TRIALS} steps each: {counts}")
+    assert counts["shift 0.5, repetition penalty"]["FAIL"] > 0
+    assert counts["raw logits within atol, repetition penalty"]["FAIL"] == 0
+    assert counts["shift 0.5, presence and frequency"]["FAIL"] == 0
 
 
 def test_the_rule_needs_the_id_order_draw(monkeypatch, capsys) -> None:
