@@ -13,7 +13,8 @@
 #   4. with --full: the same locally, for comparison (steps 2 and 4 each cost the suite's run
 #      time again, so CI leaves them out)
 # Remote runs are checked on Bazel's own "INFO: N processes: ..." line. Then the stack
-# stops, the Bazel server shuts down, and no process of the stack may be left (ps). Exit 0
+# stops; with it down, --config=remote must fail and --config=remote-cache succeed (one small
+# test, run here); the Bazel server shuts down, and no process of the stack may be left (ps). Exit 0
 # when every check holds, 1 otherwise; each Bazel run's output is in the work folder, printed
 # in part on failure.
 set -euo pipefail
@@ -127,6 +128,21 @@ fi
 pg_dir="$(cat "$state/postgres.dir")"
 pids="$(cat "$state"/pids/*.pid | awk '{print $1}' | tr '\n' ' ')"
 tools/remote/stack.sh stop --state "$state"
+
+# The server down (README, "Remote execution"): --config=remote fails, no silent local
+# fallback; --config=remote-cache still succeeds, its test run here. One small test, run again.
+down=(//goldens/artifacts:archive_test --nocache_test_results)
+if timeout 600 ./bazelw --output_base="$output_base" test "${down[@]}" "${remote[@]}" \
+  >"$work/down-remote.log" 2>&1; then
+  fail "--config=remote with the server down succeeded (log $work/down-remote.log)"
+fi
+say "--config=remote, server down: failed, as it must ($(grep -m1 -oE 'UNAVAILABLE[^.]*' "$work/down-remote.log" || echo 'exit non-zero'))"
+bazel_run down-cache test "${down[@]}" --config=remote-cache "${common[@]}"
+line="$(processes_line "$work/down-cache.log")"
+if grep -q remote <<<"$line" || ! grep -qE '^Executed 1 out of 1 test' "$work/down-cache.log"; then
+  fail "down-cache: expected the test executed here, uncached: '$line' (log $work/down-cache.log)"
+fi
+say "--config=remote-cache, server down: $wall s, the test run here; $line"
 bazel shutdown
 left="$(ps -eo pid=,stat=,args= | awk '$2 !~ /^Z/' | grep -F -e "$state" -e "$pg_dir" | grep -v -e grep -e awk || true)"
 for pid in $pids; do
