@@ -1,10 +1,12 @@
 """claims: the bit-level properties README.md and docs/ state, and the tests that back them.
 
-A paragraph (or table row) that says something holds bit for bit (`bit for bit`,
-`bit-identical`, `bitwise`, `same bits`, `byte-identical`) must name the test that breaks when
-it stops holding: a backticked test function, test file or Bazel test target. Every test name
-a document cites must exist (a renamed test leaves its claim unbacked). Pure Python, no
-packages: tools/lint/lint.sh runs it on every CI run, before the tests.
+A paragraph (or table row) of README.md, docs/ or another README.md that says something
+holds bit for bit (`bit for bit`, `bit-identical`, `bitwise`, `bit-exact`, `byte for byte`,
+`byte-identical`, `to the bit`, `same`/`identical`/`equal` `bits`/`bytes`) must name the test
+that breaks when it stops holding: a backticked test function, test file or Bazel test
+target, one that runs (not skipped, skipif(True) or xfail, nor in a file `pytestmark` skips).
+Every test name a document cites must exist (a renamed test leaves its claim unbacked). Pure
+Python, no packages: tools/lint/lint.sh runs it on every CI run, before the tests.
 
     python3 -m tools.claims           list the property claims and their tests; exit 1 and name
                                       each unbacked claim or unknown test name
@@ -20,7 +22,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 PROPERTY = re.compile(
-    r"bit for bit|bit-for-bit|bit-identical|bitwise|same bits|byte-identical|bit-exact", re.I
+    r"bits? for bits?|bit-for-bit|bit-identical|bitwise|bit-exact|byte for byte|byte-identical"
+    r"|to the bit|(?:same|identical|equal) (?:bits|bytes)",
+    re.I,
 )
 CODE = re.compile(r"`([^`\n]+)`")
 # A test-like name, not a flag (`--test_env`, `--test_arg`).
@@ -82,8 +86,11 @@ def claims(document: Path, root: Path) -> list[Claim]:
     return found
 
 
-# A test function under an unconditional skip runs nothing.
-SKIPPED = re.compile(r"^\s*@pytest\.mark\.skip\b[^\n]*\n(?:\s*@[^\n]*\n)*\s*def (test_\w+)", re.M)
+# A test function under an unconditional skip, a skipif(True) or an xfail proves nothing; nor
+# does any test of a file whose `pytestmark` skips or xfails it.
+NOT_RUN = r"@pytest\.mark\.(?:skip\b(?!if)|skipif\(\s*True\b|xfail\b)"
+SKIPPED = re.compile(rf"^\s*{NOT_RUN}[^\n]*\n(?:\s*@[^\n]*\n)*\s*def (test_\w+)", re.M)
+SKIPPED_FILE = re.compile(rf"^pytestmark\s*=\s*(?:\[[^\]]*)?{NOT_RUN[1:]}", re.M)
 RULE = re.compile(r"^(\w+)\(\s*\n\s*name = \"(\w+)\"", re.M)  # a BUILD rule and its name
 
 
@@ -96,11 +103,11 @@ def known_tests(root: Path) -> tuple[set[str], set[str]]:
     for path in root.rglob("*.py"):
         if path.parts[len(root.parts)].startswith(("bazel-", ".")):
             continue
-        if path.stem.startswith("test_"):
-            backing.add(path.stem)
         text = path.read_text(errors="replace")
         functions = set(re.findall(r"^\s*def (test_\w+)", text, re.M))
-        skipped = set(SKIPPED.findall(text))
+        skipped = functions if SKIPPED_FILE.search(text) else set(SKIPPED.findall(text))
+        if path.stem.startswith("test_"):
+            (known if skipped == functions and functions else backing).add(path.stem)
         backing.update(functions - skipped)
         known.update(skipped)
     for path in root.rglob("*.bzl"):  # the test macros (pytest_test, llama3_test, ...)
@@ -118,7 +125,14 @@ def known_tests(root: Path) -> tuple[set[str], set[str]]:
 
 
 def documents(root: Path) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    """README.md, docs/ and every other README.md below the root (testdata's, the store's)."""
+    others = sorted(
+        path
+        for path in root.rglob("README.md")
+        if path != root / "README.md"
+        and not path.relative_to(root).parts[0].startswith(("bazel-", "."))
+    )
+    return [root / "README.md", *sorted((root / "docs").glob("*.md")), *others]
 
 
 def problems(root: Path) -> tuple[list[Claim], list[str]]:

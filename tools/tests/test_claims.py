@@ -41,18 +41,43 @@ def test_a_table_row_is_its_own_claim(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize(
     "cited",
-    ["`pytest_test`", "`kernels_lib_test`", "`test_skipped_away`"],
-    ids=["a test macro", "a library target", "a skipped test"],
+    [
+        "`pytest_test`",
+        "`kernels_lib_test`",
+        "`test_skipped_away`",
+        "`test_skipped_if_true`",
+        "`test_expected_to_fail`",
+        "`test_in_a_skipped_file`",
+        "`test_skipped_file`",
+    ],
+    ids=[
+        "a test macro",
+        "a library target",
+        "a skipped test",
+        "skipif(True)",
+        "an xfail",
+        "a test of a file whose pytestmark skips it",
+        "a test file whose pytestmark skips it",
+    ],
 )
 def test_a_claim_backed_by_no_test_that_runs_fails(tmp_path, capsys, cited) -> None:
     """A name that exists but runs nothing backs no claim: a test macro of the .bzl files, a
-    target of another rule, a test function under an unconditional skip (all were accepted)."""
+    target of another rule, a test function under an unconditional skip, a skipif(True) or an
+    xfail, a test file (or its test) whose `pytestmark` skips it (all but the first three
+    were accepted before)."""
     root = _repo(tmp_path, f"Every build gives the same bits ({cited}).\n")
     (root / "pkg" / "defs.bzl").write_text("def pytest_test(name, **kwargs):\n    pass\n")
     build = root / "pkg" / "BUILD.bazel"
     build.write_text(build.read_text() + 'py_library(\n    name = "kernels_lib_test",\n)\n')
-    skipped = "@pytest.mark.skip(reason='later')\ndef test_skipped_away():\n    pass\n"
+    skipped = (
+        "@pytest.mark.skip(reason='later')\ndef test_skipped_away():\n    pass\n"
+        "@pytest.mark.skipif(True, reason='never')\ndef test_skipped_if_true():\n    pass\n"
+        "@pytest.mark.xfail(reason='known')\ndef test_expected_to_fail():\n    pass\n"
+    )
     (root / "pkg" / "test_more.py").write_text(skipped)
+    whole_file = "pytestmark = pytest.mark.skip(reason='later')\n\n\n"
+    whole_file += "def test_in_a_skipped_file():\n    pass\n"
+    (root / "pkg" / "test_skipped_file.py").write_text(whole_file)
     assert claims.main([f"--root={root}", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "README.md:1: states a bit-level property and names no test that runs" in err
@@ -69,3 +94,21 @@ def test_a_test_name_that_does_not_exist_fails(tmp_path, capsys) -> None:
 def test_code_fences_are_not_claims(tmp_path) -> None:
     root = _repo(tmp_path, "```\nsame bits\n```\n")
     assert claims.main([f"--root={root}", "--quiet"]) == 0
+
+
+@pytest.mark.parametrize(
+    "phrase",
+    ["byte for byte", "the same bytes", "identical bits", "repeatable to the bit", "bits for bits"],
+)
+def test_every_spelling_of_a_bit_level_claim_is_a_claim(tmp_path, capsys, phrase) -> None:
+    """Each was read as no claim before (an audit's README "identical bits on every CPU")."""
+    root = _repo(tmp_path, f"The kernels give {phrase} on every CPU.\n")
+    assert claims.main([f"--root={root}", "--quiet"]) == 1
+    assert "README.md:1: states a bit-level property and names no test" in capsys.readouterr().err
+
+
+def test_a_readme_below_the_root_is_read_too(tmp_path, capsys) -> None:
+    root = _repo(tmp_path, "# Title\n")
+    (root / "pkg" / "README.md").write_text("The files regenerate byte for byte.\n")
+    assert claims.main([f"--root={root}", "--quiet"]) == 1
+    assert "pkg/README.md:1: states a bit-level property" in capsys.readouterr().err

@@ -1,24 +1,36 @@
 """Every command the documents name runs: a newcomer pastes them as written.
 
-The `bazel run` targets of README.md, docs/ and the testdata README each start with --help from
-this test's runfiles (the binaries are its data, built as `bazel run` builds them) and must
-exit 0 with a usage line. A document that names a target this test does not know fails it:
-add the target to `_DOCUMENTED_COMMANDS` in tools/BUILD.bazel. The documents' publish recipe
-(`D=...` and `tools/upload-public-bazel-artifact.sh NAME next ...`) runs as written, with bash,
-in a scratch copy of the repository's store, MODULE.bazel and distdir fragment.
+The `bazel run` targets of README.md, docs/, the testdata README and the store's README each
+start with --help from this test's runfiles (the binaries are its data, built as `bazel run`
+builds them) and must exit 0 with a usage line. In that same process, before the --help, the
+target's own argparse parser parses every `bazel run //LABEL -- ARGS` line the documents give
+for it (a sitecustomize module this test writes hooks the first parse_args call; nothing else of
+the tool runs), and each must parse. `python3 -m tools.MODULE ARGS` and
+`tools/upload-public-bazel-artifact.sh ARGS` lines are parsed the same way in this process. A
+document that names a target this test does not know fails it: add the target to
+`_DOCUMENTED_COMMANDS` in tools/BUILD.bazel. Every label a `bazel test` line names is declared
+in its package's BUILD file. The documents' publish recipe (`D=...` and
+`tools/upload-public-bazel-artifact.sh NAME next ...`) runs as written, with bash, in a scratch
+copy of the repository's store, MODULE.bazel and distdir fragment, on the files its section's
+regenerate commands write: the archive it publishes must hold the pinned archive's files.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+import runpy
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from goldens import schema
 from goldens.artifacts import archive, stanza
 from goldens.artifacts.store import ref_from_url
 
@@ -26,9 +38,97 @@ DOCUMENTS = [
     Path("README.md"),
     *sorted(Path("docs").glob("*.md")),
     Path("max_tests/integration/architectures/llama3/testdata/README.md"),
+    Path("artifacts/README.md"),
 ]
+
+
+def _documents() -> list[Path]:
+    """The documents that are here (test_every_document_is_here names a missing one)."""
+    return [document for document in DOCUMENTS if document.is_file()]
+
+
+LABEL = r"//[A-Za-z0-9_/.-]*(?::[A-Za-z0-9_.-]+)?"
 # `bazel run //LABEL` or `./bazelw run //LABEL`, as the documents write them.
-RUN_TARGET = re.compile(r"(?:bazel|bazelw) run (//[A-Za-z0-9_/.-]*(?::[A-Za-z0-9_.-]+)?)")
+RUN_TARGET = re.compile(rf"(?:bazel|bazelw) run ({LABEL})")
+# A command whose flags are parsed: its program (a run label, a module or the upload script),
+# then the rest of the line.
+COMMAND = re.compile(
+    rf"(?:(?:bazel|bazelw) run (?P<label>{LABEL})(?P<run_args>.*)"
+    r"|python3? -m (?P<module>tools(?:\.\w+)+)(?=\s|$)(?P<module_args>.*)"
+    r"|(?P<script>tools/upload-public-bazel-artifact\.sh)(?P<script_args>.*))"
+)
+TEST_LINE = re.compile(rf"(?:bazel|bazelw) test((?:\s+{LABEL}(?:\.\.\.)?)+)")
+SCRIPT_MODULE = "tools.artifacts.upload_artifact"  # what the upload script runs
+# A shell operator ends a command (`; done`, `| tail`, `> file`, `&& ...`).
+OPERATORS = {";", "|", "||", "&", "&&", ">", ">>", "<", "(", ")"}
+
+
+def _code(document: Path) -> list[str]:
+    """The shell text of a document: each line of its code blocks (continuation lines joined)
+    and each code span outside them."""
+    found: list[str] = []
+    prose: list[str] = []
+    fenced, pending = False, ""
+    for line in document.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            prose.append(line)
+            continue
+        if not pending and line.lstrip().startswith("#"):
+            continue  # a comment line, whatever it quotes
+        pending += line.strip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        found.append(pending)
+        pending = ""
+    found += re.findall(r"`([^`]+)`", "\n".join(prose))
+    return [" ".join(text.split()) for text in found]
+
+
+def _argv(rest: str) -> list[str] | None:
+    """The words of a command's arguments up to the first shell operator or comment; None for
+    a line whose words come from the shell (`$(...)`: the recipe test runs those)."""
+    if "$(" in rest:
+        return None
+    lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    words = []
+    for word in lexer:
+        if word in OPERATORS:
+            break
+        words.append(word)
+    return words
+
+
+def _documented_command_lines() -> list[tuple[str, str, list[str]]]:
+    """(document, program, argv) of every documented command line with arguments: program is
+    a `bazel run` label (its arguments after `--`) or a `tools.` module."""
+    lines = []
+    for document in _documents():
+        for text in _code(document):
+            match = COMMAND.search(text)
+            if match is None:
+                continue
+            if match["label"]:
+                rest = match["run_args"]
+                if not rest.startswith(" -- "):
+                    continue  # no arguments, or Bazel's own flags only
+                program, argv = _canonical(match["label"]), _argv(rest[len(" -- ") :])
+            elif match["module"]:
+                program, argv = match["module"], _argv(match["module_args"])
+            else:
+                program, argv = SCRIPT_MODULE, _argv(match["script_args"])
+            if argv:
+                lines.append((str(document), program, argv))
+    return lines
+
+
+def test_every_document_is_here() -> None:
+    missing = [str(document) for document in DOCUMENTS if not document.is_file()]
+    assert not missing, f"{missing}: not here; under Bazel, add them to this test's data"
 
 
 def _commands() -> dict[str, str]:
@@ -40,7 +140,7 @@ def _commands() -> dict[str, str]:
 def _documented_targets() -> dict[str, list[str]]:
     """label -> the documents naming it with `bazel run`."""
     found: dict[str, list[str]] = {}
-    for document in DOCUMENTS:
+    for document in _documents():
         for label in RUN_TARGET.findall(document.read_text(encoding="utf-8")):
             found.setdefault(_canonical(label), []).append(str(document))
     return found
@@ -69,63 +169,268 @@ def test_every_documented_run_target_is_one_this_test_runs() -> None:
     )
 
 
+# Imported at start-up by each Python the binary runs (PYTHONPATH; the launcher's too, which
+# passes the variables on): while $DOCUMENTED_ARGVS is set, the first parse_args call parses
+# each of those argument lists with the tool's own parser, writes the verdicts to
+# $DOCUMENTED_VERDICTS (unless a process wrote them first), and goes on with the call (--help:
+# the usage, exit 0).
+SITECUSTOMIZE = """
+import os
+
+if os.environ.get("DOCUMENTED_ARGVS"):
+    import argparse, contextlib, io, json
+
+    _argvs = json.loads(os.environ["DOCUMENTED_ARGVS"])
+    _verdicts = os.environ["DOCUMENTED_VERDICTS"]
+    _parse_args = argparse.ArgumentParser.parse_args
+
+    def _parse_documented(self, args=None, namespace=None):
+        argparse.ArgumentParser.parse_args = _parse_args
+        verdicts = []
+        for argv in _argvs:
+            said = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+                    _parse_args(self, argv)
+                verdicts.append(None)
+            except SystemExit as exit:
+                verdicts.append(None if exit.code == 0 else said.getvalue().strip()[-600:])
+        if not os.path.exists(_verdicts):
+            with open(_verdicts, "w") as out:
+                json.dump(verdicts, out)
+        return _parse_args(self, args, namespace)
+
+    argparse.ArgumentParser.parse_args = _parse_documented
+"""
+
+
+def _flag_lines(program: str) -> list[tuple[str, list[str]]]:
+    """(document, argv) of the documented command lines of one program."""
+    return [(doc, argv) for doc, prog, argv in _documented_command_lines() if prog == program]
+
+
 @needs_bazel
 @pytest.mark.parametrize("label", sorted(_commands()) or ["(none)"])
-def test_a_documented_command_starts_and_shows_its_help(label: str) -> None:
+def test_a_documented_command_starts_shows_its_help_and_parses_its_documented_flags(
+    label: str, tmp_path: Path
+) -> None:
     binary = _commands()[label]
+    lines = _flag_lines(label)
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    verdicts = tmp_path / "verdicts.json"
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = {
+        **os.environ,
+        "PYTHONPATH": pythonpath,
+        "DOCUMENTED_ARGVS": json.dumps([argv for _, argv in lines]),
+        "DOCUMENTED_VERDICTS": str(verdicts),
+    }
     done = subprocess.run(
-        [binary, "--help"], capture_output=True, text=True, timeout=300, check=False
+        [binary, "--help"], capture_output=True, text=True, timeout=300, check=False, env=env
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{label} --help exited {done.returncode}:\n{output[-3000:]}"
     assert "usage:" in output.lower(), f"{label} --help printed no usage line:\n{output[-2000:]}"
+    if not lines:
+        return
+    assert verdicts.is_file(), f"{label}: its parser was never asked to parse (no parse_args)"
+    refused = [
+        f"{doc}: {label} -- {shlex.join(argv)}\n  {verdict}"
+        for (doc, argv), verdict in zip(lines, json.loads(verdicts.read_text()), strict=True)
+        if verdict is not None
+    ]
+    assert not refused, "documented flags its parser refuses:\n" + "\n".join(refused)
 
 
-def _recipes() -> list[tuple[str, list[str]]]:
-    """(document, lines) of each publish recipe: a `D=` line and the upload lines after it."""
+class _Parsed(Exception):
+    """Raised by the patched parse_args once the tool's parser took the arguments."""
+
+
+@pytest.mark.parametrize(
+    "module", sorted({p for _, p, _ in _documented_command_lines() if not p.startswith("//")})
+)
+def test_a_documented_module_command_parses_its_flags(module: str, monkeypatch, capsys) -> None:
+    """`python3 -m tools.X ARGS` and the upload script's lines, parsed by the module's parser
+    in this process (the module is this test's dependency); nothing of the tool runs."""
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        parse_args(self, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    refused = []
+    for document, argv in _flag_lines(module):
+        monkeypatch.setattr(sys, "argv", [module, *argv])
+        try:
+            runpy.run_module(module, run_name="__main__")
+            refused.append(f"{document}: {shlex.join(argv)}: parse_args was never called")
+        except _Parsed:
+            pass
+        except SystemExit as exit:
+            if exit.code != 0:
+                said = capsys.readouterr().err.strip()[-600:]
+                refused.append(f"{document}: python3 -m {module} {shlex.join(argv)}\n  {said}")
+    assert not refused, "documented flags its parser refuses:\n" + "\n".join(refused)
+
+
+def test_the_documents_name_commands_whose_flags_are_checked() -> None:
+    programs = {program for _, program, _ in _documented_command_lines()}
+    for expected in (
+        "//max_tests/integration/architectures/llama3:evaluate_llama",
+        "//tools:golden_check",
+        SCRIPT_MODULE,
+    ):
+        assert expected in programs, f"no documented command line of {expected} found"
+
+
+def _checkout() -> Path | None:
+    """The source checkout: the documents' runfiles are links into it under Bazel."""
+    root = Path("README.md").resolve().parent
+    return root if (root / "MODULE.bazel").is_file() else None
+
+
+def _declared(root: Path, label: str) -> bool:
+    package, _, name = _canonical(label)[2:].partition(":")
+    for build in ("BUILD.bazel", "BUILD"):
+        path = root / package / build
+        if path.is_file():
+            return re.search(rf'\bname = "{re.escape(name)}"', path.read_text()) is not None
+    return False
+
+
+def test_every_label_a_documented_bazel_test_line_names_is_declared() -> None:
+    root = _checkout()
+    if root is None:
+        pytest.skip("the checkout's BUILD files are not reachable from here")
+    labels = {
+        (str(document), label)
+        for document in _documents()
+        for text in _code(document)
+        for found in TEST_LINE.findall(text)
+        for label in found.split()
+        if not label.endswith("...")
+    }
+    assert labels, "no `bazel test //LABEL` found in the documents"
+    undeclared = sorted(f"{doc}: {label}" for doc, label in labels if not _declared(root, label))
+    assert not undeclared, "documented test targets no BUILD file declares:\n" + "\n".join(
+        undeclared
+    )
+
+
+EVALUATE = "//max_tests/integration/architectures/llama3:evaluate_llama"
+RUN_TORCH = "//max_tests/integration/architectures/llama3/testdata:run_torch_llama"
+
+
+def _recipes() -> list[tuple[str, list[str], list[tuple[str, list[str]]]]]:
+    """(document, lines, regenerate) of each publish recipe: a `D=` line and the upload lines
+    after it, and the evaluate_llama and run_torch_llama command lines of its section (from
+    the `## ` heading above it to the `D=` line), which write the files it publishes."""
     recipes = []
-    for document in DOCUMENTS:
+    for document in _documents():
         lines = [line.strip() for line in document.read_text(encoding="utf-8").splitlines()]
+        section = 0
         for i, line in enumerate(lines):
+            if line.startswith("## "):
+                section = i
             if line.startswith("D="):
                 uploads = [
                     u for u in lines[i + 1 : i + 4] if u.startswith("tools/upload-public-bazel")
                 ]
                 if uploads:
-                    recipes.append((str(document), [line, *uploads]))
+                    regenerate = [
+                        (_canonical(match[1]), _argv(match[2]) or [])
+                        for text in lines[section:i]
+                        if (match := re.search(rf"(?:bazel|bazelw) run ({LABEL}) --(.*)", text))
+                        and _canonical(match[1]) in (EVALUATE, RUN_TORCH)
+                    ]
+                    recipes.append((str(document), [line, *uploads], regenerate))
     return recipes
+
+
+def _selection(argv: list[str]) -> argparse.Namespace:
+    """The flags of evaluate_llama and run_torch_llama that decide which files they write into
+    the testdata folder, with their defaults (their own parsers check these lines' flags)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for flag, default in (("--model", "all"), ("--encoding", "all"), ("--mode", "eager")):
+        parser.add_argument(flag, default=default)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--output-dir")
+    return parser.parse_known_args(argv)[0]
+
+
+def _written_by(regenerate: list[tuple[str, list[str]]], provenance: dict) -> bool:
+    """Whether one of the commands writes a golden of this provenance into the testdata folder:
+    evaluate_llama's eager and ggml modes, run_torch_llama's, on the CPU ("all")."""
+    for label, argv in regenerate:
+        chosen = _selection(argv)
+        if chosen.output_dir is not None or chosen.device != "cpu":
+            continue
+        if chosen.model not in ("all", provenance["model"]):
+            continue
+        if chosen.encoding not in ("all", provenance["encoding"]):
+            continue
+        if label == RUN_TORCH:
+            producer = schema.PRODUCERS["torch"]
+        else:
+            producer = {"eager": schema.PRODUCERS["own"], "ggml": schema.PRODUCERS["ggml"]}.get(
+                chosen.mode
+            )
+        if provenance["producer"] == producer and provenance["hardware"] == "all":
+            return True
+    return False
 
 
 def test_the_documents_have_a_publish_recipe_that_says_next() -> None:
     recipes = _recipes()
     assert recipes, "no publish recipe (D=... then tools/upload-public-bazel-artifact.sh)"
-    for document, lines in recipes:
+    for document, lines, regenerate in recipes:
         for line in lines[1:]:
             assert re.search(r"_golden next ", line), f"{document}: {line!r} names a version"
+        assert regenerate, (
+            f"{document}: no evaluate_llama or run_torch_llama line before {lines[0]}"
+        )
+
+
+def _recipe_runs() -> list[tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...]]]:
+    """Each distinct recipe with its section's regenerate commands (the documents share one)."""
+    return sorted(
+        {
+            (tuple(lines), tuple(sorted((label, tuple(argv)) for label, argv in regenerate)))
+            for _, lines, regenerate in _recipes()
+        }
+    )
 
 
 @needs_bazel
-@pytest.mark.parametrize("recipe", sorted({tuple(lines) for _, lines in _recipes()}) or [()])
+@pytest.mark.parametrize("recipe", _recipe_runs() or [((), ())])
 def test_the_publish_recipe_runs_as_written_in_a_scratch_store(
-    recipe: tuple[str, ...], tmp_path: Path
+    recipe: tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...]], tmp_path: Path
 ) -> None:
     """The recipe publishes each archive as the next version and pins it; the engine's golden
-    changed, so test_llama_golden gets a new version, torch_llama_golden (unchanged) none."""
+    changed, so test_llama_golden gets a new version, torch_llama_golden (unchanged) none.
+    The testdata folder holds the pinned files the section's regenerate commands write (and
+    no others, as after a fresh checkout): the archive published must hold every file of the
+    pinned one, so a recipe that leaves a mode's goldens out fails."""
+    commands, regenerate = recipe[0], [(label, list(argv)) for label, argv in recipe[1]]
     repo = _scratch_repository(tmp_path / "repo")
-    testdata = repo / recipe[0].removeprefix("D=")
+    testdata = repo / commands[0].removeprefix("D=")
     pins = stanza.parse((repo / "MODULE.bazel").read_text())
+    pinned_names = {}
     for name in ("test_llama_golden", "torch_llama_golden"):
         pin = pins[name]
         members = archive.unpack_members((repo / _store_path(pin.url)).read_bytes())
+        pinned_names[name] = sorted(members)
         for member, data in members.items():
-            (testdata / member).write_bytes(data)
+            if _written_by(regenerate, json.loads(data)["provenance"]):
+                (testdata / member).write_bytes(data)
     changed = sorted(testdata.glob("tinyllama_float32_*_golden.json"))[0]
     body = json.loads(changed.read_text())
     body["provenance"]["torch_version"] += "+recipe-test"
     changed.write_text(json.dumps(body, indent=1) + "\n")
 
     done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", "\n".join(recipe)],
+        ["bash", "-euo", "pipefail", "-c", "\n".join(commands)],
         cwd=repo,
         capture_output=True,
         text=True,
@@ -138,6 +443,13 @@ def test_the_publish_recipe_runs_as_written_in_a_scratch_store(
     assert own_after.sha256 != own_before.sha256
     version = ref_from_url(own_before.url).version
     assert ref_from_url(own_after.url).version == version + 1
+    published = archive.unpack_members((repo / _store_path(own_after.url)).read_bytes())
+    assert sorted(published) == pinned_names["test_llama_golden"], (
+        "the recipe published other files than the pinned archive holds: missing "
+        f"{sorted(set(pinned_names['test_llama_golden']) - set(published))}, new "
+        f"{sorted(set(published) - set(pinned_names['test_llama_golden']))}; regenerate "
+        f"commands: {regenerate}"
+    )
     assert after["torch_llama_golden"] == pins["torch_llama_golden"]
     assert "nothing to publish" in done.stderr
     distdir = (repo / "third_party" / "golden_distdir.bazelrc").read_text()
