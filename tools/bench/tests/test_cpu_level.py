@@ -11,6 +11,7 @@ engine's kernels of that level.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import stat
 import subprocess
@@ -118,7 +119,10 @@ def _real_level_or_skip() -> Path:
     if not kernel_library.runnable(LEVEL.kernels):
         pytest.skip("this CPU has no AVX2")
     if shutil.which("llama-bench") is None:
-        pytest.skip("llama-bench not installed (tools/llama_cpp/install.sh installs it)")
+        missing = "llama-bench not installed (tools/llama_cpp/install.sh installs it)"
+        if os.environ.get("CI_REQUIRE_LLAMA_CPP") == "1":  # .ci/run installs it: run, not skip
+            pytest.fail(missing + "; CI_REQUIRE_LLAMA_CPP=1")
+        pytest.skip(missing)
     try:
         cpu_level._check_namespace()
     except cpu_level.LevelUnavailable as error:
