@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipelines.llama3.gguf_file import CheckpointError, GGUFFile
-from testing import gguf_reader
+from testing import gguf_reader, required
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 # gguf-py's reader, the reference here, opened 4x faster (same parsing: testing/gguf_reader.py)
@@ -84,7 +84,7 @@ def test_smollm2_reads_like_gguf_py() -> None:
     try:
         path = smollm2_gguf()
     except FileNotFoundError as error:
-        pytest.skip(str(error))
+        required.missing(str(error))
     assert_same_as_gguf_py(path)
 
 

@@ -31,6 +31,7 @@ import torch
 
 from pipelines.llama3 import Llama3Engine
 from pipelines.llama3 import engine as engine_module
+from testing import required
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 TESTDATA = pathlib.Path("max_tests/integration/architectures/llama3/testdata")
@@ -77,7 +78,7 @@ def _smollm2() -> pathlib.Path:
     try:
         return smollm2_gguf()
     except FileNotFoundError as error:
-        pytest.skip(f"SmolLM2 not available: {error}")
+        required.missing(f"SmolLM2 not available: {error}")
 
 
 # name -> (file, compute dtype, mode): bfloat16 files run in bfloat16, the rest in float32, as
