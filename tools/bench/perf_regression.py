@@ -265,6 +265,14 @@ def check_baseline(path: Path, data: dict[str, Any]) -> dict[str, Any]:
     _require(data, keys, "baseline", path, REFRESH)
     _check_ratios(data["ratios"], kind, "baseline", path, REFRESH)
     _check_ratios(data["band"], kind, "baseline", path, REFRESH)
+    unbanded = [
+        f"{mode}/{metric}"
+        for mode, metrics in data["ratios"].items()
+        for metric in kind.metrics(metrics)
+        if metric not in data["band"].get(mode, {})
+    ]
+    if unbanded:  # a KeyError and exit 1, a regression's status, before
+        raise InputError(f"baseline {path} has no band for {', '.join(unbanded)}; {REFRESH}")
     return data
 
 
@@ -428,6 +436,13 @@ def make_baseline(
         )
     kind = kind_of(runs[0][1], runs[0][0])
     modes = sorted(set.intersection(*(set(run["ratios"]) for _, run in runs)))
+    for path, run in runs:  # a mode some runs lack was dropped without a word before
+        lacking = sorted(set.union(*(set(r["ratios"]) for _, r in runs)) - set(run["ratios"]))
+        if lacking:
+            raise InputError(
+                f"run {path} has no {kind.group} {', '.join(map(repr, lacking))}, which other "
+                "runs have; make every run with the same --modes"
+            )
     run_ratios = {
         mode: {
             m: [run["ratios"][mode][m] for _, run in runs]

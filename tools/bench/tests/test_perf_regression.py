@@ -499,3 +499,23 @@ def test_the_committed_bench_baseline_flags_the_slowdowns_readme_states():
     flagged = [mode for mode, metrics in bands.items() if perf_regression.verdict(
         1 / 1.25 - 1, metrics["decode"], False) == "REGRESSION"]  # fmt: skip
     assert flagged == ["eager"], flagged
+
+
+def test_a_baseline_from_runs_of_other_modes_is_refused_naming_the_run(tmp_path, capsys):
+    """A mode some runs lack was dropped from the baseline without a word (intersection)."""
+    first = _read(BASELINE_RUNS[0])
+    more = first | {"ratios": first["ratios"] | {"quantized": first["ratios"]["eager"]}}
+    runs = [_write(tmp_path / "more.json", more), *BASELINE_RUNS[1:]]
+    out = tmp_path / "baseline.json"
+    assert main(["--write-baseline", str(out), *map(str, runs)]) == 2
+    lacking = f"{BASELINE_RUNS[1]} has no mode 'quantized', which other runs have"
+    assert lacking in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_baseline_missing_a_band_is_bad_input_not_a_regression(baseline, tmp_path, capsys):
+    data = _read(baseline)
+    data["band"] = {"quantized": data["band"]["eager"]}  # eager's ratios without a band
+    broken = _write(tmp_path / "banded.json", data)
+    assert main(["--baseline", str(broken), str(NORMAL_RUNS[0])]) == 2  # a KeyError, exit 1
+    assert "has no band for eager/load, eager/prefill, eager/decode" in capsys.readouterr().err
