@@ -14,9 +14,10 @@ The same inputs give the same bytes: no clock, fixed number formatting.
 Hooks for tests and scripts (stable names):
   - `section.summary`: the summary lines and `table.overview`, one row per case;
   - `section.case` (`id="case-N"`, `data-status`, `data-first-failing-step`);
-  - `table.token-strip`: rows `tr.golden` and `tr.run`, one `td[data-step]` per step; a run
-    token that differs from the golden's is `td.changed`; the first failing step's cells are
-    `.first-failing`;
+  - `table.token-strip`: rows `tr.golden` and `tr.run`, one `td[data-step]` per step (with
+    `data-token-id` where the view knows the id); a run token that differs from the golden's
+    (another id, or another text) is `td.changed`, only ever in `tr.run`; the first failing
+    step's cells are `.first-failing`;
   - `svg.curve[data-metric=kl|logprob_delta]`: one `polyline.series` with a point per step
     (log scale; zeros and tiny values on the bottom edge, infinities on the top edge), one
     `circle.point[data-step]` per step (`.above` past the tolerance), and `line.tolerance`
@@ -63,6 +64,11 @@ class CaseView:
     positions: tuple[int, ...] = ()
     position_logprob_delta: tuple[float, ...] = ()
     position_kl: tuple[float, ...] = ()
+    # Token ids of golden_tokens and run_tokens, when known (empty: compared by text only).
+    # Ids decide "changed": byte tokens of one character (東京🦙 in SmolLM2's vocabulary) each
+    # decode alone to '\ufffd', so two different ids can show the same text.
+    golden_ids: tuple[int, ...] = ()
+    run_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -72,6 +78,14 @@ class CaseView:
                 f"{self.title}: {len(self.run_tokens)} run tokens for "
                 f"{len(self.golden_tokens)} golden steps"
             )
+        for side, ids, tokens in (
+            ("golden", self.golden_ids, self.golden_tokens),
+            ("run", self.run_ids, self.run_tokens),
+        ):
+            if ids and len(ids) != len(tokens):
+                raise ValueError(
+                    f"{self.title}: {len(ids)} {side} token ids for {len(tokens)} {side} tokens"
+                )
 
 
 def case_view(
@@ -81,7 +95,9 @@ def case_view(
     run_tokens: list[str],
     notes: Sequence[str] = (),
 ) -> CaseView:
-    """The view of one compared case; the first failing step's diagnosis becomes a note."""
+    """The view of one compared case; the first failing step's diagnosis becomes a note. The
+    token ids are the report's: the golden's token at each step, and the run's greedy choice
+    at each step it ran (`run_tokens` are their texts)."""
     tol = report.tolerance
     first = report.first_failing
     derived = []
@@ -114,6 +130,8 @@ def case_view(
         positions=tuple(c.position for c in report.prompt_checks),
         position_logprob_delta=tuple(c.max_logprob_diff for c in report.prompt_checks),
         position_kl=tuple(c.kl for c in report.prompt_checks),
+        golden_ids=tuple(s.expected_token for s in report.steps),
+        run_ids=tuple(s.actual_token for s in report.steps if s.actual_token is not None),
     )
 
 
@@ -235,7 +253,9 @@ def _token_html(text: str) -> str:
 def _token_strip(case: CaseView) -> str:
     steps = range(len(case.golden_tokens))
     head = "".join(f'<th data-step="{i}"{_classes(_step_classes(case, i))}>{i}</th>' for i in steps)
-    golden = "".join(_token_cell(case, i, case.golden_tokens[i], []) for i in steps)
+    golden = "".join(
+        _token_cell(case, i, case.golden_tokens[i], _id(case.golden_ids, i), []) for i in steps
+    )
     run = "".join(_run_cell(case, i) for i in steps)
     return (
         '<div class="strip-scroll"><table class="token-strip">'
@@ -258,16 +278,25 @@ def _step_classes(case: CaseView, step: int) -> list[str]:
 def _run_cell(case: CaseView, step: int) -> str:
     if step >= len(case.run_tokens):
         return f'<td data-step="{step}"{_classes(["missing"])} title="no run token">—</td>'
-    text = case.run_tokens[step]
-    changed = ["changed"] if text != case.golden_tokens[step] else []
-    return _token_cell(case, step, text, changed)
+    text, token_id = case.run_tokens[step], _id(case.run_ids, step)
+    golden_id = _id(case.golden_ids, step)
+    other_id = token_id is not None and golden_id is not None and token_id != golden_id
+    changed = ["changed"] if other_id or text != case.golden_tokens[step] else []
+    return _token_cell(case, step, text, token_id, changed)
 
 
-def _token_cell(case: CaseView, step: int, text: str, classes: list[str]) -> str:
+def _id(ids: tuple[int, ...], step: int) -> int | None:
+    return ids[step] if step < len(ids) else None
+
+
+def _token_cell(
+    case: CaseView, step: int, text: str, token_id: int | None, classes: list[str]
+) -> str:
     if step == case.first_failing_step:
         classes = [*classes, "first-failing"]
+    data_id = "" if token_id is None else f' data-token-id="{token_id}"'
     return (
-        f'<td data-step="{step}"{_classes(classes)} title="{_esc(repr(text))}">'
+        f'<td data-step="{step}"{_classes(classes)} title="{_esc(repr(text))}"{data_id}>'
         f"{_token_html(text)}</td>"
     )
 

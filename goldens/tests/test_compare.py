@@ -12,7 +12,7 @@ import pytest
 from goldens import compare, tolerances
 from goldens.record import CaseSpec, record_case
 from goldens.sanity import degeneracy_problems
-from goldens.schema import Golden, Provenance
+from goldens.schema import Case, Golden, Provenance, Step
 from goldens.tolerances import Tolerance, judged_lane, tolerance
 
 VOCAB = 64
@@ -397,3 +397,127 @@ def test_an_entrys_long_thresholds_judge_the_long_cases_only():
     assert long.isa_noise_floor.logprob == 0.0867 and long.long is None
     float32 = tolerance("own", "float32", "cpu")
     assert float32.long is None and float32.for_case(long=True) is float32
+
+
+# format_failure's whole text, from hand-made reports whose every printed value is known: a
+# token's text is its id in angle brackets, so a slice off by one shows.
+def _brackets(ids) -> str:
+    return "".join(f"<{i}>" for i in ids)
+
+
+def _step(token: int) -> Step:
+    return Step(token, f"<{token}>", [token, 5], [3.0, 1.75], 3.5, {})
+
+
+def _check(step: int, token: int, **failing) -> compare.StepCheck:
+    fields = {
+        "status": compare.PASS,
+        "metric": "",
+        "detail": "",
+        "actual_token": token,
+        "max_logprob_diff": 0.0,
+        "kl": 0.0,
+        "topk_overlap": 1.0,
+        "worst": [],
+    }
+    return compare.StepCheck(
+        step=step, expected_token=token, golden_gap=1.25, **{**fields, **failing}
+    )
+
+
+WORST = [
+    compare.LogprobDiff(13, expected=-0.5, actual=-0.503),
+    compare.LogprobDiff(7, expected=-2.25, actual=-2.249),
+    compare.LogprobDiff(9, expected=-6.0, actual=-4.5, bounded=True),  # nothing known: 0
+]
+
+
+def test_the_failure_text_of_a_generated_step_reads_in_full():
+    case = Case(
+        "prose", "The capital of France is", [1, 2, 3], [_step(t) for t in (11, 12, 13, 14)]
+    )
+    failing = _check(
+        2,
+        13,
+        status=compare.FAIL,
+        metric="logprob",
+        detail="max |Δ log-prob| 0.003 > 0.0001 over the golden top-2 (id 13: ...)",
+        actual_token=40,
+        max_logprob_diff=0.003,
+        kl=2.5e-05,
+        topk_overlap=0.5,
+        worst=WORST,
+        position=4,
+    )
+    steps = [_check(0, 11), _check(1, 12), failing, _check(3, 14)]
+    report = compare.CaseReport("prose", case.prompt, compare.FAIL, steps, True, TOL)
+    text = compare.format_failure(report, case, "g.json", _brackets, "REGEN")
+    assert text.splitlines() == [
+        "golden mismatch in case 'prose' ('The capital of France is', 3 prompt tokens) "
+        "against g.json",
+        "  tolerance own/float32/cpu: |Δ log-prob| 0.0001, KL 1e-06, top-k overlap 0.95, "
+        "near-tie margin 0.0002",
+        "  teacher-forced: 1 of 4 steps fail (logprob), 0 ambiguous; max |Δ log-prob| 0.003, "
+        "max KL 2.5e-05",
+        "  free-running greedy agreement: 2 of 4 steps",
+        "  first failing step: 2 of 4 (metric logprob)",
+        "  golden token 13 '<13>' (golden top-1/top-2 gap 1.25), run's greedy choice 40 '<40>'",
+        "  max |Δ log-prob| 0.003 > 0.0001 over the golden top-2 (id 13: ...)",
+        "  golden text so far: '<11><12><13>'",
+        "  worst log-probability differences at this step:",
+        "          id  token                  golden          run        |Δ|",
+        "          13  '<13>'                   -0.5       -0.503      0.003",
+        "           7  '<7>'                   -2.25       -2.249      0.001",
+        "           9  '<9>'                      -6       <=-4.5          0",
+        "  at this step: KL 2.5e-05, top-k overlap 0.50, max |Δ log-prob| 0.003",
+        "  regenerate the golden (if the change is intended): REGEN",
+    ]
+
+
+def test_the_failure_text_of_a_prompt_position_reads_in_full():
+    input_ids = list(range(100, 120))  # 20 prompt tokens; position 12 predicts id 113
+    case = Case(
+        "long",
+        "a long prompt",
+        input_ids,
+        [_step(11), _step(12)],
+        positions=[4, 12],
+        position_steps=[_step(105), _step(500)],
+    )
+    failing = _check(
+        1,
+        500,
+        status=compare.FAIL,
+        metric="kl",
+        detail="KL(golden||run) 0.02 > 1e-06",
+        actual_token=501,
+        max_logprob_diff=5e-05,
+        kl=0.02,
+        worst=WORST[:1],
+        position=12,
+        in_prompt=True,
+    )
+    prompt_checks = [_check(0, 105, position=4, in_prompt=True), failing]
+    steps = [_check(0, 11, position=19), _check(1, 12, position=20)]
+    report = compare.CaseReport(
+        "long", case.prompt, compare.FAIL, steps, True, TOL, prompt_checks=prompt_checks
+    )
+    text = compare.format_failure(report, case, "g.json", _brackets, "REGEN")
+    assert text.splitlines() == [
+        "golden mismatch in case 'long' ('a long prompt', 20 prompt tokens) against g.json",
+        "  tolerance own/float32/cpu: |Δ log-prob| 0.0001, KL 1e-06, top-k overlap 0.95, "
+        "near-tie margin 0.0002",
+        "  teacher-forced: 0 of 2 steps fail (kl), 0 ambiguous; max |Δ log-prob| 5e-05, "
+        "max KL 0.02",
+        "  free-running greedy agreement: 2 of 2 steps",
+        "  prompt positions: 1 of 2 fail, the first at position 12 (recorded up to position 12)",
+        "  first failing check: prompt position 12 of 20 (metric kl); the next prompt token is 113",
+        "  golden greedy choice there 500 '<500>' (golden top-1/top-2 gap 1.25), run's 501 '<501>'",
+        "  KL(golden||run) 0.02 > 1e-06",
+        "  prompt text before it: ...'<105><106><107><108><109><110><111><112>'",
+        "  worst log-probability differences at this step:",
+        "          id  token                  golden          run        |Δ|",
+        "          13  '<13>'                   -0.5       -0.503      0.003",
+        "  at this step: KL 0.02, top-k overlap 1.00, max |Δ log-prob| 5e-05",
+        "  regenerate the golden (if the change is intended): REGEN",
+    ]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -206,3 +207,150 @@ def test_a_case_view_refuses_an_unknown_status_and_more_run_tokens_than_steps():
         CaseView("t", "p", ["a"], ["a"], [0.0], [0.0], "BROKEN")
     with pytest.raises(ValueError, match="2 run tokens for 1 golden steps"):
         CaseView("t", "p", ["a"], ["a", "b"], [0.0], [0.0], "CHANGED")
+
+
+def _row(page: Element, row: str) -> list[tuple[str, str | None]]:
+    """A token strip row's cells: (title, data-token-id) each."""
+    cells = page.one("tr", row).select("td")
+    return [(td.attrs["title"], td.attrs.get("data-token-id")) for td in cells]
+
+
+def test_the_golden_row_holds_the_golden_tokens_and_only_the_run_row_marks_changes():
+    view = dataclasses.replace(
+        FAILING, golden_ids=(11, 12, 13, 14, 15), run_ids=(11, 22, 13, 24, 15)
+    )
+    page = _page(view)
+    assert _row(page, "golden") == [
+        ("' Paris'", "11"),
+        ("','", "12"),
+        ("' a'", "13"),
+        ("' city'", "14"),
+        ("'\\n'", "15"),
+    ]
+    assert _row(page, "run") == [
+        ("' Paris'", "11"),
+        ("'.'", "22"),
+        ("' a'", "13"),
+        ("' town'", "24"),
+        ("'\\n'", "15"),
+    ]
+    assert page.one("tr", "golden").select(cls="changed") == []
+    changed = page.one("tr", "run").select("td", "changed")
+    assert [td.attrs["data-step"] for td in changed] == ["1", "3"]
+
+
+# SmolLM2's tokens of "東京🦙" are single bytes that each decode alone to U+FFFD.
+REPLACEMENT = "\ufffd"
+
+
+def test_a_changed_token_id_is_marked_when_both_texts_are_the_same():
+    view = CaseView(
+        "smollm2 · cjk",
+        "東京🦙",
+        [REPLACEMENT] * 3,
+        [REPLACEMENT] * 3,
+        [0.0] * 3,
+        [0.0] * 3,
+        "FAIL",
+        golden_ids=(30, 31, 32),
+        run_ids=(30, 41, 32),
+    )
+    page = _page(view)
+    assert [td.attrs["data-step"] for td in page.select("td", "changed")] == ["1"]
+    assert page.one("td", "changed") in page.one("tr", "run").children
+    assert _row(page, "run")[1] == (repr(REPLACEMENT), "41")
+    same = dataclasses.replace(view, run_ids=(30, 31, 32))
+    assert _page(same).select(cls="changed") == []
+    with pytest.raises(ValueError, match="2 run token ids for 3 run tokens"):
+        dataclasses.replace(view, run_ids=(30, 41))
+
+
+def test_a_case_view_takes_the_token_ids_from_the_report():
+    case_report, _tokens = _compared()
+    golden_ids = [s.expected_token for s in case_report.steps]
+    moved = dataclasses.replace(case_report.steps[2], actual_token=golden_ids[2] + 1)
+    case_report = dataclasses.replace(
+        case_report, steps=[*case_report.steps[:2], moved, *case_report.steps[3:]]
+    )
+    view = case_view(case_report, "tiny · prose", [REPLACEMENT] * 6, [REPLACEMENT] * 6)
+    assert view.golden_ids == tuple(golden_ids) == (1, 4, 7, 10, 13, 16)
+    assert view.run_ids == (1, 4, 8, 10, 13, 16)
+    assert [td.attrs["data-step"] for td in _page(view).select("td", "changed")] == ["2"]
+
+
+def _with_positions() -> compare.CaseReport:
+    """A golden recording prompt positions 0, 255 and 4097, against a run that moved the
+    logits at position 4097 by 1e-3 (its argmax unchanged) and nowhere else."""
+    vocab = 64
+    rows = (np.cos(np.arange(vocab)[None, :] * np.arange(1, 5)[:, None] * 0.7) * 2.0).astype(
+        np.float32
+    )
+    for i in range(4):
+        rows[i, 5 * i + 2] = 8.0
+    logits, prompt_rows = rows[:1], rows[1:]
+    positions = [0, 255, 4097]
+    spec = CaseSpec("long", "a long prompt", 1, 20, positions_every=256, long=True)
+    input_ids = list(range(1, 4100))
+    golden = record_case(
+        spec,
+        input_ids,
+        [2],
+        logits,
+        lambda ids: f"<{ids[0]}>",
+        set(),
+        positions=positions,
+        prompt_logits=prompt_rows,
+    )
+    moved = dict(zip(positions, prompt_rows.copy(), strict=True))
+    moved[4097][golden.position_steps[2].topk_ids[3]] += 1e-3
+    return compare.compare_case(golden, input_ids, [2], logits, TOL, moved)
+
+
+def test_failing_prompt_positions_are_noted_and_charted_on_a_position_axis():
+    case_report = _with_positions()
+    view = case_view(case_report, "tiny · long", ["<2>"], ["<2>"])
+    check = case_report.prompt_checks[2]
+    assert check.status == "FAIL" and check.max_logprob_diff == pytest.approx(1e-3, rel=1e-2)
+    assert view.notes == (
+        f"1 of 3 prompt positions fail; the first, prompt position 4097 (logprob): {check.detail}",
+    )
+    assert view.positions == (0, 255, 4097)
+    section = _page(view).one("section", "case")
+    charts = section.select("svg", "curve", data_axis="position")
+    assert [c.attrs["data-metric"] for c in charts] == ["kl", "logprob_delta"]
+    for chart, above in zip(charts, ([], ["4097"]), strict=True):  # KL stays within 1e-6
+        assert [c.attrs["data-position"] for c in chart.select("circle", "point")] == [
+            "0",
+            "255",
+            "4097",
+        ]
+        assert [c.attrs["data-position"] for c in chart.select("circle", "above")] == above
+        # x: positions 0 to 4097 across the plot, 54 to 526.
+        assert [x for x, _ in _points(chart)] == [54.0, 83.4, 526.0]
+
+
+def test_a_position_chart_draws_each_position_at_its_value_and_the_tolerance():
+    view = dataclasses.replace(
+        PASSING,
+        positions=(0, 255, 4097),
+        position_logprob_delta=(1e-6, 1e-3, 1e-5),
+        position_kl=(0.0, 1e-2, 1e-8),
+    )
+    section = _page(view).one("section", "case")
+    logprob = section.one("svg", "curve", data_metric="logprob_delta", data_axis="position")
+    # Decades 1e-2 (y 24) to 1e-7 (y 180), 31.2 apart.
+    assert _points(logprob) == [(54.0, 148.8), (83.4, 55.2), (526.0, 117.6)]
+    assert logprob.one("line", "tolerance").attrs["data-value"] == "0.0001"
+    assert float(logprob.one("line", "tolerance").attrs["y1"]) == 86.4
+    assert [c.text for c in logprob.select("circle", "point")] == [
+        "position 0: 1e-06",
+        "position 255: 0.001",
+        "position 4097: 1e-05",
+    ]
+    assert [c.attrs["data-position"] for c in logprob.select("circle", "above")] == ["255"]
+    kl = section.one("svg", "curve", data_metric="kl", data_axis="position")
+    # Decades 1e-1 (y 24) to 1e-9 (y 180), 19.5 apart; zero on the bottom edge.
+    assert _points(kl) == [(54.0, 180.0), (83.4, 43.5), (526.0, 160.5)]
+    assert float(kl.one("line", "tolerance").attrs["y1"]) == 121.5
+    assert [c.attrs["data-position"] for c in kl.select("circle", "above")] == ["255"]
+    assert _page(PASSING).select("svg", data_axis="position") == []

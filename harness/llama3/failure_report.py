@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from goldens import compare, report, schema
@@ -86,7 +86,8 @@ def write_failure_report(
 ) -> Path:
     """The HTML report of every case of `verdict`, failing and passing, written into
     `directory` as `golden_report_{test_id}_{golden file stem}.html`; returns its path.
-    Golden tokens are the golden's stored texts, run tokens `decode([id])` of the run's."""
+    Golden tokens are the golden's stored texts, run tokens `decode([id])` of the run's; a run
+    token is marked changed where its id differs from the golden's, whatever the texts."""
     golden_file = verdict.source.file_name
     notes = {} if diagnosis is None else {diagnosis[0]: [diagnosis[1]]}
     views = [
@@ -130,8 +131,22 @@ def _case_view(
 
 def _bazel_outputs_hint(directory: Path) -> str:
     """Where `bazel test` leaves a report in its undeclared outputs folder: zipped."""
-    outputs, target = os.environ.get(UNDECLARED_OUTPUTS_ENV), os.environ.get("TEST_TARGET")
-    if not outputs or not target or directory != Path(outputs):
+    outputs = os.environ.get(UNDECLARED_OUTPUTS_ENV)
+    zipped = bazel_outputs_zip(os.environ)
+    if not outputs or zipped is None or directory != Path(outputs):
         return ""
+    return f" (after the test: {zipped})"
+
+
+def bazel_outputs_zip(environ: Mapping[str, str]) -> str | None:
+    """The zip that `bazel test` makes of the running test's undeclared outputs, from Bazel's
+    test environment: `bazel-testlogs/PACKAGE/NAME/test.outputs/outputs.zip`, and for a
+    sharded target (TEST_TOTAL_SHARDS > 1) `bazel-testlogs/PACKAGE/NAME/shard_I_of_N/
+    test.outputs/outputs.zip`, I = TEST_SHARD_INDEX + 1; None without TEST_TARGET."""
+    target = environ.get("TEST_TARGET")
+    if not target:
+        return None
     package, _, name = target.split("//", 1)[-1].partition(":")
-    return f" (after the test: bazel-testlogs/{package}/{name}/test.outputs/outputs.zip)"
+    total, index = (int(environ.get(key) or 0) for key in ("TEST_TOTAL_SHARDS", "TEST_SHARD_INDEX"))
+    shard = f"shard_{index + 1}_of_{total}/" if total > 1 else ""
+    return f"bazel-testlogs/{package}/{name}/{shard}test.outputs/outputs.zip"
