@@ -398,6 +398,10 @@ class CaseRow:
     first_changed_step: int | None  # None: no step changed
     token_before: str | None  # the greedy token at that step, each side (None: no such step)
     token_after: str | None
+    # its id: what tells two tokens apart (texts can coincide: each byte of a multi-byte
+    # character decodes alone to '\ufffd')
+    token_id_before: int | None
+    token_id_after: int | None
     max_logprob_diff: float  # over the compared steps and prompt positions
     max_kl: float
 
@@ -421,10 +425,12 @@ def case_rows(diffs: list[FileDiff]) -> list[CaseRow]:
             if before is not None and after is not None:
                 step = first_difference(before.steps, after.steps)
 
-            def token(case: Case | None, at: int | None = step) -> str | None:
+            def token(case: Case | None, at: int | None = step) -> Step | None:
                 if case is None or at is None or at >= len(case.steps):
                     return None
-                return case.steps[at].token_text
+                return case.steps[at]
+
+            first, second = token(before), token(after)
 
             rows.append(
                 CaseRow(
@@ -433,8 +439,10 @@ def case_rows(diffs: list[FileDiff]) -> list[CaseRow]:
                     klass=klass,
                     why=why,
                     first_changed_step=step,
-                    token_before=token(before),
-                    token_after=token(after),
+                    token_before=None if first is None else first.token_text,
+                    token_after=None if second is None else second.token_text,
+                    token_id_before=None if first is None else first.token_id,
+                    token_id_after=None if second is None else second.token_id,
                     max_logprob_diff=max((d.max_logprob_diff for d in deltas), default=0.0),
                     max_kl=max((d.kl for d in deltas), default=0.0),
                 )

@@ -67,9 +67,10 @@ examples:
   ./bazelw run //tools:golden_diff -- torch_llama_golden \\
       --from=04065a48b3e58edad7d180e4940c3dbebc835ad6a782831db74e4157d8b1c8d5 \\
       --to=/tmp/goldens --html=diff.html
-  # a failing test's teacher-forced runs against the pin, without recomputing them
+  # a failing test's teacher-forced runs against the pin, without recomputing them (a
+  # sharded test's outputs are per shard: shard_1_of_2, shard_2_of_2)
   ./bazelw run //tools:golden_diff -- test_llama_golden \\
-      --to=bazel-testlogs/max_tests/integration/architectures/llama3/test_llama/test.outputs/outputs.zip
+      --to=bazel-testlogs/max_tests/integration/architectures/llama3/test_llama/shard_1_of_2/test.outputs/outputs.zip
   # the review as a markdown table per file, for a pull request
   ./bazelw run //tools:golden_diff -- test_llama_golden --from=5 --to=6 --format=markdown
   # an archive file against the pin, without Bazel

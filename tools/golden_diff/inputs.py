@@ -131,8 +131,9 @@ def load_folder(inputs: Inputs, path: Path, flag: str) -> GoldenSet:
 
 
 def load_test_outputs(inputs: Inputs, path: Path, flag: str) -> GoldenSet:
-    """A failing golden test's outputs.zip (bazel-testlogs/PACKAGE/TARGET/test.outputs/): the
-    eager runs it wrote beside its HTML reports, as golden files, over the pinned ones."""
+    """A failing golden test's outputs.zip (bazel-testlogs/PACKAGE/TARGET/test.outputs/, a
+    sharded test's under TARGET/shard_N_of_M/): the eager runs it wrote beside its HTML
+    reports, as golden files, over the pinned ones."""
     where = f"{flag}: test outputs {path}"
     try:
         with zipfile.ZipFile(path) as outputs:

@@ -97,9 +97,21 @@ def position_parts(diff: CaseDiff, before: Case, after: Case) -> list[str]:
     return parts
 
 
+def token_id_at(case: Case, step: int) -> int | None:
+    return case.steps[step].token_id if step < len(case.steps) else None
+
+
 def token_change(before: Case, after: Case, step: int) -> str:
+    """The greedy tokens at `step`, told apart by id: tokens whose text alone is the same
+    (each byte of a multi-byte character decodes to '\ufffd') carry their ids."""
     first, second = token_at(before, step), token_at(after, step)
-    return f"{first} (same token)" if first == second else f"{first} -> {second}"
+    first_id, second_id = token_id_at(before, step), token_id_at(after, step)
+    if first_id == second_id:
+        # one id decoded two ways (the decoder changed between the goldens)
+        return f"{first} (same token)" if first == second else f"{first} -> {second} (same id)"
+    if first == second:
+        first, second = f"{first} (id {first_id})", f"{second} (id {second_id})"
+    return f"{first} -> {second}"
 
 
 def worst_numbers(deltas: list[StepDelta], divergence: int | None) -> str:
@@ -133,9 +145,13 @@ def context_lines(before: Case, after: Case) -> list[str]:
     if at is None:
         return []
     start = max(0, at - CONTEXT_BEFORE)
+    # the first differing tokens carry their ids where their texts coincide (token_change)
+    same_text = token_at(before, at) == token_at(after, at)
     lines = []
     for label, case in (("from:", before), ("to:", after)):
         texts = [repr(s.token_text) for s in case.steps[start : at + CONTEXT_AFTER]]
+        if same_text and at < len(case.steps):
+            texts[at - start] += f" (id {case.steps[at].token_id})"
         marked = [*texts[: at - start], "|", *texts[at - start :]]
         steps = f"steps {start}-{start + len(texts) - 1}:"
         lines.append(f"  {label:<5} {steps} {' '.join(marked)}")
@@ -210,9 +226,15 @@ def markdown_lines(
         for row in (r for r in rows if r.file == diff.name):
             step = "" if row.first_changed_step is None else str(row.first_changed_step)
             klass_cell = row.klass + (f": {_md(row.why)}" if row.why else "")
+            # different ids with one text ('\ufffd', a byte of a character each): the ids
+            with_ids = row.token_id_before != row.token_id_after and (
+                row.token_before == row.token_after
+            )
+            before_cell = _token(row.token_before, row.token_id_before if with_ids else None)
+            after_cell = _token(row.token_after, row.token_id_after if with_ids else None)
             lines.append(
-                f"| {_md(row.case)} | {step} | {_token(row.token_before)} | "
-                f"{_token(row.token_after)} | {number(row.max_logprob_diff)} | "
+                f"| {_md(row.case)} | {step} | {before_cell} | "
+                f"{after_cell} | {number(row.max_logprob_diff)} | "
                 f"{number(row.max_kl)} | {klass_cell} |"
             )
     return lines
@@ -238,8 +260,10 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _token(text: str | None) -> str:
-    return "" if text is None else f"`{_md(repr(text))}`"
+def _token(text: str | None, token_id: int | None = None) -> str:
+    if text is None:
+        return ""
+    return f"`{_md(repr(text))}`" + ("" if token_id is None else f" (id {token_id})")
 
 
 def case_views(diffs: list[FileDiff]) -> list[CaseView]:

@@ -85,7 +85,7 @@ examples:
   ./bazelw run //tools:golden_update -- --dry-run --model=tinyllama
   # accept a failing test's kept runs without recomputing them
   ./bazelw run //tools:golden_update -- --accept \\
-      --from=bazel-testlogs/max_tests/integration/architectures/llama3/test_llama/test.outputs/outputs.zip
+      --from=bazel-testlogs/max_tests/integration/architectures/llama3/test_llama/shard_1_of_2/test.outputs/outputs.zip
 """
 
 Regenerate = Callable[[Path, argparse.Namespace, bool], None]

@@ -5,7 +5,8 @@ same way, so a tokenizer that differs from the reference on some text (a lost me
 pre-tokenizer split, a mishandled byte) fails golden tests only for prompts that contain such
 text. Here hypothesis draws strings from a broad alphabet (any code point but surrogates,
 ASCII words and contractions, digit runs, whitespace runs with tabs, newlines and carriage
-returns, CJK, emoji, combining marks) and checks two properties on two vocabularies:
+returns, CJK, emoji, combining marks, control-token strings of both vocabularies) and checks
+two properties on two vocabularies:
 
 - our encode equals the reference's on the same files, BOS as the checkpoint adds it (Llama 3.1
   adds it, SmolLM2 does not);
@@ -72,6 +73,14 @@ WORDS = st.sampled_from(
         "ä",
         " naïve",
         "Grüße",
+        # control tokens inside text: each matches whole in its own vocabulary (Llama 3's,
+        # SmolLM2's) and is plain text in the other, the whitespace before it kept
+        "<|eot_id|>",
+        " <|eot_id|>",
+        "<|begin_of_text|>",
+        "<|im_start|>",
+        "\n<|im_start|>",
+        "<|im_end|>",
     ]
 )
 FRAGMENTS = st.one_of(
@@ -97,6 +106,10 @@ class Subject:
 
     def reference_encode(self, text: str, special: bool) -> list[int]:
         return self.reference.encode(text, add_special_tokens=special).ids
+
+    def reference_decode(self, ids: list[int]) -> str:
+        # control tokens as their text, as ours decodes them (tokenizers skips them by default)
+        return self.reference.decode(ids, skip_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +166,9 @@ def test_decode_of_encode_is_the_text(subject: Subject, text: str) -> None:
     decoded = subject.ours.decode(ids)
     # SmolLM2's vocabulary has no token for some bytes (0x04, 0x06, 0x13, 0x14, 0x16, 0x1d,
     # 0xf1, 0xf2, ...): text with them cannot round-trip, in the reference either.
-    if subject.reference.decode(subject.reference_encode(text, special=False)) == text:
+    if subject.reference_decode(subject.reference_encode(text, special=False)) == text:
         assert decoded == text, f"round trip changed {text!r}"
-    assert decoded == subject.reference.decode(ids), f"decode of {ids} differs from the reference"
+    assert decoded == subject.reference_decode(ids), f"decode of {ids} differs from the reference"
 
 
 def test_transformers_gguf_loader_drops_smollm2s_digit_split(smollm2_transformers) -> None:
@@ -205,5 +218,26 @@ def test_planted_decoder_that_only_maps_spaces_fails_the_round_trip(
     buggy = _rebuilt(subject)
     planted = first_failure(
         monkeypatch, test_decode_of_encode_is_the_text, match="round trip changed", subject=buggy
+    )
+    assert planted.first <= FUZZ_EXAMPLES
+
+
+def test_planted_control_token_that_eats_the_space_before_it_fails_the_encode_property(
+    subject: Subject, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Control tokens added with lstrip=True: "Hi <|eot_id|>" loses its space into the token.
+    added_token = tokenizer_module.AddedToken
+
+    def stripping(content, **kwargs):
+        return added_token(content, **kwargs, lstrip=kwargs.get("special", False))
+
+    monkeypatch.setattr(tokenizer_module, "AddedToken", stripping)
+    buggy = _rebuilt(subject)
+    control = {"llama3_1": "<|eot_id|>", "smollm2": "<|im_end|>"}[subject.name]
+    assert buggy.ours.encode(f"Hi {control}", add_bos=False) == subject.ours.encode(
+        f"Hi{control}", add_bos=False
+    )  # the bug as planted
+    planted = first_failure(
+        monkeypatch, test_encode_equals_the_reference, match="encode differs", subject=buggy
     )
     assert planted.first <= FUZZ_EXAMPLES

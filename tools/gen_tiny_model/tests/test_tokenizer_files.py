@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from pipelines.llama3 import tokenizer as engine_tokenizer
 from tools.gen_tiny_model import llama3_tokenizer
 
 TESTDATA = Path("max_tests/integration/architectures/llama3/testdata")
@@ -49,3 +50,17 @@ def test_built_tokenizer_matches_committed_files():
     files = llama3_tokenizer.tokenizer_files(llama3_tokenizer.build_tokenizer())
     for name, content in files.items():
         assert (TESTDATA / name).read_bytes() == content, name
+
+
+def test_the_llama_3_split_is_the_references():
+    """The pre-tokenizer pattern is typed twice (the engine's GGUF tokenizer, this generator)
+    and carried by the committed tokenizer.json: each is llama_models' Llama 3 `pat_str`
+    (a class attribute: nothing is loaded or downloaded)."""
+    from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
+
+    reference = MetaTokenizer.pat_str
+    assert reference == engine_tokenizer.LLAMA3_SPLIT
+    assert reference == llama3_tokenizer.LLAMA3_PATTERN
+    body = json.loads((TESTDATA / "tokenizer.json").read_text(encoding="utf-8"))
+    split = body["pre_tokenizer"]["pretokenizers"][0]
+    assert (split["type"], split["pattern"]) == ("Split", {"Regex": reference})

@@ -244,6 +244,102 @@ def test_a_changed_token_shows_both_tokens_and_context(capsys, base: Path, tmp_p
     ]
 
 
+def _texts(golden: schema.Golden, text: str) -> schema.Golden:
+    """`golden` with every step's token text `text`."""
+    cases = [
+        dataclasses.replace(c, steps=[dataclasses.replace(s, token_text=text) for s in c.steps])
+        for c in golden.cases
+    ]
+    return dataclasses.replace(golden, cases=cases)
+
+
+def test_tokens_with_one_text_are_told_apart_by_their_ids(capsys, tmp_path: Path) -> None:
+    """Each SmolLM2 token of '東京🦙' decodes alone to '\ufffd': two ids with that one text
+    are two tokens, in the text, markdown and JSON reviews."""
+    moved = {"prose": BASE["prose"].copy(), "code": BASE["code"]}
+    moved["prose"][3, 30] = 9.0  # step 3 now picks id 30 instead of id 10
+    _write(tmp_path / "a", {FLOAT32: _texts(_golden(BASE), "\ufffd")})
+    _write(tmp_path / "b", {FLOAT32: _texts(_golden(moved), "\ufffd")})
+    code, out, _ = _run(capsys, OWN, "--from=a", "--to=b")
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[3:7] == [
+        f"{FLOAT32}: changed [tokens changed]",
+        "  case prose: first changed step 3: '\ufffd' (id 10) -> '\ufffd' (id 30); max |Δ "
+        "log-prob| 1.3 (step 3, 1 id outside the to top-k, bounded), max KL 1.2; tokens "
+        "differ from step 3",
+        "    from: steps 1-3: '\ufffd' '\ufffd' | '\ufffd' (id 10)",
+        "    to:   steps 1-3: '\ufffd' '\ufffd' | '\ufffd' (id 30)",
+    ]
+    code, out, _ = _run(capsys, OWN, "--from=a", "--to=b", "--format=markdown")
+    row = next(line for line in out.splitlines() if line.startswith("| prose |"))
+    assert row.startswith("| prose | 3 | `'\ufffd'` (id 10) | `'\ufffd'` (id 30) | 1.3 | 1.2 |")
+    code, out, _ = _run(capsys, OWN, "--from=a", "--to=b", "--format=json")
+    prose = json.loads(out)["cases"][0]
+    assert (prose["token_before"], prose["token_after"]) == ("\ufffd", "\ufffd")
+    assert (prose["token_id_before"], prose["token_id_after"]) == (10, 30)
+    # one id is one token, whatever its text
+    unchanged = {"prose": BASE["prose"].copy(), "code": BASE["code"]}
+    unchanged["prose"][2, 12] += 0.5
+    _write(tmp_path / "c", {FLOAT32: _texts(_golden(unchanged), "\ufffd")})
+    line = _run(capsys, OWN, "--from=a", "--to=c")[1].splitlines()[4]
+    assert line.startswith("  case prose: first changed step 2: '\ufffd' (same token); ")
+    # and one id decoded two ways (another decoder) is still one token
+    _write(tmp_path / "d", {FLOAT32: _texts(_golden(BASE), "x")})
+    line = _run(capsys, OWN, "--from=a", "--to=d")[1].splitlines()[4]
+    assert line.startswith("  case prose: first changed step 0: '\ufffd' -> 'x' (same id); ")
+
+
+def _with_positions(case: schema.Case, logits: np.ndarray) -> schema.Case:
+    """`case` with prompt positions 0..len(logits)-1 recorded from `logits`' rows."""
+    steps = [schema.step_from_logits(row, int(np.argmax(row)), "x", TOP_K) for row in logits]
+    input_ids = [128000, 791, 6864, 315, 9822, 374]
+    return dataclasses.replace(
+        case, input_ids=input_ids, positions=list(range(len(steps))), position_steps=steps
+    )
+
+
+def test_moved_prompt_positions_name_the_worst_one(capsys, tmp_path: Path) -> None:
+    """Prompt positions that moved: how many, the worst |Δ log-prob| and its position (not the
+    first or last that moved), the max KL; a position recorded on one side only changes the
+    case."""
+    positions = _logits(5)  # 4 rows: positions 0-3
+    moved = positions.copy()
+    for position, nudge in ((1, 0.1), (2, 0.5), (3, 0.2)):  # position 2's is the worst
+        moved[position, np.argsort(positions[position])[-5]] += nudge  # its 5th id
+    before = _golden(BASE)
+    prose, code = before.cases
+    before = dataclasses.replace(
+        before, cases=[_with_positions(prose, positions), _with_positions(code, positions)]
+    )
+    after = dataclasses.replace(
+        before,
+        cases=[
+            _with_positions(prose, moved),
+            _with_positions(code, positions[:3]),  # position 3 no longer recorded
+        ],
+    )
+    _write(tmp_path / "a", {FLOAT32: before})
+    _write(tmp_path / "b", {FLOAT32: after})
+    code_, out, _ = _run(capsys, OWN, "--from=a", "--to=b")
+    kl = max(
+        step_delta(before.cases[0].position_steps[p], after.cases[0].position_steps[p]).kl
+        for p in (1, 2, 3)
+    )
+    assert diff.number(kl) == "1.7e-4"
+    assert code_ == 1
+    assert out.splitlines()[3:6] == [
+        f"{FLOAT32}: changed [cases changed]",
+        "  case prose: steps identical; 3 of 4 prompt positions moved: max |Δ log-prob| 0.5 "
+        "(position 2), max KL 1.7e-4",
+        "  case code: steps identical; prompt positions 4 -> 3 recorded (up to position 2): "
+        "0 added, 1 removed",
+    ]
+    # the prose case alone: the positions' numbers class it
+    klass = diff.case_class(diff.diff_case(before.cases[0], after.cases[0]), None)
+    assert klass == ("moved", "|Δ log-prob| 0.5, KL 1.7e-4; no tolerance entry to tell noise")
+
+
 def test_added_and_removed_files_and_provenance(capsys, base: Path, tmp_path: Path) -> None:
     smollm2 = "smollm2_q4_1_all_golden.json"
     newer = _golden(BASE, torch_version="2.14.0", producer_version="llama3-engine/3")
@@ -390,8 +486,20 @@ def test_repository_store_version_1_against_version_2(capsys) -> None:
             (Q4_K, "noise"),
         )
     ]
-    bf16 = lines[lines.index(headers[1]) + 1]
-    assert bf16.startswith("  case prose: first changed step 0: ' wasm' (same token); ")
+    bf16 = lines[lines.index(headers[1]) + 1 :]
+    # README.md's example: the worst step of `code` comes after its tokens diverged
+    assert bf16[:5] == [
+        "  case prose: first changed step 0: ' wasm' (same token); max |Δ log-prob| 0.26 (step "
+        "0, 1 id outside the to top-k, bounded), max KL 5.7e-3; greedy tokens unchanged",
+        "  case code: first changed step 0: 'YO' (same token); max |Δ log-prob| 5.4 (step 9, "
+        "after the tokens diverged, 20 ids outside the to top-k, bounded), max KL 3.7; tokens "
+        "differ from step 6",
+        "    from: steps 4-8: ' forgotten' 'انه' | ')\\r\\n' ' RowBox' ' difference'",
+        "    to:   steps 4-8: ' forgotten' 'انه' | \"'][\" '-Out' ' treating'",
+        "  case question: first changed step 0: ' avoids' (same token); max |Δ log-prob| 4.1 "
+        "(step 9, after the tokens diverged, 20 ids outside the to top-k, bounded), max KL 3.2; "
+        "tokens differ from step 8",
+    ]
     assert _run(capsys, OWN, "--from=1", "--to=2")[1] == out  # deterministic
     code, out, _ = _run(capsys, OWN, "--from=2", "--to=2")
     assert (code, out.splitlines()[-1]) == (0, "identical: 4 files")
@@ -499,6 +607,10 @@ def test_help_has_examples(capsys) -> None:
     code, out, _ = _run(capsys, "--help")
     assert code == 0
     assert "examples:\n  # the pinned archive against the goldens" in out
+    # test_llama is sharded (shard_count 2): its outputs are per shard
+    outputs = "llama3/test_llama/shard_1_of_2/test.outputs/outputs.zip"
+    assert f"--to=bazel-testlogs/max_tests/integration/architectures/{outputs}\n" in out
+    assert "test_llama/test.outputs" not in out
 
 
 def test_a_schema_1_golden_is_read_leniently() -> None:

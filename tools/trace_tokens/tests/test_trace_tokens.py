@@ -47,17 +47,42 @@ def test_compare_reports_the_flip_the_margins_the_change_and_the_kl() -> None:
     assert flipped.kl == pytest.approx(float((log_a.exp() * (log_a - log_b)).sum()))
 
 
+def _summary(steps: list[dict]) -> str:
+    """The summary line the --json steps make: the first flip, the largest |Δ log-p| (its
+    step), the largest KL and the smallest margin of A."""
+    flips = [s["step"] for s in steps if s["flipped"]]
+    worst = max(steps, key=lambda s: abs(s["delta"]))
+    first = f" (first at step {flips[0]})" if flips else ""
+    return (
+        f"{len(steps)} steps, {len(flips)} flipped{first}; max |Δ log-p| "
+        f"{abs(worst['delta']):.3g} at step {worst['step']}, max KL "
+        f"{max(s['kl'] for s in steps):.3g}, smallest A margin "
+        f"{min(s['margin'] for s in steps):.3g}"
+    )
+
+
 def test_a_run_against_itself_moves_nothing(files, capsys) -> None:
     assert trace_tokens.main([f"--gguf={files['f32']}", f"--prompt={PROMPT}"]) == 0
     out = capsys.readouterr().out
     assert "0 flipped; max |Δ log-p| 0 at step 0, max KL 0" in out
 
 
-def test_another_checkpoint_flips_where_its_own_greedy_choice_differs(files, tmp_path) -> None:
+def test_another_checkpoint_flips_where_its_own_greedy_choice_differs(
+    files, tmp_path, capsys
+) -> None:
     record = tmp_path / "steps.json"
     argv = [f"--gguf={files['f32']}", f"--prompt={PROMPT}", f"--json={record}"]
     assert trace_tokens.main([*argv, f"--against-gguf={files['other_seed']}"]) == 1
     steps = json.loads(record.read_text())["steps"]
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary == _summary(steps)
+    # these steps tell a wrong summary apart: flips at more than one step, a largest |Δ| that
+    # is not the largest signed Δ, margins that differ
+    flips = [s["step"] for s in steps if s["flipped"]]
+    assert flips[0] != flips[-1]
+    deltas = [s["delta"] for s in steps]
+    assert max(deltas, key=abs) != max(deltas)
+    assert summary.startswith("32 steps, 32 flipped (first at step 0); max |Δ log-p| 57.9 at ")
     # independently: A's greedy tokens, and B's own greedy choice fed A's tokens
     a = Llama3Engine.from_gguf(files["f32"])
     b = Llama3Engine.from_gguf(files["other_seed"])
@@ -72,11 +97,13 @@ def test_another_checkpoint_flips_where_its_own_greedy_choice_differs(files, tmp
     assert max(abs(s["delta"]) for s in steps) > 0.1
 
 
-def test_the_quantized_kernels_against_eager_move_only_by_summation_order(files, tmp_path):
+def test_the_quantized_kernels_against_eager_move_only_by_summation_order(files, tmp_path, capsys):
     record = tmp_path / "steps.json"
     argv = [f"--gguf={files['q4_0']}", f"--prompt={PROMPT}", "--against-mode=quantized"]
     assert trace_tokens.main([*argv, f"--json={record}"]) == 0
     steps = json.loads(record.read_text())["steps"]
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary == _summary(steps) and " 0 flipped; " in summary
     assert 0 < max(abs(s["delta"]) for s in steps) < 1e-4
 
 

@@ -353,6 +353,28 @@ def in_layer(subblock: str, layer: int) -> Mutation:
     return Mutation(f"{subblock}@{layer}", f"{subblock} weight x1.01 in layer {layer}", {}, patch)
 
 
+def _scaled_head(model: torch.nn.Module) -> None:
+    # A copy: a tied head's weight is the embedding's, which every layer would then see.
+    model.output.weight = torch.nn.Parameter(model.output.weight * 1.01, requires_grad=False)
+
+
+# The sub-blocks after the layers, each with a mutation confined to it (`in_final`).
+_FINAL_PATCHES: dict[str, Callable[[torch.nn.Module], None]] = {
+    "final norm": lambda model: model.norm.weight.mul_(1.01),
+    "LM head": _scaled_head,
+}
+
+
+def in_final(subblock: str) -> Mutation:
+    """A 1% scale of the final norm's or the LM head's weight (`in_layer` after the layers)."""
+
+    def patch(engine: Llama3Engine) -> None:
+        with torch.no_grad():
+            _FINAL_PATCHES[subblock](engine.model)
+
+    return Mutation(subblock, f"{subblock} weight x1.01", {}, patch)
+
+
 def load(variant: Variant, mutation: Mutation | None) -> Llama3Engine:
     """The variant's engine with `mutation` applied: loaded with its config overrides, then
     patched. None gives the unmutated engine."""

@@ -253,18 +253,26 @@ def _lenient(golden: schema.Golden) -> diff.GoldenFile:
     return diff.parse_golden(schema.to_json(golden).encode(), "golden")
 
 
-def test_a_norm_eps_mutation_fails_naming_its_html_report(goldens, tmp_path: Path) -> None:
+def test_a_norm_eps_mutation_fails_naming_its_html_report(
+    goldens, tmp_path: Path, monkeypatch
+) -> None:
     """The failing golden writes its report (goldens/report.py), every case in it with
-    its token strip and its curves, and the failure text names the file."""
+    its token strip and its curves, and the failure text names the file (and, under
+    `bazel test`, the outputs.zip it ends in: a sharded target's is its shard's)."""
     variant = _variant("float32")
     golden, name = goldens.load("own", variant)
     tol = tolerance("own", "float32", "cpu")
     engine, memo = _engine(variant, mutations.BY_NAME["norm_eps"])
     verdict = judge.check(engine, golden, name, "own", tol, variant, memo=memo)
     directory = failure_report.report_directory(tmp_path)  # kept by Bazel: test.outputs
+    decode = engine.tokenizer.decode
     failures = failure_report.failures_with_report(
-        verdict, golden, engine.tokenizer.decode, directory, variant.test_id
+        verdict, golden, decode, directory, variant.test_id
     )
+
+    def cells(row: str) -> list[tuple[int, str]]:  # a token strip row's (id, title) each
+        found = re.findall(r'<td data-step="\d+"[^>]* title="([^"]*)" data-token-id="(\d+)"', row)
+        return [(int(token_id), html.unescape(title)) for title, token_id in found]
 
     path = directory / "golden_report_tiny-float32-llama3_1_tinyllama_float32_all_golden.html"
     assert failures[:-1] == verdict.failures
@@ -275,8 +283,14 @@ def test_a_norm_eps_mutation_fails_naming_its_html_report(goldens, tmp_path: Pat
     for section, case_report, case in zip(sections, verdict.reports, golden.cases, strict=True):
         assert 'data-status="FAIL"' in section
         assert f'data-first-failing-step="{case_report.first_failing.step}"' in section
-        for token in (s.token_text for s in case.steps):
-            assert f'title="{html.escape(repr(token))}"' in section
+        # The golden row holds the golden's stored tokens, the run row the run's greedy
+        # choices; only run cells are marked changed, where the ids differ.
+        golden_row = re.search(r'<tr class="golden">(.*?)</tr>', section)[1]
+        run_row = re.search(r'<tr class="run">(.*?)</tr>', section)[1]
+        ran = [s.actual_token for s in case_report.steps]
+        assert cells(golden_row) == [(s.token_id, repr(s.token_text)) for s in case.steps]
+        assert cells(run_row) == [(t, repr(decode([t]))) for t in ran]
+        assert "changed" not in golden_row
         changed = [s.step for s in case_report.steps if s.actual_token != s.expected_token]
         assert _changed_steps(section) == changed
         for metric, values, limit in (
@@ -293,6 +307,24 @@ def test_a_norm_eps_mutation_fails_naming_its_html_report(goldens, tmp_path: Pat
             ]
     # The translation case's greedy tokens diverge: its strip marks the changed steps.
     assert any(_changed_steps(section) for section in sections)
+
+    # Under `bazel test` the line names the zip Bazel makes of the outputs folder: the
+    # shard's own for a sharded target (shard I of N is TEST_SHARD_INDEX + 1).
+    outputs = tmp_path / "outputs"
+    monkeypatch.setenv("TEST_UNDECLARED_OUTPUTS_DIR", str(outputs))
+    monkeypatch.setenv("TEST_TARGET", "//max_tests/integration/architectures/llama3:test_llama")
+    testlogs = "bazel-testlogs/max_tests/integration/architectures/llama3/test_llama"
+    for index, total, folder in ((None, None, ""), ("1", "2", "shard_2_of_2/")):
+        for key, value in (("TEST_SHARD_INDEX", index), ("TEST_TOTAL_SHARDS", total)):
+            if value is None:
+                monkeypatch.delenv(key, raising=False)
+            else:
+                monkeypatch.setenv(key, value)
+        last = failure_report.failures_with_report(
+            verdict, golden, decode, failure_report.report_directory(tmp_path), variant.test_id
+        )[-1]
+        zipped = f"{testlogs}/{folder}test.outputs/outputs.zip"
+        assert last == f"report: {outputs / path.name} (after the test: {zipped})"
 
 
 def _changed_steps(section: str) -> list[int]:
@@ -340,6 +372,36 @@ def test_a_mutation_in_layer_k_is_located_at_layer_k(
     assert (found.layer, found.subblock) == (layer, subblock), found.describe()
     assert found.position == 0  # every position passes through every layer
     assert found.relative_error > 10 * found.tolerance  # far from the threshold, not near it
+    errors = _position_errors(engine, three_layers_reference, (layer, subblock))
+    assert found.relative_error == pytest.approx(float(errors.max()), rel=1e-6)
+
+
+def _position_errors(engine, reference, point: localize.Point):
+    """Per position the engine sees at `point`: max |engine - transformers| / max
+    |transformers| over the sub-block (its worst position is what a divergence reports)."""
+    ours = localize.engine_outputs(engine, PROMPT_IDS, FORCED)[point]
+    sequence = [*PROMPT_IDS, *FORCED][:-1]  # the last forced token is fed to no step
+    theirs = localize.reference_outputs(reference, sequence)[point][-len(ours) :]
+    return (ours - theirs).abs().amax(dim=-1) / theirs.abs().amax()
+
+
+@pytest.mark.parametrize("subblock", localize.FINAL, ids=lambda value: value.replace(" ", "_"))
+def test_a_mutation_after_the_layers_is_located_there(
+    three_layers, three_layers_reference, subblock: str
+) -> None:
+    """The final norm and the LM head are checked too: a 1% scale of either's weight is found
+    there (no layer before it moves), from the last prompt position (the first the engine
+    computes logits at), with the sub-block's worst relative error over the positions."""
+    engine = mutations.load(three_layers, mutations.in_final(subblock))
+    found = localize.first_divergence(engine, three_layers_reference, PROMPT_IDS, FORCED)
+    assert found is not None, f"{subblock} was not found"
+    assert (found.layer, found.subblock) == (None, subblock), found.describe()
+    assert found.position == len(PROMPT_IDS) - 1
+    errors = _position_errors(engine, three_layers_reference, (None, subblock))
+    assert len(errors) == len(FORCED)  # the last prompt position and each decode step
+    assert found.relative_error == pytest.approx(float(errors.max()), rel=1e-6)
+    assert found.relative_error == pytest.approx(0.01, rel=1e-3)  # the 1% scale, at its worst
+    assert found.describe().startswith(f"first diverging layer: {subblock} (max |engine - ")
 
 
 def test_a_kv_cache_mutation_is_located_at_the_first_decode_position(
