@@ -29,7 +29,8 @@ a `@reproduce_failure(...)` line (print_blob=True) that replays exactly that exa
 The `test_planted_*` tests prove each property can fail: each plants one realistic bug in
 compare.py with monkeypatch (a one-line edit of the function's source, or a replaced
 function), calls the property, asserts that it raises, and that the first failing example came
-within the FUZZ_EXAMPLES budget (not only while shrinking).
+within the first half of the FUZZ_EXAMPLES budget (not shrinking, hypothesis stops at
+FUZZ_EXAMPLES, so `first <= FUZZ_EXAMPLES` could not fail; the half is a margin).
 """
 
 from __future__ import annotations
@@ -484,7 +485,7 @@ def test_planted_step_misalignment_fails_the_identical_run_property(monkeypatch)
     planted = first_failure(
         monkeypatch, test_a_run_with_the_goldens_own_logits_passes, match="identical"
     )
-    assert planted.first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES // 2, planted.first
 
 
 def test_planted_tie_rule_that_accepts_any_token_fails_the_token_property(monkeypatch):
@@ -492,7 +493,7 @@ def test_planted_tie_rule_that_accepts_any_token_fails_the_token_property(monkey
     planted = first_failure(
         monkeypatch, test_a_token_change_beyond_the_tie_rule_fails, match="token change accepted"
     )
-    assert planted.first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES // 2, planted.first
 
 
 def test_planted_tie_rule_without_the_run_side_fails_the_token_property(monkeypatch):
@@ -501,7 +502,7 @@ def test_planted_tie_rule_without_the_run_side_fails_the_token_property(monkeypa
     planted = first_failure(
         monkeypatch, test_a_token_change_beyond_the_tie_rule_fails, match="token change accepted"
     )
-    assert planted.first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES // 2, planted.first
 
 
 def test_planted_tail_by_position_fails_the_order_property(monkeypatch):
@@ -510,7 +511,7 @@ def test_planted_tail_by_position_fails_the_order_property(monkeypatch):
     planted = first_failure(
         monkeypatch, test_the_verdict_does_not_depend_on_the_order_of_ids, match="differ"
     )
-    assert planted.first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES // 2, planted.first
 
 
 def test_planted_run_normalized_by_the_goldens_logsumexp_fails_the_shift_property(monkeypatch):
@@ -524,14 +525,14 @@ def test_planted_run_normalized_by_the_goldens_logsumexp_fails_the_shift_propert
     planted = first_failure(
         monkeypatch, test_a_constant_shift_of_the_logits_changes_nothing, match="differ"
     )
-    assert planted.first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES // 2, planted.first
 
 
 def test_planted_top_k_without_the_kth_ties_fails_the_sort_property(monkeypatch):
     # Candidates strictly above the k-th value: the k-th and its ties are lost.
     _plant(monkeypatch, schema.top_k_ids, "negated <= kth", "negated < kth")
     planted = first_failure(monkeypatch, test_top_k_ids_equals_a_stable_full_sort)
-    assert planted.first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES // 2, planted.first
 
 
 def test_planted_bound_taken_as_the_value_fails_the_partial_soundness_property(monkeypatch):
@@ -545,7 +546,7 @@ def test_planted_bound_taken_as_the_value_fails_the_partial_soundness_property(m
     planted = first_failure(
         monkeypatch, test_a_partial_run_fails_only_where_the_full_run_fails, match="partial"
     )
-    assert planted.first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES // 2, planted.first
 
 
 def test_planted_rest_without_the_missing_ids_fails_the_partial_soundness_property(monkeypatch):
@@ -560,7 +561,7 @@ def test_planted_rest_without_the_missing_ids_fails_the_partial_soundness_proper
     planted = first_failure(
         monkeypatch, test_a_partial_run_fails_only_where_the_full_run_fails, match="partial"
     )
-    assert planted.first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES // 2, planted.first
 
 
 def test_planted_tie_gap_without_the_bound_fails_the_partial_soundness_property(monkeypatch):
@@ -576,4 +577,4 @@ def test_planted_tie_gap_without_the_bound_fails_the_partial_soundness_property(
         test_a_near_tie_answer_whose_golden_token_left_the_runs_top_k_stays_ambiguous,
         match="partial",
     )
-    assert planted.first <= FUZZ_EXAMPLES
+    assert planted.first <= FUZZ_EXAMPLES // 2, planted.first

@@ -192,7 +192,22 @@ def test_one_file_under_two_names_is_parsed_once(tmp_path: pathlib.Path) -> None
     assert engine_module._parse.cache_info().currsize == 0
 
 
-def test_compiled_mode_runs_compiled_graphs_and_follows_eager(tmp_path: pathlib.Path) -> None:
+def _compiled_regions_in_generate(engine: Llama3Engine, steps: int):
+    """How many compiled graphs a `generate` of `steps` tokens ran (torch.profiler's
+    "Torch-Compiled Region" events: counted as they run, not as they compile), and its output."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = engine.generate(PROMPT, steps, stop_on_eos=False)
+    regions = sum(e.name.startswith("Torch-Compiled Region") for e in profile.events())
+    return regions, out
+
+
+def test_compiled_mode_runs_compiled_graphs_and_follows_eager(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every block of every forward (the prefill and each decode step) runs compiled, and the
+    tokens and logits follow eager's. Planted: every block but the first run eagerly (its
+    compiled call dropped) still compiled a graph, broke none and matched eager; only the
+    count of compiled regions run tells."""
     import torch._dynamo.utils
 
     path = tmp_path / "tiny.gguf"
@@ -200,14 +215,25 @@ def test_compiled_mode_runs_compiled_graphs_and_follows_eager(tmp_path: pathlib.
     engine = Llama3Engine.from_gguf(path)
     compiled = Llama3Engine.from_gguf(path, mode="compiled")
     torch._dynamo.utils.counters.clear()
-    out = compiled.generate(PROMPT, 12, stop_on_eos=False)
+    steps = 12  # the prefill and 11 decode steps: 12 forwards
+    regions, out = _compiled_regions_in_generate(compiled, steps)
+    layers = len(compiled.model.layers)
+    assert layers == 2
+    assert regions >= layers * steps, f"{regions} compiled regions in {steps} forwards"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # not silently eager
     # Each block's whole forward one graph (compiled.py): no break around its attention
     # (SDPA's is_causal given a symbolic bool broke it in two, prefill and decode alike).
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
-    expected = engine.generate(PROMPT, 12, stop_on_eos=False)
+    expected = engine.generate(PROMPT, steps, stop_on_eos=False)
     assert out.tokens == expected.tokens
     assert (out.logits - expected.logits).abs().max() <= 1e-4
+
+    for layer in compiled.model.layers[1:]:
+        monkeypatch.setattr(layer, "_compiled_call_impl", None)
+    planted, planted_out = _compiled_regions_in_generate(compiled, steps)
+    assert planted_out.tokens == expected.tokens  # eager blocks compute the same tokens
+    print(f"compiled regions: {regions} in {steps} forwards of {layers} blocks; planted {planted}")
+    assert planted < layers * steps, f"{planted} compiled regions with one block compiled"
 
 
 def test_a_second_load_copies_the_kept_dequantized_tensors(tmp_path: pathlib.Path) -> None:

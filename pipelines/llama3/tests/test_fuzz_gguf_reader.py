@@ -9,14 +9,16 @@ exactly that kind of exception. A hang is a failure too: every example runs unde
 The file is the committed tiny_llama.gguf (16 MB: 128k-token vocabulary, then 8 MB of F32
 weights). Mutations overwrite 1-8 bytes at 1-3 offsets before the tensor data, biased towards
 the header, the first bytes of each metadata entry (key length, key, value type, array count,
-small values) and the tensor index; truncations cut anywhere, biased towards the metadata.
+small values) and the tensor index; truncations cut in the first 4 KiB, in the metadata and
+tensor index, or in the tensor data (13 of the 30 drawn cuts, and one explicit example), so
+that both the metadata reads' checks and the tensor extents' check are reached.
 
 Deterministic (testing/fuzz.py's settings: `derandomize=True`, no example database). Examples
 per test: truncation 30, mutation of the parser 40, mutation of parser + loader 40. A failure
 prints `@reproduce_failure(...)` (`print_blob=True`): pasting that decorator onto the test
 replays it. The `test_planted_*` tests prove each property can fail: each plants a bug with
 monkeypatch and calls the hypothesis test directly, expecting it to raise anything but
-CheckpointError.
+CheckpointError (the hang plant: TimeLimitExceeded).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import pathlib
 import signal
 import struct
-import sys
+import textwrap
 from collections.abc import Callable
 
 import pytest
@@ -86,10 +89,14 @@ def metadata_offsets(draw: st.DrawFn) -> int:
 mutations = st.lists(
     st.tuples(metadata_offsets(), st.binary(min_size=1, max_size=8)), min_size=1, max_size=3
 )
+# Three ranges, each drawn as often: hypothesis draws an integer of a wide range near its low
+# end far more often than uniformly (cuts of 0..len - 1 all fell in the metadata), so the
+# tensor data is a range of its own: a cut there leaves the metadata whole and some tensor
+# short, which only the tensor-extent check refuses.
 truncations = st.one_of(
     st.integers(0, 4096),  # header and the first metadata entries
-    st.integers(0, layout().data_offset),
-    st.integers(0, len(layout().data) - 1),
+    st.integers(0, layout().data_offset - 1),  # metadata and tensor index
+    st.integers(layout().data_offset, len(layout().data) - 1),  # inside the tensor data
 )
 
 
@@ -154,6 +161,7 @@ def _mutated(changes: list[tuple[int, bytes]]) -> bytes:
 
 @fuzz_settings(30)
 @given(length=truncations)
+@example(length=layout().data_offset + 100_000)  # inside the tensor data
 def test_truncated_file_loads_or_raises_checkpoint_error(tmp_dir: pathlib.Path, length: int):
     with time_limit(), damaged_copy(tmp_dir, layout().data[:length]) as path:
         assert_loads_or_refuses(path)
@@ -217,6 +225,7 @@ def test_rope_factors_for_another_head_size_are_refused_at_load(tmp_dir: pathlib
 # plant broken by a refactor, raising AttributeError at its first example, read as caught).
 READ_PAST_THE_END = (struct.error, "unpack_from requires a buffer of at least")
 UNKNOWN_TYPE = (ValueError, "is not a valid GGUFValueType")
+TENSOR_PAST_THE_END = (RuntimeError, r"shape .* is invalid for input of size")
 
 
 def _fails_without_checkpoint_error(
@@ -251,20 +260,36 @@ def test_planted_unchecked_metadata_reads_break_truncation(monkeypatch, tmp_dir)
 
 
 def test_planted_unchecked_tensor_extent_breaks_truncation(monkeypatch, tmp_dir):
-    """The parser believes the file is as large as it could be, so no tensor's offset and size
-    is checked against the real end (nor any metadata read)."""
-    parse = GGUFFile._parse
-
-    def trusting(self: GGUFFile) -> None:
-        real_size, self.file_size = self.file_size, sys.maxsize
-        try:
-            parse(self)
-        finally:
-            self.file_size = real_size
-
-    monkeypatch.setattr(GGUFFile, "_parse", trusting)
+    """`_parse` without the check of each tensor's bytes against the end of the file (its
+    source edited, every other check kept): a file cut inside the tensor data parses, and
+    the loader's view of the missing bytes raises torch's RuntimeError."""
+    check = "if info.offset + info.n_bytes > self.file_size:"
+    source = textwrap.dedent(inspect.getsource(GGUFFile._parse))
+    assert source.count(check) == 1, f"{check!r} is not in GGUFFile._parse once: update the plant"
+    namespace = dict(vars(gguf_file))
+    exec(compile(source.replace(check, "if False:"), gguf_file.__file__, "exec"), namespace)
+    monkeypatch.setattr(GGUFFile, "_parse", namespace["_parse"])
     prop = test_truncated_file_loads_or_raises_checkpoint_error
-    _fails_without_checkpoint_error(monkeypatch, prop, tmp_dir, READ_PAST_THE_END)
+    _fails_without_checkpoint_error(monkeypatch, prop, tmp_dir, TENSOR_PAST_THE_END)
+
+
+def test_planted_hang_on_truncation_fails_by_the_timer(monkeypatch, tmp_dir):
+    """`_advance` waits for bytes past the end instead of refusing them (a Python loop that
+    never ends): the timer raises TimeLimitExceeded in the example, which fails the property.
+    The limit is cut to 0.5 s here so that the hang costs half a second, not five."""
+
+    def waiting(self: GGUFFile, n_bytes: int) -> int:
+        start = self._pos
+        while start + n_bytes > self.file_size:
+            pass
+        self._pos = start + n_bytes
+        return start
+
+    monkeypatch.setitem(globals(), "TIME_LIMIT_S", 0.5)
+    monkeypatch.setattr(GGUFFile, "_advance", waiting)
+    prop = test_truncated_file_loads_or_raises_checkpoint_error
+    escaping = (TimeLimitExceeded, r"^over 0\.5 s$")
+    _fails_without_checkpoint_error(monkeypatch, prop, tmp_dir, escaping)
 
 
 def test_planted_unknown_value_type_breaks_mutation(monkeypatch, tmp_dir):

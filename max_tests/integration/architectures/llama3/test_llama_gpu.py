@@ -16,8 +16,10 @@ tolerance, which a CPU run passes with room to spare. That adds no engine covera
 test_llama (same runs, tighter `cpu` tolerance) and takes as long as test_llama; what it buys is
 that this file's own code (golden selection, hardware keys, reports) is run on every change
 instead of only when someone has a GPU. Rule 2 (`cuda_fallback`) is reached only on a GPU
-without its own goldens. On a GPU every case runs, the long ones included; the CPU twin runs
-the short cases only (test_llama_long holds the CPU to the long ones).
+without its own goldens: `test_a_gpu_without_its_own_golden_takes_the_cpu_golden_and_the_fallback`
+runs the selection for an imaginary GPU on the CPU. On a GPU every case runs, the long ones
+included; the CPU twin runs the short cases only (test_llama_long holds the CPU to the long
+ones).
 """
 
 from __future__ import annotations
@@ -78,6 +80,26 @@ def test_llama_gpu(
         ambiguous += verdict.ambiguous_steps
     record_property("ambiguous_steps", ambiguous)
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize("reference", ["own", "torch"])
+def test_a_gpu_without_its_own_golden_takes_the_cpu_golden_and_the_fallback(
+    goldens, reference: str
+) -> None:
+    """Rule 2, the path every GPU takes while no GPU's bfloat16 goldens are pinned, which the
+    CPU twin's run of test_llama_gpu (hardware key `all`: rule 1) never reaches: a GPU with
+    no golden of its own gets the CPU golden and the `cuda_fallback` tolerance."""
+    variant = next(v for v in VARIANTS if v.test_id == "tiny-bfloat16-llama3_1")
+    gpu = schema.hardware_key("Imaginary GPU 9000 (no goldens)")
+    assert goldens.find(reference, variant, hardware=gpu) is None
+    golden, name, tol, note = _golden_for_this_gpu(goldens, reference, variant, gpu)
+    cpu_name = golden_files.golden_file_name(reference, variant, "all")
+    assert name.file_name == cpu_name and gpu not in cpu_name
+    assert golden == goldens.load(reference, variant)[0]
+    assert tol.key == f"{reference}/bfloat16/cuda_fallback"
+    looser = (tol.logprob_atol, tol.kl_max, tol.topk_overlap_min, tol.near_tie_margin)
+    assert looser == (1.2e-1, 2.0e-3, 0.8, 2.4e-1)  # tolerances.yaml's cuda_fallback entries
+    assert note == f"fallback: no {gpu} golden, CPU golden with {tol.key}"
 
 
 def test_hardware_key_names_the_device(device: torch.device) -> None:
