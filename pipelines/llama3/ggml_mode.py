@@ -43,7 +43,7 @@ from torch import nn
 
 from pipelines.llama3 import packed, profiling
 from pipelines.llama3.kernel_library import GGML_ORDER, library
-from pipelines.llama3.model import causal_mask, rope_inverse_frequencies
+from pipelines.llama3.model import causal_mask, rope_inverse_frequencies, slots_of
 from pipelines.llama3.packing import RawMatrix
 
 # kernels/ggml_dot.c's weight codes, and the activations ggml quantizes for each
@@ -306,8 +306,8 @@ class GgmlAttention(packed.PackedAttention):
         offset = 0
         for count, context in zip(batch.counts, batch.contexts, strict=True):
             past = len(context) - count
-            keys = cache_k[context].transpose(0, 1).contiguous()  # [kv_heads, ctx, hd]
-            values = cache_v[context].transpose(0, 1).contiguous()
+            keys = slots_of(cache_k, context).transpose(0, 1).contiguous()  # [kv_heads, ctx, hd]
+            values = slots_of(cache_v, context).transpose(0, 1).contiguous()
             rows = slice(offset, offset + count)
             piece = qkv[:, rows].contiguous()
             work = count * len(context) * self.n_heads * self.head_dim

@@ -197,11 +197,22 @@ def paged_attention(
     layer's caches (the piece's own the last `count` of them): grouped_attention with the mask
     of a chunk after `len(context) - count` earlier positions."""
     count = q.shape[2]
-    keys = cache_k[context].transpose(0, 1)[None]  # [1, kv_heads, ctx, hd]
-    values = cache_v[context].transpose(0, 1)[None]
-    past = len(context) - count
-    mask = None if count == 1 or past == 0 else causal_mask(count, past, q.device)
+    keys = slots_of(cache_k, context).transpose(0, 1)[None]  # [1, kv_heads, ctx, hd]
+    values = slots_of(cache_v, context).transpose(0, 1)[None]
+    mask = attention_mask(count, len(context) - count, q.device)
     return grouped_attention(q, keys, values, mask, mask is None and count > 1, scale)
+
+
+def slots_of(cache: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """The rows `context` (long slot indices) of one layer's cache [slots, n_kv_heads,
+    head_dim], [len(context), n_kv_heads, head_dim] contiguous: a view where the slots are
+    consecutive (a sequence whose blocks the pool handed out in order: most of them), else
+    gathered by index_select (a third of advanced indexing's time). The same values and
+    strides either way, so attention over them computes the same bits (test_serving)."""
+    first = int(context[0]) if len(context) else 0
+    if torch.equal(context, torch.arange(first, first + len(context), device=context.device)):
+        return cache[first : first + len(context)]
+    return torch.index_select(cache, 0, context)
 
 
 class Attention(nn.Module):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipelines.llama3 import Llama3Engine, sampling
+from pipelines.llama3 import model as model_module
 from pipelines.llama3 import serving as serving_module
 from pipelines.llama3.constrained import Constraint
 from pipelines.llama3.sampling import SamplerSettings
@@ -83,6 +84,34 @@ def test_one_request_is_bitwise_the_single_sequence_path(served) -> None:
         assert out.tokens == reference.tokens
         assert torch.equal(out.logits, reference.logits)
         assert torch.equal(out.prompt_logits, reference.prompt_logits)
+
+
+def test_attention_over_scattered_slots_is_the_attention_over_consecutive_ones() -> None:
+    """paged_attention reads a context in consecutive slots as a view of the cache and a
+    scattered one by a gather (model.slots_of): both see the same keys in the same layout, so
+    a piece computes the same bits wherever the pool put its blocks."""
+    generator = torch.Generator().manual_seed(7)
+    slots, kv_heads, heads, head_dim, count = 64, 2, 6, 8, 3
+    cache_k = torch.randn(slots, kv_heads, head_dim, generator=generator)
+    cache_v = torch.randn(slots, kv_heads, head_dim, generator=generator)
+    q = torch.randn(1, heads, count, head_dim, generator=generator)
+    scattered = torch.tensor([40, 41, 42, 43, 8, 9, 10, 11, 60, 61], dtype=torch.long)
+    consecutive = torch.arange(20, 20 + len(scattered))
+    moved_k, moved_v = cache_k.clone(), cache_v.clone()
+    moved_k[consecutive], moved_v[consecutive] = cache_k[scattered], cache_v[scattered]
+    assert model_module.slots_of(moved_k, consecutive)._base is moved_k  # a view, no copy
+    expected = model_module.paged_attention(q, cache_k, cache_v, scattered, 0.3)
+    got = model_module.paged_attention(q, moved_k, moved_v, consecutive, 0.3)
+    assert torch.equal(got, expected)
+    assert torch.equal(model_module.slots_of(cache_k, scattered), cache_k[scattered])
+    # and against attention written out: softmax(q.k * scale) over the causal context
+    keys = cache_k[scattered].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+    values = cache_v[scattered].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+    scores = (q[0] @ keys.transpose(1, 2)) * 0.3
+    past = len(scattered) - count
+    visible = torch.ones(count, len(scattered), dtype=torch.bool).tril(diagonal=past)
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    torch.testing.assert_close(expected[0], weights @ values, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
