@@ -160,6 +160,26 @@ def test_nan_in_weights_is_reported(tmp_path: pathlib.Path) -> None:
         Llama3Engine.from_gguf(path)
 
 
+@pytest.mark.parametrize("mode", ["quantized", "ggml"])
+def test_nan_scale_in_packed_weights_is_reported(tmp_path: pathlib.Path, mode: str) -> None:
+    """The quantized and ggml modes keep Q4_0 blocks packed (never dequantized at load), so
+    they check the blocks' float16 scales instead: a NaN in one block's scale is refused with
+    the tensor's name."""
+    path = tmp_path / "nan_scale.gguf"
+    write_tiny_llama(path, weight_type=gguf.GGMLQuantizationType.Q4_0)
+    offset = open_gguf(path).tensors["blk.0.ffn_up.weight"].offset  # absolute position
+    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q4_0][1]  # float16 scale first
+    data = bytearray(path.read_bytes())
+    at = offset + 3 * block_bytes  # the fourth block's scale
+    data[at : at + 2] = np.array([np.nan], np.float16).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as error:
+        Llama3Engine.from_gguf(path, mode=mode)
+    assert str(error.value) == (
+        f"{path}: tensor blk.0.ffn_up.weight holds NaN or infinite values (corrupted?)"
+    )
+
+
 def test_missing_file_is_checkpoint_error(tmp_path: pathlib.Path) -> None:
     with pytest.raises(CheckpointError, match="no such file"):
         load_config(tmp_path / "absent.gguf")
