@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -58,8 +59,10 @@ def model_only_copy(path: Path) -> Path:
     Llama 3 vocabulary's 128256 tokens and 280147 merges took 50 s of each tiny checkpoint's
     load (three reads of 10-20 s), SmolLM2's 25 s. The model needs none of them. The copy is
     read with the engine's parser (pipelines/llama3/gguf_file.py, checked against gguf-py by
-    its tests) and written with gguf-py's writer; transformers then loads, dequantizes and
-    unpermutes the weights itself, so the reference stays independent where it matters.
+    its tests) and written with gguf-py's writer; test_mutations.py reads the copy and the
+    original with gguf-py and compares every tensor's bytes and every non-vocabulary field.
+    transformers then loads, dequantizes and unpermutes the weights itself, so the reference
+    stays independent where it matters.
     """
     stat = path.stat()
     return _model_only_copy(path.resolve(), stat.st_size, stat.st_mtime_ns)
@@ -148,6 +151,17 @@ def load_model(path: Path, dtype: torch.dtype, device: str = "cpu"):
     return model
 
 
+class BadRopeFreqs(SystemExit):
+    """A file whose rope_freqs transformers cannot reproduce: exit status 2 (bad input). The
+    message stays the exception's text for callers that catch it (golden_check reports the
+    file as not applicable); `_adopt_rope_freqs` prints it to stderr first, because Python
+    prints nothing for an uncaught SystemExit whose code is a number."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 2
+
+
 def _adopt_rope_freqs(model, path: Path, theta: float, rope_freqs: np.ndarray) -> None:
     """Check that transformers' own llama3 scaling is the file's rope_freqs, then use the
     file's factors exactly, as llama.cpp and the engine do (unscaled inverse frequencies
@@ -163,11 +177,21 @@ def _adopt_rope_freqs(model, path: Path, theta: float, rope_freqs: np.ndarray) -
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     base = 1.0 / (theta**exponents)
     used = rotary.inv_freq.double().cpu().numpy()
-    if not np.allclose(base.double().numpy() / rope_freqs, used, rtol=1e-5):
-        raise SystemExit(
-            f"transformers reference: {path}: rope_freqs are not Llama 3.1's llama3 "
-            f"scaling {LLAMA3_ROPE}; transformers cannot reproduce this file"
+    wanted = base.double().numpy() / rope_freqs
+    if not np.allclose(wanted, used, rtol=1e-5):
+        relative = np.abs(wanted - used) / np.abs(used)
+        worst = int(relative.argmax())
+        message = (
+            f"transformers reference: {path}: rope_freqs.weight differs from transformers' "
+            f"llama3 rope scaling {LLAMA3_ROPE} at rope_theta {theta:g} (inverse frequency "
+            f"{worst} of {len(used)} off by {relative[worst]:.3g}, relative; 1e-5 allowed), so "
+            "transformers cannot reproduce this file's rotary embedding. This reference takes "
+            "Llama 3.1 files only: give a Llama 3.1 GGUF (llama.cpp's convert_hf_to_gguf.py "
+            "writes rope_freqs from these parameters), or judge this file by its own goldens "
+            "only (golden_check --golden=own)"
         )
+        print(message, file=sys.stderr)
+        raise BadRopeFreqs(message)
     adopted = (base / torch.from_numpy(rope_freqs)).to(rotary.inv_freq.device)
     rotary.inv_freq.copy_(adopted)
     if hasattr(rotary, "original_inv_freq"):

@@ -67,7 +67,8 @@ def test_tiny_checkpoint_reads_like_gguf_py(
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny_llama.gguf", "tiny_llama_bf16.gguf", "tiny_llama_q4_k.gguf"]
+    "name",
+    ["tiny_llama.gguf", "tiny_llama_bf16.gguf", "tiny_llama_q4_k.gguf", "tiny_llama_nvfp4.gguf"],
 )
 @pytest.mark.slow  # gguf-py needs seconds for the 128k-token vocabulary
 def test_testdata_checkpoints_read_like_gguf_py(name: str) -> None:

@@ -55,7 +55,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--modular-path", help="repository checkout to evaluate (default: this one)")
+    p.add_argument(
+        "--modular-path",
+        help=f"a checkout whose {TESTDATA_REL} folder supplies the tiny checkpoints and, "
+        "without --output-dir, receives the goldens; the engine that runs and "
+        "goldens/cases.yaml are this checkout's either way (default: the workspace `bazel "
+        "run` was called in)",
+    )
     p.add_argument("--encoding", default="all", choices=["all", *ENCODINGS])
     p.add_argument("--model", default="all", choices=["all", *MODELS])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")

@@ -1,5 +1,6 @@
-"""evaluate_llama's command line: a run that can produce nothing exits 2 saying why, and the
-output folder is created unless the path is a file."""
+"""evaluate_llama's command line: a run that can produce nothing exits 2 saying why, the
+output folder is created unless the path is a file, and --modular-path picks the testdata
+folder the tiny checkpoints come from and the goldens go to."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import json
 import pytest
 
 from goldens import schema
-from harness.llama3.variants import LLAMA3_1_ENV, encoding_of_file_type
+from harness.llama3.variants import (
+    LLAMA3_1_ENV,
+    TESTDATA_REL,
+    encoding_of_file_type,
+    testdata_directory,
+)
 from max_tests.integration.architectures.llama3 import evaluate_llama
 
 
@@ -112,3 +118,48 @@ def test_a_users_checkpoint_is_named_by_its_file_type(file_type: int, encoding: 
     which picks its tolerance entry; a number gguf does not know stays visible."""
     assert encoding_of_file_type(file_type) == encoding
     assert encoding_of_file_type(999) == "ftype999"
+
+
+class _EngineLoaded(Exception):
+    """Raised in place of loading the engine: the test needs the run's inputs, not its goldens."""
+
+
+def test_modular_path_picks_the_testdata_folder(tmp_path, monkeypatch, capsys):
+    """--modular-path names the checkout whose testdata folder the run reads the tiny
+    checkpoints from and writes the goldens into: a path without that folder exits 2 naming
+    it, a folder without the checkpoint exits 2 naming the file missing there, and with the
+    file the engine is given that file and the output folder is that folder. The engine load
+    is stopped at every step, so a run never writes goldens (0.01 s)."""
+    seen = {}
+    output_folder = evaluate_llama.golden_files.output_folder
+
+    def record_output(output_dir, folder):
+        seen["output"] = output_folder(output_dir, folder)
+        return seen["output"]
+
+    def stop(variant, device, mode):
+        seen["checkpoint"] = variant.path
+        raise _EngineLoaded
+
+    monkeypatch.setattr(evaluate_llama.golden_files, "output_folder", record_output)
+    monkeypatch.setattr(evaluate_llama.engine_runs, "load_engine", stop)
+    shipped = testdata_directory() / "tiny_llama.gguf"
+    monkeypatch.setenv("PIPELINES_TESTDATA", str(testdata_directory()))  # main() changes it
+    checkout = tmp_path.resolve() / "checkout"
+    checkout.mkdir()
+    argv = ["--model=tinyllama", "--encoding=float32", f"--modular-path={checkout}"]
+    assert _exit_code(argv) == 2
+    message = f"--modular-path={checkout} has no {TESTDATA_REL}; pass a checkout"
+    assert message in capsys.readouterr().err
+
+    testdata = checkout / TESTDATA_REL
+    testdata.mkdir(parents=True)
+    assert _exit_code(argv) == 2
+    missing = f"nothing to run: tinyllama float32: {testdata / 'tiny_llama.gguf'} is missing"
+    assert missing in capsys.readouterr().err
+    assert seen == {}
+
+    (testdata / "tiny_llama.gguf").symlink_to(shipped)
+    with pytest.raises(_EngineLoaded):
+        evaluate_llama.main(argv)
+    assert seen == {"output": testdata, "checkpoint": testdata / "tiny_llama.gguf"}
