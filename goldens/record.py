@@ -42,7 +42,8 @@ def prompt_positions(n_prompt: int, every: int) -> list[int]:
     position, each power of two with its neighbours (2^k - 1, 2^k, 2^k + 1: where cache blocks,
     buffers and rope bands turn), all before the last prompt position (the first step).
 
-    A 6-token prompt gives 0..4; an 8,300-token one about 75 positions up to 8193.
+    A 6-token prompt gives 0..4; the 8,323-token long_8k prompt (every 256) gives 65 positions,
+    up to 8193.
     """
     last = n_prompt - 1
     chosen = set(range(0, last, every))

@@ -195,6 +195,21 @@ MUTATIONS = [
         _kv_cache_late_from(2048),
         _reaches(2049),
     ),
+    # At Llama 3.1's original context (8192): a table or cache sized for it, extended wrong.
+    Mutation(
+        "rope_late_8192",
+        "RoPE one position late from position 8192 on",
+        {},
+        _rope_late_from(8192),
+        _reaches(8193),
+    ),
+    Mutation(
+        "kv_late_8192",
+        "KV cache written one slot late from position 8192 on",
+        {},
+        _kv_cache_late_from(8192),
+        _reaches(8193),
+    ),
     Mutation(
         "rope_scaling_dropped",
         "Llama 3.1 rope scaling dropped (rope_freqs ignored)",

@@ -1,14 +1,19 @@
-"""Every published golden discriminates (goldens/sanity.py says what that means),
-the claims testdata/README.md makes about the goldens hold, and a degenerate engine fails
-against every published golden under every tolerance entry."""
+"""Every published golden discriminates (goldens/sanity.py says what that means), holds
+cases.yaml's cases with their step counts and, the engine's, every sampler on every short case,
+names the checkpoint (by sha256) and producer it was made from, the claims testdata/README.md
+makes about the goldens hold, and a degenerate engine fails against every published golden
+under every tolerance entry."""
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from goldens import compare, record
-from goldens.record import CaseSpec
+from goldens import compare, record, schema
+from goldens.record import CaseSpec, file_sha256
 from goldens.sanity import degeneracy_problems
 from goldens.tolerances import entries, tolerance
 from harness.llama3 import judge
@@ -26,6 +31,18 @@ GOLDENS = [(v, r) for v in VARIANTS for r in REFERENCES] + [
 EACH_GOLDEN = pytest.mark.parametrize(
     ("variant", "reference"), GOLDENS, ids=[f"{v.test_id}-{r}" for v, r in GOLDENS]
 )
+
+
+def _engine_goldens() -> list:
+    """(variant, reference) of every engine golden: the eager mode's and the ggml mode's."""
+    return [
+        pytest.param(v, reference, id=f"{v.test_id}-{reference}")
+        for v in VARIANTS
+        for reference in ("own", "ggml")
+        if reference == "own" or v.encoding in GGML_ENCODINGS
+    ]
+
+
 # testdata/README.md, "Goldens": what every published golden of the golden prompts shows.
 README_MIN_GAP = 0.01  # smallest top-1/top-2 logit gap of any step
 README_MIN_DISTINCT = 5  # distinct greedy tokens per case (of 10 steps)
@@ -73,7 +90,100 @@ def test_readme_claims_hold_for_the_published_golden(variant, reference, goldens
     for case in golden.cases:
         assert len(case.steps) == 10, f"{name} {case.id}: {len(case.steps)} steps"
         assert len(set(case.token_ids)) >= README_MIN_DISTINCT, f"{name} {case.id}"
-    assert golden.provenance.logits_dtype == "float32", name
+
+
+@functools.cache
+def _tokenizer(checkpoint: Path) -> Tokenizer:
+    """A checkpoint's tokenizer, read once per session (0.1-0.9 s a file: from_gguf reads the
+    whole vocabulary)."""
+    return Tokenizer.from_gguf(checkpoint)
+
+
+@functools.cache
+def _checkpoint_sha256(checkpoint: Path) -> str:
+    """A checkpoint's sha256, hashed once per session (SmolLM2's 98 MB file: 0.08 s from the
+    page cache, the tiny ones 0.02 s each)."""
+    return file_sha256(checkpoint)
+
+
+@EACH_GOLDEN
+def test_every_case_has_its_step_count_or_ends_on_end_of_sequence(
+    variant, reference, goldens
+) -> None:
+    """Every case of cases.yaml, short and long, is in the golden with its `steps` greedy
+    steps, or fewer whose last token (and only that one) is an end-of-sequence id, as the
+    producers generate; `stopped_on_eos` says which. A long case cut to one step passes the
+    degeneracy rules (one distinct token of one step) and would leave every position past the
+    prompt unjudged."""
+    golden, name = goldens.load(reference, variant)
+    specs = record.case_specs(variant.model)
+    assert [c.id for c in golden.cases] == [s.id for s in specs], f"{name}: its cases"
+    eos = _tokenizer(variant.path).eos_ids
+    problems = []
+    for case, spec in zip(golden.cases, specs, strict=True):
+        tokens = case.token_ids
+        ends_on_eos = bool(tokens) and tokens[-1] in eos
+        if case.stopped_on_eos != ends_on_eos:
+            problems.append(
+                f"{case.id}: stopped_on_eos {case.stopped_on_eos}, last token {tokens[-1:]}"
+            )
+        if any(t in eos for t in tokens[:-1]):
+            problems.append(f"{case.id}: an end-of-sequence id before the last step: {tokens}")
+        if len(tokens) != spec.steps and not (ends_on_eos and len(tokens) < spec.steps):
+            problems.append(f"{case.id}: {len(tokens)} steps, cases.yaml's steps {spec.steps}")
+    assert not problems, f"{name}:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize(("variant", "reference"), _engine_goldens())
+def test_sampling_goldens_cover_every_short_case_and_sampler(variant, reference, goldens) -> None:
+    """An engine golden records, once each, every sampler of cases.yaml on every short case
+    (none on a long one) with the sampler's settings, and each seeded continuation has the
+    case's step count or ends on its first end-of-sequence id; test_llama_sampling judges only
+    the records it finds."""
+    golden, name = goldens.load(reference, variant)
+    samplers = {spec.id: spec.settings for spec in record.sampler_specs()}
+    short = [s for s in record.case_specs(variant.model) if not s.long]
+    recorded = [(c.id, s.sampler) for c in golden.cases for s in c.sampling]
+    expected = {(case.id, sampler) for case in short for sampler in samplers}
+    assert len(recorded) == len(set(recorded)) and set(recorded) == expected, (
+        f"{name}: recorded {sorted(recorded)}, cases.yaml {sorted(expected)}"
+    )
+    steps = {spec.id: spec.steps for spec in short}
+    eos = _tokenizer(variant.path).eos_ids
+    for case in golden.cases:
+        for sampled in case.sampling:
+            where = f"{name} {case.id}/{sampled.sampler}"
+            assert sampled.settings == samplers[sampled.sampler], f"{where}: {sampled.settings}"
+            tokens = sampled.tokens
+            stops = [i for i, t in enumerate(tokens) if t in eos]
+            assert stops == ([len(tokens) - 1] if len(tokens) < steps[case.id] else []), (
+                f"{where}: {len(tokens)} tokens {tokens}, cases.yaml's steps {steps[case.id]}"
+            )
+
+
+@EACH_GOLDEN
+def test_provenance_names_the_variant_its_checkpoint_and_producer(
+    variant, reference, goldens
+) -> None:
+    """A golden's provenance is what golden_files.provenance writes for this variant and
+    reference: its model and encoding, the checkpoint's file name and sha256 (a golden of
+    another file judges the wrong weights), the reference's producer (schema.PRODUCERS), the
+    compute dtype, and the CPU's hardware key and device. `logits_dtype` is a constant of that
+    function (float32 for every producer), so it only catches a file another writer made."""
+    golden, name = goldens.load(reference, variant)
+    prov = golden.provenance
+    expected = {
+        "producer": schema.PRODUCERS[reference],
+        "model": variant.model,
+        "encoding": variant.encoding,
+        "checkpoint": variant.path.name,
+        "checkpoint_sha256": _checkpoint_sha256(variant.path),
+        "dtype": str(variant.dtype).removeprefix("torch."),
+        "hardware": "all",
+        "device": "cpu",
+        "logits_dtype": "float32",
+    }
+    assert {f: getattr(prov, f) for f in expected} == expected, f"{name}"
 
 
 @EACH_GOLDEN
@@ -129,16 +239,6 @@ def test_an_entrys_long_thresholds_judge_its_long_cases_and_no_other(goldens) ->
         }
 
 
-def _engine_goldens() -> list:
-    """(variant, reference) of every engine golden: the eager mode's and the ggml mode's."""
-    return [
-        pytest.param(v, reference, id=f"{v.test_id}-{reference}")
-        for v in VARIANTS
-        for reference in ("own", "ggml")
-        if reference == "own" or v.encoding in GGML_ENCODINGS
-    ]
-
-
 @pytest.mark.parametrize(("variant", "reference"), _engine_goldens())
 def test_every_constrained_continuation_is_a_short_member(variant, reference, goldens) -> None:
     """Every constrained continuation of a published golden (greedy and seeded) ends on an
@@ -147,7 +247,7 @@ def test_every_constrained_continuation_is_a_short_member(variant, reference, go
     Python's `re`, the list of choices); every constraint of cases.yaml is recorded on each
     case it names."""
     golden, name = goldens.load(reference, variant)
-    tokenizer = Tokenizer.from_gguf(variant.path)
+    tokenizer = _tokenizer(variant.path)
     specs = {spec.id: spec for spec in record.constraint_specs()}
     recorded = set()
     problems = []
