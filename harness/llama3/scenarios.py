@@ -28,7 +28,8 @@ engine serves them (pipelines/llama3/serving.py), held to the same goldens and t
   preempted (+ 2, the preempt lane's pool, admits no copy while another runs: no block is
   shared live). Every copy's rows are
   judged (prompt positions a copy read from the cache: the rows of the copy that computed
-  them), and the lane's counters (`Served.counters`) must each reach PRESSURE_MINIMUMS.
+  them), and the lane's counters (`Served.counters`) must each reach PRESSURE_MINIMUMS and
+  stay within PRESSURE_MAXIMUMS (no sequence preempted in the step that admitted it).
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ PRESSURE_MINIMUMS = {
     "preemptions": 1,
     "steps mixing prefill and decode rows": 1,
 }
+# ... and what they must not pass: an admission leaves the blocks the running sequences take
+# in its step (serving.py's `_step_sequences`), so no sequence is preempted in the step that
+# admitted it (without that reserve: 109 of the lane's 131 preemptions, tiny float32, eager).
+PRESSURE_MAXIMUMS = {"preemptions in the step that admitted the sequence": 0}
 
 SERVINGS = {
     "batch": (
@@ -337,6 +342,7 @@ def _pressure(engine, golden, requests, serving, serving_class, config) -> Serve
         "prompts read whole from the cache": pool.whole_prompts,
         "preemptions": server.preemptions,
         "steps mixing prefill and decode rows": server.mixed_steps,
+        "preemptions in the step that admitted the sequence": server.preempted_on_admission,
     }
     return Served(runs, cached, preemptions, pool.hits, others, counters)
 

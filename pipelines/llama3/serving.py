@@ -206,6 +206,7 @@ class _Sequence:
     proposal: list[int] = dataclasses.field(default_factory=list)  # this step's draft tokens
     dists: list | None = None  # what a sampling draft drew them from (None: deterministic)
     stats: speculative.Stats | None = None  # with speculation: proposals and acceptances
+    admitted_at: int = -1  # ServingEngine.steps when it was last admitted
 
 
 class ServingEngine:
@@ -232,7 +233,12 @@ class ServingEngine:
         self.max_context = max_context
         self.preemptions = 0
         self.steps = 0
-        self.mixed_steps = 0  # steps whose forward ran prompt rows and generated tokens' rows
+        # steps whose forward ran a piece starting inside its prompt beside one starting past
+        # it (a step of prompt pieces only, or of generated tokens only, is not counted)
+        self.mixed_steps = 0
+        # preemptions of a sequence in the step that admitted it: what the admission reserve
+        # (`_step_sequences`) exists to prevent; 0 while it holds
+        self.preempted_on_admission = 0
         self.batch: list[tuple[_Sequence, int, int]] = []
         self.waiting: collections.deque[_Sequence] = collections.deque()  # in arrival order
         self.running: list[_Sequence] = []
@@ -495,6 +501,7 @@ class ServingEngine:
             seq.table.append(copy)
             pool.whole_prompts += 1
         seq.cached_prefix = seq.computed
+        seq.admitted_at = self.steps  # the step's forward, after its admissions, adds 1
         if recompute is not None:
             seq.skip = set(range(len(seq.fed))) - set(recompute)
         return True
@@ -544,6 +551,7 @@ class ServingEngine:
         seq.hashes, seq.computed, seq.proposal, seq.dists = [], 0, [], None
         seq.preemptions += 1
         self.preemptions += 1
+        self.preempted_on_admission += seq.admitted_at == self.steps
         waiting.appendleft(seq)
 
     def _release(self, seq: _Sequence) -> None:

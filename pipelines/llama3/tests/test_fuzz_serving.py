@@ -19,15 +19,20 @@ Each request is teacher-forced through its solo greedy tokens (`Llama3Engine.gen
 the check does not hang on near-ties: every step's logits and every prompt position the
 request computed equal the solo run's within 1e-4 of its largest |logit| (a batch rounds
 otherwise than one row), a cancelled request's steps so far too; and once every request has
-finished or been cancelled, no block of the pool is referenced. A failure prints the schedule
+finished or been cancelled, no block of the pool is referenced, and no sequence was preempted
+in the step that admitted it (`ServingEngine.preempted_on_admission`: an admission leaves the
+blocks the running sequences take in its step). A failure prints the schedule
 (`Schedule`, a dataclass whose repr is the replayable scenario: `_serve(engine, schedule)`)
 and hypothesis's `@reproduce_failure` line; without planted bugs it shrinks to the smallest
 schedule that fails.
 
-Three explicit examples run before the drawn ones, whatever the seed: an eviction under prefix
-caching (EVICTION_EXAMPLE), a prompt found whole in the cache (WHOLE_PROMPT_EXAMPLE) and a
+Five explicit examples run before the drawn ones, whatever the seed: an eviction under prefix
+caching (EVICTION_EXAMPLE), a prompt found whole in the cache (WHOLE_PROMPT_EXAMPLE), a
 cache hit on blocks a live sequence holds, freed when it ends while the second still reads
-them (SHARED_HIT_EXAMPLE); the drawn schedules alone reached the first planted bug below at
+them (SHARED_HIT_EXAMPLE), a next turn (an earlier request's prompt and tokens, then more:
+`Arrival.continues`) after that request was cancelled in decode (NEXT_TURN_EXAMPLE), and an
+admission that must wait for the blocks a running sequence takes (RESERVE_EXAMPLE); the
+drawn schedules alone reached the first planted bug below at
 example 72 and the last at 112 (and missed the first on 1 of 20 seeds), and the second at 14
 in plain pytest but at 108 under Bazel's runner (the same hypothesis, other draws). Planted
 scheduler bugs that no golden lane finds (those lanes never evict, never share a block between
@@ -40,7 +45,13 @@ examples (the file takes ~10 s on 2 cores):
   second live sequence still reads it);
 - a cancel that forgets to give its blocks back;
 - a prompt found whole in the cache given one position fewer of its last block
-  (pool_mutations.ShortWholePromptCopy).
+  (pool_mutations.ShortWholePromptCopy);
+- an admission that leaves none of the blocks the running sequences take in its step (the
+  sequence admitted is preempted in that step: RESERVE_EXAMPLE);
+- a block published in decode as soon as the token just chosen fills it, one position before
+  that token's keys exist (a cancel then leaves it cached; NEXT_TURN_EXAMPLE reads it).
+
+The drawn schedules alone (on a seed of their own) caught the last two at examples 2 and 11.
 """
 
 from __future__ import annotations
@@ -74,6 +85,9 @@ class Arrival:
     new_tokens: int
     at: int  # the step it is submitted before
     cancel_at: int | None  # the step it is cancelled before, if still pending
+    # a next turn: the prompt of arrival `continues` (earlier) and its solo tokens come before
+    # `prompt` (`_prompts`), so its blocks, decode steps' included, are found in the cache
+    continues: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +153,20 @@ def _solo(engine: Llama3Engine, prompt: tuple[int, ...], steps: int):
     return _SOLO[key]
 
 
+def _prompts(engine: Llama3Engine, schedule: Schedule) -> list[tuple[int, ...]]:
+    """Each arrival's whole prompt: a next turn's (`Arrival.continues`) after the earlier
+    prompt and the solo tokens it is forced through."""
+    prompts = []
+    for a in schedule.arrivals:
+        before = ()
+        if a.continues is not None:
+            earlier = prompts[a.continues]
+            steps = schedule.arrivals[a.continues].new_tokens
+            before = (*earlier, *_solo(engine, earlier, steps).tokens)
+        prompts.append((*before, *a.prompt))
+    return prompts
+
+
 def _serve(
     engine: Llama3Engine, schedule: Schedule, serving_class=ServingEngine, counts=None
 ) -> list[str]:
@@ -152,15 +180,15 @@ def _serve(
         max_batch=schedule.max_batch,
         prefix_caching=schedule.prefix_caching,
     )
-    requests = {}
+    requests, prompts = {}, _prompts(engine, schedule)
     for i, a in enumerate(schedule.arrivals):
-        solo = _solo(engine, a.prompt, a.new_tokens)
+        solo = _solo(engine, prompts[i], a.new_tokens)
         requests[f"r{i}"] = Request(
             f"r{i}",
-            list(a.prompt),
+            list(prompts[i]),
             a.new_tokens,
             forced_tokens=solo.tokens,
-            prompt_positions=tuple(range(len(a.prompt) - 1)),
+            prompt_positions=tuple(range(len(prompts[i]) - 1)),
         )
     results, step = {}, 0
     last = max(max(a.at, a.cancel_at or 0) for a in schedule.arrivals)
@@ -178,7 +206,7 @@ def _serve(
         return [f"the schedule raised at step {step}: {error!r}"]
     problems = []
     for i, a in enumerate(schedule.arrivals):
-        served, solo = results[f"r{i}"], _solo(engine, a.prompt, a.new_tokens)
+        served, solo = results[f"r{i}"], _solo(engine, prompts[i], a.new_tokens)
         scale = ATOL * max(1.0, float(solo.logits.abs().max()))
         steps = len(served.output.logits)
         if served.finish_reason != "cancelled" and steps != a.new_tokens:
@@ -204,6 +232,10 @@ def _serve(
     held = [b for b, refs in enumerate(serving.pool.refs) if refs]
     if held:
         problems.append(f"blocks {held} still referenced after every request ended")
+    if serving.preempted_on_admission:  # what an admission's reserve of blocks prevents
+        problems.append(
+            f"{serving.preempted_on_admission} sequences preempted in the step that admitted them"
+        )
     return problems
 
 
@@ -255,11 +287,46 @@ SHARED_HIT_EXAMPLE = Schedule(
 )
 
 
+# A next turn after a cancel in decode: r0 (3 prompt tokens, blocks of 2) is cancelled after
+# its first step, the token it chose filling its second block (fed, its keys not computed); r1
+# is r0's prompt, its 4 solo tokens and one more: it must read r0's first block from the cache,
+# not the second.
+NEXT_TURN_EXAMPLE = Schedule(
+    arrivals=(
+        Arrival(prompt=(70, 71, 72), new_tokens=4, at=0, cancel_at=1),
+        Arrival(prompt=(73,), new_tokens=2, at=2, cancel_at=None, continues=0),
+    ),
+    block_size=2,
+    chunk_size=None,
+    prefix_caching=True,
+    max_batch=None,
+    num_blocks=6,
+)
+
+
+# An admission beside a running sequence: at step 1, r0 (two blocks of 2) needs a third for its
+# decode token, and r1's prompt two; the pool of 4 has two left, so r1 must wait for r0 (were it
+# admitted, the step would preempt it at once).
+RESERVE_EXAMPLE = Schedule(
+    arrivals=(
+        Arrival(prompt=(80, 81, 82, 83), new_tokens=4, at=0, cancel_at=None),
+        Arrival(prompt=(90, 91, 92, 93), new_tokens=2, at=1, cancel_at=None),
+    ),
+    block_size=2,
+    chunk_size=None,
+    prefix_caching=False,
+    max_batch=None,
+    num_blocks=4,
+)
+
+
 @fuzz_settings(FUZZ_EXAMPLES)
 @given(schedule=schedules())
 @example(schedule=EVICTION_EXAMPLE)
 @example(schedule=WHOLE_PROMPT_EXAMPLE)
 @example(schedule=SHARED_HIT_EXAMPLE)
+@example(schedule=NEXT_TURN_EXAMPLE)
+@example(schedule=RESERVE_EXAMPLE)
 def test_every_schedule_serves_the_solo_numbers_and_frees_the_pool(engine, schedule) -> None:
     problems = _serve(engine, schedule)
     assert not problems, f"{schedule}\n" + "\n".join(problems)
@@ -269,9 +336,9 @@ def test_every_schedule_serves_the_solo_numbers_and_frees_the_pool(engine, sched
 # Derandomized, the examples are the same on every run of one runner; Bazel's and plain
 # pytest drew other schedules (the uncounted-hit plant was first caught at example 108 under
 # Bazel, 14 in plain pytest, with hypothesis 6.170.17 in both), so each planted bug has its
-# explicit example above. Measured over the FUZZ_EXAMPLES schedules and the two
-# explicit ones (hypothesis 6.170.17): evictions 186, hits on a block a live sequence holds
-# 181, prefix cache hits 654, preemptions 216, cancelled mid-prefill 124 and mid-decode 50,
+# explicit example above. Measured over the FUZZ_EXAMPLES schedules and the five
+# explicit ones (hypothesis 6.170.17): evictions 190, hits on a block a live sequence holds
+# 183, prefix cache hits 657, preemptions 216, cancelled mid-prefill 124 and mid-decode 51,
 # prompts read whole from the cache 52. Each minimum is half the lower of two figures measured
 # with hypothesis 6.155 (136 / 183, 21 / 181, 78 / 652, 87 / 216, 156 / 124, 69 / 50,
 # 15 / 51), kept: every count is at least twice its minimum. (Preemptions
@@ -303,6 +370,25 @@ def test_the_drawn_schedules_evict_share_preempt_and_cancel(engine, monkeypatch)
     assert not short, f"counts below their minimums (count, minimum): {short}"
 
 
+class _AdmissionReservesNothing(ServingEngine):
+    """An admission beside running sequences leaves none of the blocks they take this step."""
+
+    def _admit(self, seq, reserve=None):
+        return super()._admit(seq, None if reserve is None else 0)
+
+
+class _PublishesTheBlockItsTokenFills(ServingEngine):
+    """In decode, a block is published as soon as the token just chosen fills it, one
+    position before that token's keys are computed."""
+
+    def _step(self, seq, logits):
+        super()._step(seq, logits)
+        while not seq.done and (len(seq.hashes) + 1) * self.block_size <= len(seq.fed):
+            key = self._key_of_block(seq, len(seq.hashes))
+            self.pool.publish(seq.table[len(seq.hashes)], key)
+            seq.hashes.append(key)
+
+
 class _CancelKeepsBlocks(ServingEngine):
     """Cancel takes the request out of the schedule and keeps its blocks."""
 
@@ -321,12 +407,16 @@ class _CancelKeepsBlocks(ServingEngine):
         (serving_with(UncountedHit), "logits off the solo run|still referenced|raised"),
         (_CancelKeepsBlocks, "still referenced|raised"),
         (ShortWholePromptCopy, "logits off the solo run"),
+        (_AdmissionReservesNothing, "preempted in the step that admitted them"),
+        (_PublishesTheBlockItsTokenFills, "logits off the solo run"),
     ],
     ids=[
         "eviction-keeps-the-hash",
         "uncounted-cache-hit",
         "cancel-keeps-blocks",
         "short-whole-prompt-copy",
+        "admission-reserves-nothing",
+        "decode-publishes-a-block-early",
     ],
 )
 def test_a_planted_scheduler_bug_fails_a_drawn_schedule(engine, monkeypatch, serving_class, match):

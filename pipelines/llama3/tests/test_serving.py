@@ -12,14 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
-from pipelines.llama3 import Llama3Engine, sampling
+from pipelines.llama3 import Llama3Engine, ggml_mode, kernel_library, packed, quants, sampling
 from pipelines.llama3 import model as model_module
 from pipelines.llama3 import serving as serving_module
 from pipelines.llama3.constrained import Constraint
 from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import BlockPool, PoolExhausted, Request, ServingEngine
 from pipelines.llama3.tests.pool_mutations import ShortWholePromptCopy
+from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 TESTDATA = Path(
     os.environ.get("PIPELINES_TESTDATA", "max_tests/integration/architectures/llama3/testdata")
@@ -375,8 +377,51 @@ class _PublishesTheBlockItWasFilling(ServingEngine):
         return super().cancel(request_id)
 
 
+class _PublishesTheBlockItsTokenFills(ServingEngine):
+    """A planted bug: in decode, a block is published as soon as the token just chosen fills
+    it, one position before that token's keys are computed (never, if the request is cancelled
+    then)."""
+
+    def _step(self, seq, logits) -> None:
+        super()._step(seq, logits)
+        while not seq.done and (len(seq.hashes) + 1) * self.block_size <= len(seq.fed):
+            b = len(seq.hashes)
+            key = self._key_of_block(seq, b)
+            self.pool.publish(seq.table[b], key)
+            seq.hashes.append(key)
+
+
+class _PublishesTheBlockItWasFillingOnFinish(ServingEngine):
+    """A planted bug: a request that finishes (stop string, end-of-sequence id, max tokens)
+    publishes the block it had not filled."""
+
+    def _step(self, seq, logits) -> None:
+        super()._step(seq, logits)
+        if seq.done and seq.computed % self.block_size:
+            b = len(seq.hashes)
+            self.pool.publish(seq.table[b], self._key_of_block(seq, b))
+
+
 def _held(serving: ServingEngine) -> int:
     return sum(1 for refs in serving.pool.refs if refs > 0)
+
+
+def _cache_problems(serving: ServingEngine, *computed: list[int]) -> list[str]:
+    """How the prefix cache differs from the full blocks of `computed` (each sequence's tokens
+    whose keys it computed): a cached block not among them, or one of them not cached."""
+    size, full = serving.block_size, set()
+    for tokens in computed:
+        key = b""
+        for b in range(len(tokens) // size):
+            key = serving._block_hash(key, tokens[b * size : (b + 1) * size])
+            full.add(key)
+    cached = set(serving.pool.cached)
+    problems = []
+    if cached - full:
+        problems.append(f"{len(cached - full)} cached blocks not full computed ones")
+    if full - cached:
+        problems.append(f"{len(full - cached)} full computed blocks not cached")
+    return problems
 
 
 def _cancel_mid_prefill(engine, serving_class=ServingEngine) -> list[str]:
@@ -425,33 +470,73 @@ def test_a_request_cancelled_mid_prefill_frees_its_blocks_and_caches_only_full_o
     assert any("cached blocks not full ones" in p for p in partial), partial
 
 
-def test_a_request_cancelled_mid_decode_keeps_its_steps_and_frees_its_blocks() -> None:
-    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+def _cancel_mid_decode(engine, serving_class=ServingEngine) -> list[str]:
+    """What goes wrong when 'cut' is cancelled after three steps, prefix caching on: the token
+    its third step chose (fed, its keys not computed) fills its fifth block. Its steps against
+    its solo run, the blocks still held, the prefix cache against the full blocks 'cut' and
+    'other' computed, 'other' against its solo run, and the next turn (a request of 'cut's
+    fed tokens and two more, reading 'cut's blocks from the cache) against its solo run."""
     solo = engine.generate(CUT_PROMPT, 6)
-    serving = ServingEngine(engine, block_size=4)
+    serving = serving_class(engine, block_size=4, prefix_caching=True)
     serving.submit([Request("cut", CUT_PROMPT, 6), Request("other", OTHER_PROMPT, 8)])
-    serving.step()  # the prompts: each request's first step
-    serving.step()  # its second
+    for _ in range(3):  # the prompts (each request's first step), then two decode steps
+        serving.step()
+    cut, other = serving.running
+    fed = list(cut.fed)
+    assert len(fed) == 20 and cut.computed == 19, (len(fed), cut.computed)  # the premise
+    problems = []
     served = serving.cancel("cut")
-    assert served.finish_reason == "cancelled"
-    assert served.output.tokens == solo.tokens[:2]
+    if served.finish_reason != "cancelled" or served.output.tokens != solo.tokens[:3]:
+        problems.append(f"cancelled as {served.finish_reason} with {served.output.tokens}")
     # (a batch of two: eager's batched products round otherwise than one row's, within 1e-4)
-    assert (served.output.logits - solo.logits[:2]).abs().max() <= 1e-4
-    assert _held(serving) == len(serving.running[0].table)
+    if not (served.output.logits - solo.logits[:3]).abs().max() <= 1e-4:
+        problems.append("'cut': its steps' logits off its solo run")
+    if _held(serving) != len(other.table):
+        problems.append(f"{_held(serving)} blocks held, 'other' holds {len(other.table)}")
+    problems += _cache_problems(serving, fed[:-1], other.fed[: other.computed])
     with pytest.raises(KeyError, match="no pending request 'cut'"):
         serving.cancel("cut")
     finished = {}
     while serving.pending:
         finished.update(serving.step())
-    assert finished["other"].finish_reason == "length"
-    assert finished["other"].output.tokens == engine.generate(OTHER_PROMPT, 8).tokens
-    assert _held(serving) == 0
+    if _held(serving):
+        problems.append(f"{_held(serving)} blocks held after every request finished")
+    follow = [*fed, 42, 43]  # the next turn: 'cut's prompt and its tokens, then more
+    after = serving.serve([Request("next", follow, 3)])["next"]
+    if after.cached_prefix != 16:
+        problems.append(f"'next' read {after.cached_prefix} positions from the cache, not 16")
+    for name, out, prompt, steps in (
+        ("other", finished["other"].output, OTHER_PROMPT, 8),
+        ("next", after.output, follow, 3),
+    ):
+        solo = engine.generate(prompt, steps)
+        delta = float((out.logits - solo.logits).abs().max())
+        if out.tokens != solo.tokens or delta > 1e-4:
+            problems.append(f"{name}: {out.tokens} vs solo {solo.tokens}, logits off {delta:.3g}")
+    return problems
+
+
+def test_a_request_cancelled_mid_decode_keeps_its_steps_and_caches_only_computed_blocks() -> None:
+    """Cancelled as the token it chose fills a block: its steps so far are its solo run's, its
+    blocks go back at once, and the block whose last position has no keys yet is not cached:
+    the next turn reads 16 positions from the cache and is its solo run within 1e-4. Planted:
+    a block published in decode as its token is chosen (the next turn then reads 20 positions,
+    the last never computed)."""
+    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
+    assert _cancel_mid_decode(engine) == []
+    early = _cancel_mid_decode(engine, _PublishesTheBlockItsTokenFills)
+    assert "1 cached blocks not full computed ones" in early, early
+    assert "'next' read 20 positions from the cache, not 16" in early, early
+    assert any(p.startswith("next: ") for p in early), early
 
 
 def test_a_stop_string_ends_the_request_where_its_text_first_holds_it() -> None:
     """The stop string is the text the k-th greedy token adds (absent before it): the served
     request stops after that token ("stop"), frees its blocks, and its tokens are generate's
-    first k + 1; max_new_tokens ends the same request as "length"."""
+    first k + 1; max_new_tokens ends the same request as "length". With prefix caching on,
+    the cache then holds exactly the full blocks each computed (its last token, chosen, is
+    never fed). Planted: a finished request that publishes the block it was filling (both
+    requests end inside a block: 19 and 21 positions computed)."""
     engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf")
     solo = engine.generate(CUT_PROMPT, 8, stop_on_eos=False)
     decode = engine.tokenizer.decode
@@ -462,16 +547,22 @@ def test_a_stop_string_ends_the_request_where_its_text_first_holds_it() -> None:
             break
     else:
         pytest.fail(f"no token of {solo.tokens} adds text absent before it")
-    serving = ServingEngine(engine, block_size=4)
-    results = serving.serve(
-        [Request("stop", CUT_PROMPT, 8, stop=(added,)), Request("length", CUT_PROMPT, 3)]
-    )
+    requests = [Request("stop", CUT_PROMPT, 8, stop=(added,)), Request("length", CUT_PROMPT, 5)]
+    serving = ServingEngine(engine, block_size=4, prefix_caching=True)
+    results = serving.serve(requests)
     assert results["stop"].finish_reason == "stop"
     assert results["stop"].output.tokens == solo.tokens[: k + 1]
     assert engine.generate(CUT_PROMPT, 8, stop=(added,)).tokens == solo.tokens[: k + 1]
     assert results["length"].finish_reason == "length"
-    assert results["length"].output.tokens == solo.tokens[:3]
+    assert results["length"].output.tokens == solo.tokens[:5]
     assert _held(serving) == 0
+    # the prefix cache holds the full blocks of what each computed (its last token, chosen,
+    # was never fed); planted: a finished request publishes the block it was filling
+    computed = [[*CUT_PROMPT, *solo.tokens[:k]], [*CUT_PROMPT, *solo.tokens[:4]]]
+    assert _cache_problems(serving, *computed) == []
+    planted = _PublishesTheBlockItWasFillingOnFinish(engine, block_size=4, prefix_caching=True)
+    planted.serve(requests)
+    assert _cache_problems(planted, *computed)[:1] == ["2 cached blocks not full computed ones"]
     with pytest.raises(ValueError, match="request 'empty': an empty stop string"):
         serving.serve([Request("empty", CUT_PROMPT, 2, stop=("",))])
 
@@ -682,23 +773,82 @@ def test_a_shared_seed_fails_the_draw_rule_on_a_path_that_is_not_bitwise(monkeyp
     assert failed == ["s1", "s2"], {rid: [v.verdict for v in vs] for rid, vs in verdicts.items()}
 
 
-@pytest.mark.parametrize("pool_rows", [64, None], ids=["as_packed", "planted_unlimited"])
-def test_pooled_head_rows_keep_each_pieces_bits(pool_rows, monkeypatch) -> None:
-    """The served head pools the pieces' rows (Transformer._piece_logits): on a packed head
-    each row keeps the bits of its piece's own call, across pieces past the kernels' dense
-    switch (64 rows) and a piece at it. Planted: a head that says any number of rows may be
-    pooled (pool_rows None) sends a pooled call past the switch to the dense product, and
-    some row moves."""
-    engine = Llama3Engine.from_gguf(TESTDATA / "tiny_llama_q4_k.gguf", mode="quantized")
-    model = engine.model
-    monkeypatch.setattr(type(model.output), "pool_rows", pool_rows)
+@pytest.fixture(scope="module")
+def pooled_head_files(tmp_path_factory) -> dict[str, Path]:
+    """Checkpoints whose LM heads the quantized and ggml modes keep packed, one per packed kind:
+    int4 (Q4_K, dim 256, the head tied to the Q4_K embedding as in tiny_llama_q4_k.gguf) and
+    int8 (Q8_0, dim 64, a head of its own; testdata holds no Q8_0 file). Both heads have the
+    byte vocabulary's 263 rows: 0.4 s to write both, then milliseconds a check, where the
+    committed file's 128k-row head takes 1.3 s a check (quantized mode, one thread)."""
+    folder = tmp_path_factory.mktemp("pooled_head")
+    files = {"Q4_K": folder / "tiny_q4_k.gguf", "Q8_0": folder / "tiny_q8_0.gguf"}
+    write_tiny_llama(
+        files["Q4_K"], dim=256, ffn_dim=256, tied=True, weight_type=GGMLQuantizationType.Q4_K
+    )
+    write_tiny_llama(files["Q8_0"], weight_type=GGMLQuantizationType.Q8_0)
+    return files
+
+
+def _moved_pieces(model, threads: int) -> list[int]:
+    """The pieces whose rows of a pooled head call (Transformer._piece_logits) differ from the
+    piece's own call, on `threads` threads: 70 one-row pieces (pooled up to the switch), one of
+    64 rows (at the kernels' dense switch, DENSE_ROWS), then pieces of 1 and 5 rows."""
     h = torch.randn(140, model.config.dim, generator=torch.Generator().manual_seed(0))
     outputs = [[i] for i in range(70)] + [list(range(70, 134)), [134], list(range(135, 140))]
-    with torch.inference_mode():
-        pooled = model._piece_logits(h, outputs)
-        moved = [
-            i
-            for i, rows in enumerate(outputs)
-            if not torch.equal(pooled[i], model._logits(h[rows]))
-        ]
-    assert (moved == []) == (pool_rows is not None), moved
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            pooled = model._piece_logits(h, outputs)
+            return [
+                i
+                for i, rows in enumerate(outputs)
+                if not torch.equal(pooled[i], model._logits(h[rows]))
+            ]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("isa", list(kernel_library.REQUIRED_FLAGS))
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("mode", ["quantized", "ggml"])
+def test_pooled_head_rows_keep_each_pieces_bits(
+    mode, kind, isa, pooled_head_files, monkeypatch
+) -> None:
+    """The served head pools the pieces' rows (Transformer._piece_logits): on the quantized
+    mode's packed head (PackedLinear) and the ggml mode's (GgmlLinear), int4 and int8, on every
+    kernel build this CPU runs (one it cannot run: a skip naming the flags it lacks), each row
+    keeps the bits of its piece's own call, on one thread and on two (there a call of 3 to 8
+    rows or more, by the head's size, takes the threads; a one-row piece does not). Planted,
+    quantized: a head that says any number of rows may be pooled (pool_rows None) sends a
+    pooled call past the dense switch to the dense product. Planted, ggml: its head (pool_rows
+    None: each row computed alone) given a dense switch at 64 rows. Either way some row moves.
+    16 cases: 1.2 s of CPU time in all, the two files written once (0.4 s) included."""
+    lacks = [f for f in kernel_library.REQUIRED_FLAGS[isa] if f not in kernel_library.cpu_flags()]
+    if lacks:
+        pytest.skip(f"this CPU cannot run the {isa} kernels: it lacks {' '.join(lacks)}")
+    monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
+    model = Llama3Engine.from_gguf(pooled_head_files[kind], mode=mode).model
+    head = model.output
+    assert type(head) is (packed.PackedLinear if mode == "quantized" else ggml_mode.GgmlLinear)
+    assert head._lib is kernel_library.load(isa)
+    if mode == "quantized":
+        assert head.weight.kind == {"Q4_K": "int4", "Q8_0": "int8"}[kind]
+    else:
+        assert head.weight.qtype == GGMLQuantizationType[kind]
+    for threads in (1, 2):
+        assert _moved_pieces(model, threads) == [], threads
+    if mode == "quantized":
+        monkeypatch.setattr(type(head), "pool_rows", None)
+    else:
+        weight = head.weight
+        dense = quants.dequantize(weight.gguf_blocks(), weight.qtype, (weight.rows, weight.cols))
+        ggml_product = type(head)._product
+
+        def dense_past_the_switch(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] >= packed.DENSE_ROWS:
+                return torch.nn.functional.linear(x, dense)
+            return ggml_product(self, x)
+
+        monkeypatch.setattr(type(head), "_product", dense_past_the_switch)
+    assert _moved_pieces(model, 1) != []

@@ -333,11 +333,8 @@ SERVING_MUTATIONS = [
         method="_write_slot",
         replacement=_decode_written_to_another_sequence,
     ),
-    # Only a pool under pressure reaches this one (pipelines/llama3/tests/pool_mutations.py): no
-    # other lane shares a block between running sequences. (The pool's other planted bug, an
-    # evicted hash left findable, passes the pressure lane in every variant tried: waves 1 to 4
-    # steps apart, 3 to 6 copies, pools of the largest case's blocks + 2 to + 6. The schedule
-    # fuzz, whose prompts differ behind a shared preamble, catches it.)
+    # Only a pool under pressure reaches these two (pipelines/llama3/tests/pool_mutations.py):
+    # no other lane shares a block between running sequences, nor evicts.
     ServingMutation(
         "uncounted_shared_hit",
         "a cache hit on a block a running sequence holds does not count its new reader",
@@ -345,6 +342,19 @@ SERVING_MUTATIONS = [
         scenario="pressure",
         method="_new_pool",
         replacement=_pool_of(pool_mutations.UncountedHit),
+    ),
+    # An evicted block's hash left findable: a later copy reads another sequence's keys as its
+    # prefix. Measured in the pressure lane (tiny float32 eager and Q4_K quantized alike): the
+    # first two copies pass, copies 3 to 5 fail 4 cases each. (Its pool skips the eviction
+    # counters, so the lane's counters name it too: evictions 0, evicted hashes looked up
+    # again 0.)
+    ServingMutation(
+        "eviction_keeps_the_hash",
+        "an evicted block's prefix hash stays in the cache, naming the block's new keys",
+        {},
+        scenario="pressure",
+        method="_new_pool",
+        replacement=_pool_of(pool_mutations.EvictionKeepsTheHash),
     ),
 ]
 

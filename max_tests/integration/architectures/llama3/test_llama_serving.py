@@ -27,7 +27,7 @@ import pytest
 from goldens.tolerances import tolerance
 from harness.llama3 import engine_runs, failure_report, judge, scenarios
 from harness.llama3.variants import Variant, skip_unavailable, variants
-from pipelines.llama3.serving import ServingEngine
+from pipelines.llama3.serving import Request, ServingEngine
 
 VARIANTS = variants()
 MODES = ("eager", "compiled", "quantized", "ggml")
@@ -150,9 +150,11 @@ def not_bitwise(
 def lane_counters(serving: scenarios.Serving, served: scenarios.Served) -> list[str]:
     """What a serving must have exercised to be the lane it names: a preempt lane preempted,
     a prefix lane read blocks from the cache and compared the prompt positions inside them
-    (the rows of the sibling that computed them)."""
+    (the rows of the sibling that computed them); and what the pressure lane must not have
+    done (scenarios.PRESSURE_MAXIMUMS)."""
     missing = []
-    if serving.copies > 1:  # the pressure lane: every counter (scenarios.PRESSURE_MINIMUMS)
+    # the pressure lane: every counter (scenarios.PRESSURE_MINIMUMS, PRESSURE_MAXIMUMS)
+    if serving.copies > 1:
         least = {
             "requests in flight at once": scenarios.PRESSURE_IN_FLIGHT,
             "requests running at once": scenarios.PRESSURE_RUNNING,
@@ -163,6 +165,12 @@ def lane_counters(serving: scenarios.Serving, served: scenarios.Served) -> list[
             for name, floor in least.items()
             if served.counters.get(name, 0) < floor
         ]
+        for name, ceiling in scenarios.PRESSURE_MAXIMUMS.items():
+            count = served.counters.get(name)
+            if count is None:
+                missing.append(f"{serving.name}: {name} not counted")
+            elif count > ceiling:
+                missing.append(f"{serving.name}: {name} {count}, above its maximum {ceiling}")
         return missing
     if serving.window:  # the small chunks must compute a golden prompt position
         inside = sum(
@@ -317,6 +325,23 @@ def test_a_small_chunk_window_without_a_golden_position_is_named(goldens, monkey
             ], variant.test_id
 
 
+class _NoReserve(ServingEngine):
+    """A planted bug: an admission beside running sequences reserves none of the blocks
+    they take this step."""
+
+    def _admit(self, seq, reserve=None) -> bool:
+        return super()._admit(seq, None if reserve is None else 0)
+
+
+class _NeverMixes(ServingEngine):
+    """A scheduler that runs a step's prompt pieces alone: its decode pieces wait (their
+    blocks kept) until no prompt piece is scheduled."""
+
+    def _schedule(self, running, waiting):
+        pieces = super()._schedule(running, waiting)
+        return [p for p in pieces if p[1] < len(p[0].request.prompt)] or pieces
+
+
 def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
     """The counters are proven: a pool large enough for everyone never preempts (nor, in the
     pressure lane, evicts), a prefix lane that leaves the cached prompt positions out compares
@@ -357,6 +382,18 @@ def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
         "pressure: hits on blocks a running sequence holds 0, below its minimum 1",
         "pressure: preemptions 0, below its minimum 1",
     ]
+    # admissions that take the blocks the running sequences need this step (measured: 131
+    # preemptions, 109 of them in the step that admitted the sequence; the goldens pass)
+    (named,) = lane_counters(pressure, scenarios.served_runs(engine, golden, pressure, _NoReserve))
+    assert named.startswith("pressure: preemptions in the step that admitted the sequence "), named
+    assert named.endswith(", above its maximum 0"), named
+    # a scheduler that runs a step's prompt pieces without its decode pieces never mixes them
+    # (and, measured, no evicted hash is looked up again)
+    unmixed = scenarios.served_runs(engine, golden, pressure, _NeverMixes)
+    assert lane_counters(pressure, unmixed) == [
+        "pressure: evicted hashes looked up again 0, below its minimum 1",
+        "pressure: steps mixing prefill and decode rows 0, below its minimum 1",
+    ]
     # a speculative serving whose requests lost their speculation verifies nothing
     spec = next(x for x in scenarios.SERVINGS["chunked"] if x.speculate)
     assert lane_counters(spec, scenarios.served_runs(engine, golden, spec)) == []
@@ -368,6 +405,37 @@ def test_a_lane_that_does_not_take_its_path_fails(goldens, monkeypatch) -> None:
     assert lane_counters(prefix, scenarios.served_runs(engine, golden, prefix)) == [
         "prefix: no block was read from the prefix cache"
     ]
+
+
+def _mixed_steps(engine, serving_class=ServingEngine) -> list[int]:
+    """ServingEngine.mixed_steps after each step of two requests in chunks of 3: prompts of
+    3 and 9 tokens, 4 and 2 steps. Step 1 runs two prompt pieces; steps 2 and 3 the first
+    request's decode rows beside the second's prompt chunks; step 4 two decode rows."""
+    serving = serving_class(engine, block_size=4, chunk_size=3)
+    serving.submit([Request("a", list(range(5, 8)), 4), Request("b", list(range(40, 49)), 2)])
+    counts = []
+    while serving.pending:
+        serving.step()
+        counts.append(serving.mixed_steps)
+    return counts
+
+
+def test_only_a_step_of_prompt_and_generated_pieces_counts_as_mixed(goldens, monkeypatch) -> None:
+    """The pressure lane's "steps mixing prefill and decode rows" counts steps 2 and 3 of
+    `_mixed_steps`, not step 1 (two prompt pieces) nor step 4 (two decode rows). Planted:
+    every step of two pieces or more counted (the lane then read 53, not 20) counts all four."""
+    variant, _ = _tiny_short(goldens, "float32")
+    engine = engine_runs.load_engine(variant, "cpu")
+    assert _mixed_steps(engine) == [0, 1, 2, 2]
+    forward = ServingEngine._forward
+
+    def counts_every_batch(self, pieces) -> None:
+        before = self.mixed_steps
+        forward(self, pieces)
+        self.mixed_steps = before + (len(pieces) > 1)
+
+    monkeypatch.setattr(ServingEngine, "_forward", counts_every_batch)
+    assert _mixed_steps(engine) == [1, 2, 3, 4]
 
 
 def _batch_delta(engine, golden, solo) -> float:
