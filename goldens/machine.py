@@ -6,17 +6,27 @@ import platform
 from pathlib import Path
 
 
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The first "model name" in /proc/cpuinfo (e.g. "Intel(R) Xeon(R) Processor"); elsewhere
-    whatever `platform` knows."""
+def _cpuinfo_field(name: str, cpuinfo: Path) -> str:
+    """The first non-empty value of field `name` in /proc/cpuinfo ("" where there is none)."""
     try:
         for line in cpuinfo.read_text(errors="replace").splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
+            if key.strip() == name and value.strip():
                 return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown"
+    return ""
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first "model name" in /proc/cpuinfo (e.g. "Intel(R) Xeon(R) Processor"); elsewhere
+    whatever `platform` knows."""
+    return (
+        _cpuinfo_field("model name", cpuinfo)
+        or platform.processor()
+        or platform.machine()
+        or "unknown"
+    )
 
 
 # The flags that choose a kernel build or a library's code path on x86 (the engine's builds:
@@ -27,12 +37,5 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf1
 
 def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     """KERNEL_FLAGS the CPU has, by its first "flags" line in /proc/cpuinfo (empty elsewhere)."""
-    try:
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                flags = set(value.split())
-                return [flag for flag in KERNEL_FLAGS if flag in flags]
-    except OSError:
-        pass
-    return []
+    flags = set(_cpuinfo_field("flags", cpuinfo).split())
+    return [flag for flag in KERNEL_FLAGS if flag in flags]
