@@ -6,13 +6,16 @@
 - `user_path`: a path the user typed means their working directory. Under `bazel run` the
   process starts in the runfiles tree, and Bazel says where the user was in
   BUILD_WORKING_DIRECTORY.
-- `output_directory`: a folder the user named for outputs is created (parents included) when
-  missing; a path that exists as a file is an error naming the flag, never overwritten.
+- `output_directory` / `output_file`: a folder the user named for outputs is created (parents
+  included) when missing; a path that exists as a file, or a folder this process cannot create
+  files in, is an error naming the flag, found before the command's work, never after it.
 - `OneLineParser`: a usage error is one line naming the problem (argparse would print the
   whole usage block first), exit 2; the full usage is one --help away.
 - `atomic_path` / `write_atomically`: an output appears whole or not at all. Data goes to a
   temporary file beside the target, then one rename replaces it; on any failure the temporary
-  file is removed and an existing target is left untouched.
+  file is removed and an existing target is left untouched. A write that fails (no permission,
+  a full disk) is a `WriteError`, a PathError the tools report in one line with exit 2: their
+  exit 1 is a verdict (a token flipped, a regression, a golden differs), not a failed write.
 """
 
 from __future__ import annotations
@@ -47,18 +50,35 @@ class PathError(ValueError):
     """A path the user gave cannot be used; the message names the flag, the path and the fix."""
 
 
+class WriteError(PathError, OSError):
+    """An output could not be written. Also an OSError, so code that handles a failed write
+    as an OSError (the artifact store's StoreError) keeps doing so."""
+
+
 def output_directory(path: Path, flag: str) -> Path:
     """`path`, created with its parents when missing, as the folder a command writes into."""
-    if path.exists() and not path.is_dir():
-        raise PathError(f"{flag}={path} exists and is not a directory; name a folder to write into")
+    return _writable_folder(path, flag, path)
+
+
+def _writable_folder(folder: Path, flag: str, given: Path) -> Path:
+    """`folder` created when missing and checked writable; errors show `flag`=`given`."""
+    if folder.exists() and not folder.is_dir():
+        raise PathError(
+            f"{flag}={given} exists and is not a directory; name a folder to write into"
+        )
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a parent is a file, no permission, read-only file system
         reason = f"{error.strerror}: {error.filename}" if error.filename else str(error)
         raise PathError(
-            f"{flag}={path} cannot be created ({reason}); name a folder you can write"
+            f"{flag}={given} cannot be created ({reason}); name a folder you can write"
         ) from error
-    return path
+    if not os.access(folder, os.W_OK | os.X_OK):  # also false on a read-only file system
+        raise PathError(
+            f"{flag}={given}: cannot create files in {folder} (no write permission, or a "
+            "read-only file system); name a folder you can write"
+        )
+    return folder
 
 
 def at_least(least: int) -> Callable[[str], int]:
@@ -79,10 +99,11 @@ def at_least(least: int) -> Callable[[str], int]:
 
 
 def output_file(path: Path, flag: str) -> Path:
-    """`path` as a file a command writes: not a folder; its folder created when missing."""
+    """`path` as a file a command writes: not a folder; its folder created when missing and
+    one this process can create the file in (the atomic write renames a file created there)."""
     if path.is_dir():
         raise PathError(f"{flag}={path} is a directory; name the file to write")
-    output_directory(path.parent, flag)
+    _writable_folder(path.parent, flag, path)
     return path
 
 
@@ -91,17 +112,36 @@ def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path to write `path`'s new content to; renamed over `path` on success.
 
     The result keeps an existing file's mode, else gets 0644 (mkstemp's 0600 would not do).
+    An OSError while creating, writing or renaming the temporary file is a WriteError naming
+    `path`; any other failure propagates as it is. Either way the temporary file is removed.
     """
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:
+        raise _write_error(path, error) from error
     os.close(fd)
     temp = Path(temp_name)
     try:
         yield temp
         os.chmod(temp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(temp, path)
+    except WriteError:
+        temp.unlink(missing_ok=True)
+        raise
+    except OSError as error:
+        temp.unlink(missing_ok=True)
+        raise _write_error(path, error) from error
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+def _write_error(path: Path, error: OSError) -> WriteError:
+    reason = error.strerror or str(error)
+    return WriteError(
+        f"cannot write {path} ({reason}); free space or grant write permission in "
+        f"{path.parent}, or name another path"
+    )
 
 
 def write_atomically(path: Path, content: str | bytes, fsync: bool = False) -> None:

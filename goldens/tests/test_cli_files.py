@@ -1,9 +1,11 @@
 """Paths under `bazel run` and atomic writes, as every tool in the repository uses them."""
 
 import os
+from pathlib import Path
 
 import pytest
 
+from goldens import cli_files
 from goldens.cli_files import (
     PathError,
     atomic_path,
@@ -72,3 +74,48 @@ def test_repo_root_is_the_bazel_run_workspace_else_this_checkout(monkeypatch, tm
     assert (repo_root() / "goldens" / "cli_files.py").is_file()
     monkeypatch.setenv("BUILD_WORKSPACE_DIRECTORY", str(tmp_path))
     assert repo_root() == tmp_path
+
+
+@pytest.mark.parametrize("failing", ["mkstemp", "replace"])
+def test_a_write_the_system_refuses_is_a_path_error_and_leaves_no_temporary(
+    tmp_path, monkeypatch, failing
+):
+    """A refused write is a PathError (the tools' exit 2), still an OSError for the store."""
+    target = tmp_path / "record.json"
+    target.write_text("old")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    owner = cli_files.tempfile if failing == "mkstemp" else cli_files.os
+    monkeypatch.setattr(owner, failing, refuse)
+    with pytest.raises(PathError) as caught:
+        write_atomically(target, "new")
+    assert str(caught.value) == (
+        f"cannot write {target} (Permission denied); free space or grant write permission in "
+        f"{tmp_path}, or name another path"
+    )
+    assert isinstance(caught.value, OSError)
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]
+
+
+@pytest.mark.parametrize("check", ["output_directory", "output_file"])
+def test_a_folder_this_process_cannot_write_is_refused_naming_the_flag(
+    tmp_path, monkeypatch, check
+):
+    """Tests run as root here, so a chmod would not refuse: os.access says no instead."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(
+        cli_files.os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode)
+    )
+    given = locked if check == "output_directory" else locked / "report.html"
+    with pytest.raises(PathError) as caught:
+        getattr(cli_files, check)(given, "--out")
+    assert str(caught.value) == (
+        f"--out={given}: cannot create files in {locked} (no write permission, or a read-only "
+        "file system); name a folder you can write"
+    )
+    assert list(locked.iterdir()) == []

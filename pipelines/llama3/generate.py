@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--draft",
         metavar="GGUF",
+        type=user_path,
         help="with --speculate: this draft checkpoint (the checkpoint's vocabulary, e.g. "
         "//tools/gen_tiny_model:write_draft's) drafts instead of the n-gram",
     )
@@ -190,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device_type = torch.device(args.device).type
+    except RuntimeError:  # "tpu", "cuda:x": torch names every device type it knows, at length
+        device_type = None
+    if device_type not in ("cpu", "cuda"):
+        parser.error(f"--device={args.device} is not a device here; give cpu, cuda or cuda:N")
+    if device_type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device={args.device}: this torch has no CUDA device; use --device=cpu")
     if args.threads is not None and args.threads < 0:
         parser.error(f"--threads={args.threads}: give at least 1 (or 0: torch's default)")

@@ -62,6 +62,8 @@ def check_writable(path: str | os.PathLike) -> pathlib.Path:
     path = pathlib.Path(path)
     if path.is_dir():
         raise TraceError(f"{path} is a folder; name a file, e.g. {path / 'trace.json'}")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise TraceError(f"{path.parent} is a file, not a folder; name a file in a folder")
     if not path.parent.is_dir():
         raise TraceError(f"{path.parent} does not exist; create it or name a file in another")
     if not os.access(path.parent, os.W_OK):

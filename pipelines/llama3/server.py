@@ -56,6 +56,7 @@ import pathlib
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -71,7 +72,7 @@ import werkzeug.serving
 from pipelines.llama3 import constrained
 from pipelines.llama3.constrained import Constraint, ConstraintError
 from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
-from pipelines.llama3.gguf_loader import CheckpointError
+from pipelines.llama3.gguf_loader import CheckpointError, load_config
 from pipelines.llama3.sampling import SamplerSettings
 from pipelines.llama3.serving import Request, Served, ServingEngine, blocks_for
 from pipelines.llama3.speculative import NgramDraft, Speculation
@@ -980,10 +981,33 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag}={value} must be at least {least}")
     if args.speculate > 8:
         parser.error(f"--speculate={args.speculate} must lie in 0..8")
+    if args.port > 65535:  # the socket layer would take it modulo 65536: 70000 served on 4464
+        parser.error(f"--port={args.port} must lie in 0..65535")
+    family = werkzeug.serving.select_address_family(args.host, args.port)
+    if family != socket.AF_UNIX:
+        try:
+            socket.getaddrinfo(args.host, args.port, family, socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as error:
+            parser.error(
+                f"--host={args.host} is not an address here ({error}); give one such as "
+                "127.0.0.1 or 0.0.0.0"
+            )
     base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
     gguf = pathlib.Path(base, os.path.expanduser(args.gguf))
+    if gguf.is_dir():
+        parser.error(f"--gguf={args.gguf}: {gguf} is a folder; name the GGUF file in it")
     if not gguf.is_file():
         parser.error(f"--gguf={args.gguf}: no such file ({gguf})")
+    try:  # the metadata alone (0.16 s for tiny_llama): --max-context is checked before the load
+        context_length = load_config(gguf).context_length
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.max_context > context_length:  # 99999999 grew to 16 GB in 25 s, never serving
+        parser.error(
+            f"--max-context={args.max_context} exceeds the checkpoint's context length "
+            f"{context_length}; give at most that (0: the file's, up to 16384)"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"loading {gguf} ({args.mode}, {args.dtype})", file=sys.stderr)
@@ -1007,6 +1031,13 @@ def main(argv: list[str] | None = None) -> int:
         running = RunningServer(server, args.host, args.port)
     except OSError as error:
         print(f"error: cannot listen on {args.host}:{args.port}: {error} (--port)", file=sys.stderr)
+        return 2
+    except SystemExit:  # werkzeug printed the reason (e.g. a port in use), then sys.exit(1)
+        print(
+            f"error: cannot listen on {args.host}:{args.port}, as said above; give another "
+            "--port or --host",
+            file=sys.stderr,
+        )
         return 2
     signal.signal(signal.SIGTERM, lambda *_: server.worker.stop_soon())
     signal.signal(signal.SIGINT, lambda *_: server.worker.stop_soon())

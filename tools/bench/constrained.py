@@ -31,10 +31,11 @@ import time
 import jsonschema
 import torch
 
-from goldens.cli_files import at_least, write_atomically
+from goldens.cli_files import at_least, user_path, write_atomically
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, constrained
 from pipelines.llama3.constrained import Constraint
+from pipelines.llama3.gguf_file import CheckpointError
 from tools.bench.record import json_output
 from tools.bench.sampled import LlamaServerSide, llama_server_missing
 
@@ -217,7 +218,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--gguf", default=None, help="default: SmolLM2-135M-Instruct Q4_1")
+    parser.add_argument(
+        "--gguf", type=user_path, default=None, help="default: SmolLM2-135M-Instruct Q4_1"
+    )
     parser.add_argument(
         "--mode", default="quantized", choices=("eager", "quantized", "ggml"), help="engine mode"
     )
@@ -239,10 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.repeats < 1 or args.mask_steps < 1:
         parser.error("--new-tokens must be at least 2, --repeats and --mask-steps at least 1")
+    if args.gguf is not None and not args.gguf.is_file():
+        parser.error(f"--gguf={args.gguf} is not a file; give a GGUF checkpoint")
     json_path = json_output(args.json, parser)
-    gguf = args.gguf or str(smollm2_gguf())
+    gguf = str(args.gguf or smollm2_gguf())
     torch.set_num_threads(args.threads)
-    engine = Llama3Engine.from_gguf(gguf, mode=args.mode)
+    try:
+        engine = Llama3Engine.from_gguf(gguf, mode=args.mode)
+    except CheckpointError as error:  # truncated, not GGUF, not a llama: the loader says which
+        print(f"error: --gguf: {error}", file=sys.stderr)
+        return 2
     if engine.tokenizer is None:
         print(f"error: {gguf} stores no tokenizer: constraints need one", file=sys.stderr)
         return 2

@@ -36,10 +36,11 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from goldens.cli_files import PathError, output_directory, user_path, write_atomically
+from goldens.cli_files import PathError, output_file, user_path, write_atomically
 from goldens.machine import cpu_features, cpu_model
 
 SCHEMA_VERSION = 1
@@ -138,13 +139,25 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
 
 def json_output(value: str | None, parser) -> Path | None:
     """A bench's `--json FILE` as the user meant it (relative to where `bazel run` was
-    started), its folder checked before the minutes of timing, not after: a bad one is
-    `parser.error` (exit 2) now. None without the option."""
+    started), checked before the minutes of timing, not after: a path that is a folder, a
+    folder that cannot be created, or one this process cannot create a file in is
+    `parser.error` (exit 2) now (a folder given as --json ran 93 s of bench, then stopped in
+    IsADirectoryError, exit 1, its numbers lost). The check creates and removes a temporary
+    file in the folder, as write_record will. None without the option."""
     if not value:
         return None
     path = user_path(value)
     try:
-        output_directory(path.parent, "--json")
+        output_file(path, "--json")
     except PathError as error:
         parser.error(str(error))
+    try:
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:  # no permission, read-only file system
+        parser.error(
+            f"--json={path}: cannot create a file in {path.parent} ({error.strerror}); "
+            "name a file in a folder you can write"
+        )
+    os.close(fd)
+    os.unlink(probe)
     return path

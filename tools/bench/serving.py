@@ -55,6 +55,7 @@ import torch
 from goldens.cli_files import at_least
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine
+from pipelines.llama3.engine import MODES
 from pipelines.llama3.serving import Request, ServingEngine
 from tools.bench import cpu_level
 from tools.bench.llama_cpp_peer import LlamaBenchError, version_and_backend
@@ -77,11 +78,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--modes",
+        type=_modes,
         default="eager,quantized,ggml,compiled",
-        help="comma-separated (default: %(default)s)",
+        help="comma-separated, of " + ", ".join(MODES) + " (default: %(default)s; empty: none)",
     )
-    parser.add_argument("--batches", default="1,4,16", help="requests per batch")
-    parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument(
+        "--batches", type=_batches, default="1,4,16", help="requests per batch, comma-separated"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=at_least(1), default=32, help="prompt tokens per request"
+    )
     parser.add_argument(
         "--new-tokens", type=at_least(2), default=16, help="generated per request (at least 2)"
     )
@@ -93,10 +99,39 @@ def _parser() -> argparse.ArgumentParser:
         help="concurrent HTTP clients, at most 22 (0: no server rows)",
     )
     parser.add_argument(
-        "--server-modes", default="ggml,quantized", help="this engine's server, per mode"
+        "--server-modes",
+        type=_modes,
+        default="ggml,quantized",
+        help="this engine's server, per mode, comma-separated (empty: none)",
     )
     cpu_level.add_argument(parser)
     return parser
+
+
+def _modes(text: str) -> list[str]:
+    """An argparse `type`: comma-separated engine modes, each one of MODES (an unknown one
+    failed only when its rows came, after minutes of the others); empty means none."""
+    modes = [mode for mode in text.split(",") if mode]
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{','.join(unknown)} is no mode; choose from {', '.join(MODES)}"
+        )
+    return modes
+
+
+def _batches(text: str) -> list[int]:
+    """An argparse `type`: comma-separated requests per batch, each a whole number of at least
+    1 (--batches=-4 printed rows of a batch of -4; --batches=x stopped in a traceback)."""
+    try:
+        batches = [int(batch) for batch in text.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give whole numbers of at least 1, comma-separated (e.g. 1,4,16)"
+        )
+    return batches
 
 
 def _prompts(engine: Llama3Engine, count: int, length: int) -> list[list[int]]:
@@ -283,7 +318,7 @@ def servers(args: argparse.Namespace) -> None:
     )
     print(f"{'server':<24} {'round':<17} {'clients':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     ours = {}
-    for mode in [m for m in args.server_modes.split(",") if m]:
+    for mode in args.server_modes:
         with _own_server(mode, args) as url:
             ours[mode] = _server_rows(f"this engine ({mode})", url, rounds, args)
     theirs = None
@@ -307,7 +342,7 @@ def servers(args: argparse.Namespace) -> None:
 
 def batched(args: argparse.Namespace, modes: list[str]) -> None:
     """The batch rows: each mode served, sequential, and llama-batched-bench."""
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     totals, why = llama_cpp_batched(args, batches)
     plain, _ = llama_cpp_batched(args, batches, repack=False)
     peer_line = why or f"llama-batched-bench, {_ggml_backend() or 'backend not printed'}"
@@ -355,9 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(WORDS) // 2} (0: no server rows)"
         )
     torch.set_num_threads(args.threads)
-    modes = [m for m in args.modes.split(",") if m]
-    if modes:
-        batched(args, modes)
+    if args.modes:
+        batched(args, args.modes)
     if args.clients:
         servers(args)
     return 0

@@ -32,12 +32,11 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 
 import torch
 
-from goldens.cli_files import at_least, write_atomically
+from goldens.cli_files import at_least, user_path, write_atomically
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import Llama3Engine, speculative
 from pipelines.llama3.gguf_file import CheckpointError
@@ -84,7 +83,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--gguf", default=None, help="default: SmolLM2-135M-Instruct Q4_1")
+    parser.add_argument(
+        "--gguf", type=user_path, default=None, help="default: SmolLM2-135M-Instruct Q4_1"
+    )
     parser.add_argument(
         "--mode", default="quantized", choices=("eager", "quantized", "ggml"), help="engine mode"
     )
@@ -98,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--draft",
+        type=user_path,
         default=None,
         metavar="GGUF",
         help="a draft checkpoint as the model draft of both sides instead of the self-draft "
@@ -183,10 +185,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--k={args.k}: speculation drafts 1 to 8 tokens a step")
     if args.new_tokens < 2 or args.repeats < 1:
         parser.error("--new-tokens must be at least 2 and --repeats at least 1")
+    if args.draft is not None and args.draft_layers is not None:
+        parser.error("--draft and --draft-layers are two model drafts: give one")
+    for flag, path in (("--gguf", args.gguf), ("--draft", args.draft)):
+        if path is not None and not path.is_file():
+            parser.error(f"{flag}={path} is not a file; give a GGUF checkpoint")
     json_path = json_output(args.json, parser)
-    gguf = args.gguf or str(smollm2_gguf())
+    gguf = str(args.gguf or smollm2_gguf())
     torch.set_num_threads(args.threads)
-    engine = Llama3Engine.from_gguf(gguf, mode=args.mode)
+    try:
+        engine = Llama3Engine.from_gguf(gguf, mode=args.mode)
+    except CheckpointError as error:  # truncated, not GGUF, not a llama: the loader says which
+        print(f"error: --gguf: {error}", file=sys.stderr)
+        return 2
     layers = engine.config.n_layers if args.draft_layers is None else args.draft_layers
     if not 0 <= layers <= engine.config.n_layers:
         parser.error(f"--draft-layers={layers}: 0 to {engine.config.n_layers}")
@@ -194,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {gguf} stores no tokenizer; the bench's prompt needs one", file=sys.stderr)
         return 2
     input_ids = engine.tokenizer.encode(PROMPT)
-    if args.draft is not None and args.draft_layers is not None:
-        parser.error("--draft and --draft-layers are two model drafts: give one")
     if args.draft is None:
         print(
             f"loading the model draft: {layers} of {engine.config.n_layers} layers", file=sys.stderr
@@ -208,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         except (CheckpointError, speculative.DraftMismatch) as error:
             print(f"error: --draft={args.draft}: {error}", file=sys.stderr)
             return 2
-        note, model_draft = f"draft checkpoint {os.path.basename(args.draft)}", args.draft
+        note, model_draft = f"draft checkpoint {args.draft.name}", str(args.draft)
     rows = [
         _engine_row(engine, None, "none", input_ids, args),
         _engine_row(engine, speculative.NgramDraft(), "n-gram", input_ids, args),

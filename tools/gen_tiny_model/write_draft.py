@@ -138,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--target={args.target} is not a file; give a GGUF checkpoint")
         if output.is_dir():
             raise UsageError(f"--output={args.output} is a directory; name the .gguf to write")
+        if output.exists() and output.samefile(target):  # symlinks and hard links included
+            # The draft is written beside the output and renamed over it: the target's bytes
+            # would be replaced by its own draft.
+            raise UsageError(
+                f"--output={args.output} is the --target file; name another file to write"
+            )
         write_draft(target, output, args.intermediate_dim)  # checks the target, then the folder
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)

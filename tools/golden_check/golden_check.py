@@ -39,7 +39,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from goldens.cli_files import OneLineParser, output_directory, user_path
+from goldens.cli_files import OneLineParser, PathError, at_least, output_directory, user_path
 from goldens.engines.base import EngineError
 from goldens.engines.llama_server import LlamaServer
 from goldens.engines.openai import LlamaCppEngine, OpenAIEngine
@@ -56,6 +56,7 @@ from harness.llama3.variants import (
     testdata_directory,
     variants,
 )
+from pipelines.llama3.engine import MODES
 from pipelines.llama3.sampling import ORDERS, settings_from_text, settings_text
 
 ENGINES = ("openai", "llama_cpp", "this", "transformers")
@@ -70,6 +71,18 @@ DEFAULT_COLUMN = {
 def checkpoints() -> dict[str, Variant]:
     """`{model}-{encoding}` -> variant, for every checkpoint with goldens."""
     return {f"{v.model}-{v.encoding}": v for v in variants() if v.encoding != "unknown"}
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse `type`: a number of seconds above 0 (--timeout=-5 otherwise reached the
+    HTTP client and stopped in a traceback, exit 1, which here means a failed verdict)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text}: give a number of seconds above 0")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -108,10 +121,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also judge each checkpoint mutation (a started llama_cpp server, this engine "
         "or transformers), which must FAIL",
     )
-    p.add_argument("--mode", default="eager", help="this engine's execution mode")
+    p.add_argument("--mode", default="eager", choices=MODES, help="this engine's execution mode")
     p.add_argument("--report-dir", default=".", help="where the HTML reports go")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
-    p.add_argument("--batch", type=int, default=16, help="prefixes per HTTP request")
+    p.add_argument(
+        "--timeout", type=_positive_seconds, default=60.0, help="seconds per HTTP request"
+    )
+    p.add_argument("--batch", type=at_least(1), default=16, help="prefixes per HTTP request")
     p.add_argument(
         "--sampling",
         action="store_true",
@@ -282,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n\n".join(v.failures[0] for v in verdicts if v.failures))
         if args.mutations:
             failed |= not _mutations(args, variant, goldens, column)
-    except EngineError as e:
+    except (EngineError, PathError) as e:  # PathError: a report that could not be written
         print(f"golden_check: {e}", file=sys.stderr)
         return 2
     print("verdict: " + ("FAIL" if failed else "PASS"))

@@ -44,7 +44,7 @@ from goldens.artifacts.store_options import (
     add_store_arguments,
     store_from_args,
 )
-from goldens.cli_files import OneLineParser, output_file, repo_root, user_path
+from goldens.cli_files import OneLineParser, PathError, output_file, repo_root, user_path
 from goldens.diff import OWN_NAME, TORCH_NAME, diff_sets, worst_class
 from goldens.report import write_report
 from tools.golden_diff.inputs import (
@@ -146,7 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print("\n".join(summary))
     if html is not None:
-        write_report(html, f"golden diff {args.name}", summary, case_views(diffs))
+        try:  # a write that fails is bad input (exit 2), not the verdict "different" (1)
+            write_report(html, f"golden diff {args.name}", summary, case_views(diffs))
+        except PathError as error:
+            print(f"golden_diff: error: {error}", file=sys.stderr)
+            return 2
         print(f"wrote {html}", file=sys.stderr)
     return 0 if worst_class(diffs)[0] in ("identical", "noise") else 1
 

@@ -96,6 +96,12 @@ class UpdateError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
+    # evaluate_llama's choices, checked here: its own parser ran only after the pending folder
+    # was emptied, so --model=tinylama deleted the previous run's goldens, then exited 2.
+    # Imported here, not at the top: variants imports torch (1.6 s), which the library's
+    # other users do not need.
+    from harness.llama3.variants import ENCODINGS, MODELS
+
     parser = OneLineParser(
         prog="golden_update",
         description=__doc__.split("\n\n")[0],
@@ -121,8 +127,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a failing golden test's outputs.zip (or its extracted folder): review its kept "
         "runs instead of recomputing",
     )
-    parser.add_argument("--model", default="all", help="as evaluate_llama's (default: all)")
-    parser.add_argument("--encoding", default="all", help="as evaluate_llama's (default: all)")
+    parser.add_argument(
+        "--model", default="all", choices=["all", *MODELS], help="as evaluate_llama's"
+    )
+    parser.add_argument(
+        "--encoding", default="all", choices=["all", *ENCODINGS], help="as evaluate_llama's"
+    )
     parser.add_argument(
         "--pending-dir", help=f"where regenerated goldens wait for review (default: REPO/{PENDING})"
     )

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from goldens.cli_files import user_path, write_atomically
+from goldens.cli_files import PathError, output_file, user_path, write_atomically
 from pipelines.llama3.engine import MODES, Llama3Engine
 from pipelines.llama3.gguf_loader import CheckpointError
 
@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--json={args.json}: {args.json.parent} does not exist")
     if args.json is not None and args.json.is_dir():  # found before both runs, not after
         parser.error(f"--json={args.json} is a directory; name the file to write")
+    if args.json is not None:
+        try:
+            output_file(args.json, "--json")  # a folder this process can write in
+        except PathError as error:
+            parser.error(str(error))
     against_gguf = args.against_gguf or args.gguf
     against_mode = args.against_mode or args.mode
     against_dtype = args.against_dtype or args.dtype
@@ -157,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             "prompt": args.prompt,
             "steps": [{**dataclasses.asdict(s), "flipped": s.flipped} for s in steps],
         }
-        write_atomically(args.json, json.dumps(record, indent=1) + "\n")
+        try:  # a write that fails is exit 2, not the verdict "a token flipped" (1)
+            write_atomically(args.json, json.dumps(record, indent=1) + "\n")
+        except PathError as error:
+            print(f"trace_tokens: error: {error}", file=sys.stderr)
+            return 2
     return 1 if flips else 0
 
 

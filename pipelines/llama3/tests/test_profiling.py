@@ -259,13 +259,28 @@ def test_a_negative_thread_count_exits_2_before_loading(command, capsys) -> None
     assert "--threads=-1" in error and "loading" not in error
 
 
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "meta"])
+def test_a_device_torch_cannot_run_exits_2_before_loading(device, capsys) -> None:
+    """--device=tpu was a traceback (rc 1) from inside the load."""
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(["--gguf=/nonexistent.gguf", "--prompt=x", f"--device={device}"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--device={device} is not a device here" in error and "loading" not in error
+
+
 @pytest.mark.parametrize(
     ("where", "message"),
-    [("missing/trace.json", "does not exist"), (".", "is a folder")],
+    [
+        ("missing/trace.json", "missing does not exist"),
+        (".", "is a folder"),
+        ("afile/trace.json", "afile is a file, not a folder"),
+    ],
 )
 def test_a_profile_that_cannot_be_written_exits_2_before_loading(
     where, message, tmp_path, capsys
 ) -> None:
+    (tmp_path / "afile").write_text("")
     target = tmp_path / where
     with pytest.raises(SystemExit) as exit_:
         generate.main(["--gguf=/nonexistent.gguf", "--prompt=x", f"--profile={target}"])

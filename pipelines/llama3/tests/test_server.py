@@ -34,6 +34,7 @@ import dataclasses
 import http.client
 import json
 import pathlib
+import socket
 import statistics
 import threading
 import time
@@ -50,6 +51,7 @@ from pipelines.llama3.server import (
     RunningServer,
     Server,
     build,
+    main,
 )
 from pipelines.llama3.serving import ServingEngine
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
@@ -773,3 +775,44 @@ def test_a_server_that_stops_mid_answer_says_so(checkpoint) -> None:
     assert "[DONE]" not in events, events[-2:]
     assert "shutting down" in events[-1]["error"]["message"], events[-1]
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1]), events[-2]
+
+
+# --- serve's command line -------------------------------------------------------------------
+
+
+def _no_load(*args, **kwargs):
+    raise AssertionError("serve loaded the checkpoint before refusing its command line")
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--port=70000", "--port=70000 must lie in 0..65535"),  # served on 70000 - 65536
+        ("--max-context=257", "--max-context=257 exceeds the checkpoint's context length 256"),
+        ("--host=no.such.host.invalid", "--host=no.such.host.invalid is not an address here"),
+        ("--gguf=.", "is a folder; name the GGUF file"),
+    ],
+)
+def test_impossible_options_exit_2_naming_them_before_the_load(
+    flag, message, checkpoint, monkeypatch, capsys
+) -> None:
+    """Each was taken: --port=70000 served on 4464, --max-context=99999999 grew to 16 GB
+    without serving, an unresolvable --host was werkzeug's rc 1 naming no flag."""
+    monkeypatch.setattr(Llama3Engine, "from_gguf", _no_load)
+    monkeypatch.chdir(checkpoint.parent)
+    with pytest.raises(SystemExit) as refused:
+        main([f"--gguf={checkpoint}", flag])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and "loading" not in error, error
+
+
+def test_a_port_in_use_exits_2_naming_the_port(checkpoint, capsys) -> None:
+    """werkzeug answers a failed bind with sys.exit(1); serve says which address and exits 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main([f"--gguf={checkpoint}", f"--port={port}", "--kv-tokens=64"])
+    assert code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

@@ -361,11 +361,31 @@ def test_generate_drafts_by_sampling_on_request_and_refuses_it_without_a_sampler
     for extra, message in (
         (["--draft", draft], "--draft drafts for speculative decoding: give --speculate=K"),
         (["--speculate", "4", "--draft", draft, "--draft-layers", "0"], "two drafts: give one"),
-        (["--speculate", "4", "--draft", "nowhere.gguf"], "--draft=nowhere.gguf is not a file"),
+        (["--speculate", "4", "--draft", "nowhere.gguf"], "nowhere.gguf is not a file"),
     ):
         with pytest.raises(SystemExit) as refused:
             generate.main([*common, *extra])
         assert refused.value.code == 2 and message in capsys.readouterr().err, extra
+
+
+class _Loaded(Exception):
+    """Raised instead of loading: the command line was accepted."""
+
+
+def test_generate_reads_a_relative_draft_from_the_users_folder(tmp_path, monkeypatch) -> None:
+    """Under `bazel run` the process starts in the runfiles; BUILD_WORKING_DIRECTORY is where the
+    user typed --draft=tiny_llama_draft.gguf (the README's example said "is not a file")."""
+    (tmp_path / "draft.gguf").write_bytes(b"")
+    monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
+
+    def loaded(*args, **kwargs):
+        raise _Loaded
+
+    monkeypatch.setattr(Llama3Engine, "from_gguf", loaded)
+    argv = ["--gguf=target.gguf", "--prompt=x", "--speculate=4", "--draft=draft.gguf"]
+    with pytest.raises(_Loaded):
+        generate.main(argv)
+    assert generate._parser().parse_args(argv).draft == tmp_path / "draft.gguf"
 
 
 # --- the distribution handed to the rejection sampler, step by step ------------------------

@@ -8,6 +8,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from tools.bench import bench, constrained, serving, speculative
 
@@ -161,6 +162,26 @@ def test_a_thread_count_below_one_exits_2_naming_the_flag(tool, threads, capsys)
     assert "argument --threads: " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("tool", ["bench", "speculative", "constrained"])
+def test_json_naming_a_folder_exits_2_before_any_timing(tool, tmp_path, monkeypatch, capsys):
+    """--json=FOLDER is refused by the parser (bench ran 93 s, then stopped in
+    IsADirectoryError, exit 1, its numbers lost). torch.set_num_threads, the first step of
+    the work after the checks, raises here if it is reached."""
+
+    def reached(*_):
+        raise AssertionError("the bench went past its argument checks")
+
+    main = {"bench": bench, "speculative": speculative, "constrained": constrained}[tool]
+    monkeypatch.setattr(torch, "set_num_threads", reached)
+    monkeypatch.setattr(bench, "freeze_imported_objects", lambda: None)  # keeps pytest's gc
+    with pytest.raises(SystemExit) as exit_info:
+        main.main([f"--json={tmp_path}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--json={tmp_path} is a directory; name the file to write" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("clients", [-1, 23])
 def test_bench_serving_refuses_clients_its_prompts_cannot_keep_apart(clients, capsys) -> None:
     """The server rows need a prompt per client and per warm-up twin (rotations of a 44-word
@@ -205,3 +226,42 @@ def test_bench_serving_needs_two_new_tokens(capsys) -> None:
         serving.main(["--modes=", "--new-tokens=1"])
     assert exit_info.value.code == 2
     assert "argument --new-tokens: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--batches=-4", "argument --batches: '-4': give whole numbers of at least 1"),
+        ("--batches=0", "argument --batches: '0': give whole numbers of at least 1"),
+        ("--batches=1,x", "argument --batches: '1,x': give whole numbers of at least 1"),
+        ("--batches=", "argument --batches: '': give whole numbers of at least 1"),
+        ("--prompt-tokens=-4", "argument --prompt-tokens: -4: give at least 1"),
+        ("--prompt-tokens=0", "argument --prompt-tokens: 0: give at least 1"),
+        ("--modes=eager,turbo", "argument --modes: turbo is no mode; choose from eager, "),
+        ("--server-modes=ggml,fast", "argument --server-modes: fast is no mode; choose from "),
+    ],
+)
+def test_bench_serving_checks_its_lists_and_lengths_before_any_timing(
+    option, message, monkeypatch, capsys
+) -> None:
+    """Each exits 2 from the parser (they ran minutes of rows first, then a traceback, or
+    printed rows of a "-4 prompt"). torch.set_num_threads, the first step of the work after
+    the checks, raises here if it is reached."""
+
+    def reached(*_):
+        raise AssertionError("bench_serving went past its argument checks")
+
+    monkeypatch.setattr(torch, "set_num_threads", reached)
+    with pytest.raises(SystemExit) as exit_info:
+        serving.main([option])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_serving_parses_its_lists() -> None:
+    """The values the rows use: batches as numbers, modes as names, an empty list as none."""
+    args = serving._parser().parse_args(["--batches=2,8", "--modes=", "--server-modes=eager,ggml"])
+    assert (args.batches, args.modes, args.server_modes) == ([2, 8], [], ["eager", "ggml"])
+    defaults = serving._parser().parse_args([])
+    assert defaults.batches == [1, 4, 16] and defaults.server_modes == ["ggml", "quantized"]
+    assert defaults.modes == ["eager", "quantized", "ggml", "compiled"]

@@ -184,6 +184,22 @@ def test_json_into_a_file_is_refused(tmp_path, capsys) -> None:
     assert "--json=" in capsys.readouterr().err
 
 
+def test_json_naming_a_folder_exits_2_before_any_timing(tmp_path, monkeypatch, capsys) -> None:
+    """--json=FOLDER is refused by the parser, not by write_record after the timings
+    (IsADirectoryError, exit 1, the record lost)."""
+
+    def reached(*_):
+        raise AssertionError("bench_hot_ops timed a shape before checking --json")
+
+    monkeypatch.setattr(hot_ops, "run_shape", reached)
+    with pytest.raises(SystemExit) as exit_:
+        hot_ops.main(["--shapes=tiny", f"--json={tmp_path}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--json={tmp_path} is a directory; name the file to write" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_help_starts_with_the_summary(capsys) -> None:
     with pytest.raises(SystemExit):
         hot_ops.main(["--help"])

@@ -3,14 +3,16 @@ in tests), and read back by perf_regression: writer and reader agree on the sche
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from pathlib import Path
 
 import pytest
 
+from goldens.cli_files import OneLineParser
 from goldens.machine import cpu_model
-from tools.bench import perf_regression
+from tools.bench import perf_regression, record
 from tools.bench.record import Timings, build_record, machine_info, write_record
 
 ENGINE = Timings(load_seconds=1.0, prefill_tokens_per_second=200.0, decode_tokens_per_second=10.0)
@@ -126,3 +128,30 @@ def test_a_llama_bench_peer_has_null_load_and_perf_regression_reads_it(tmp_path:
     assert read["ratios"] == {"quantized": {"load": 0.05, "prefill": 2.0, "decode": 0.4}}
     assert perf_regression.check_record(path, read) == read
     assert "peer_versions" not in _record()  # only when a peer was described
+
+
+def test_json_output_accepts_a_new_file_and_leaves_its_folder_as_it_was(tmp_path: Path):
+    """The writability check's temporary file is gone after the check; the folder is made."""
+    path = record.json_output(str(tmp_path / "sub" / "out.json"), OneLineParser(prog="b"))
+    assert path == tmp_path / "sub" / "out.json"
+    assert list(tmp_path.iterdir()) == [tmp_path / "sub"]
+    assert list((tmp_path / "sub").iterdir()) == []
+
+
+def test_json_output_in_a_folder_it_cannot_write_exits_2(tmp_path: Path, monkeypatch, capsys):
+    """A folder without write permission (tests run as root here, which chmod cannot stop,
+    so mkstemp is made to fail as it does for a user) is refused naming --json and the
+    folder, before the bench times anything."""
+
+    def denied(**_):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(record.tempfile, "mkstemp", denied)
+    with pytest.raises(SystemExit) as exit_info:
+        record.json_output(str(tmp_path / "out.json"), OneLineParser(prog="bench"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"bench: error: --json={tmp_path / 'out.json'}: cannot create a file in {tmp_path} "
+        "(Permission denied); name a file in a folder you can write (see --help)\n"
+    )

@@ -206,6 +206,24 @@ def test_write_draft_same_target_same_bytes_and_an_output_folder_is_refused(tmp_
     assert "is a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("link", ["same path", "symlink", "hard link"])
+def test_write_draft_refuses_to_write_over_its_target(tmp_path, capsys, link):
+    """--output naming the --target file (itself, through a symlink or a hard link) exits 2
+    and leaves the target's bytes as they were (it was replaced by its own draft, rc 0)."""
+    target = tmp_path / "target.gguf"
+    target.write_bytes(pathlib.Path(TINY).read_bytes())
+    before = target.read_bytes()
+    output = {"same path": target, "symlink": tmp_path / "sym.gguf", "hard link": tmp_path / "hl"}
+    if link == "symlink":
+        output[link].symlink_to(target)
+    elif link == "hard link":
+        output[link].hardlink_to(target)
+    assert write_draft.main([f"--target={target}", f"--output={output[link]}"]) == 2
+    err = capsys.readouterr().err
+    assert f"--output={output[link]} is the --target file" in err and err.count("\n") == 1, err
+    assert target.read_bytes() == before
+
+
 class _returns:
     """A no-op context (the command returns its status instead of raising)."""
 

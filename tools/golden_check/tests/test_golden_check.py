@@ -80,6 +80,17 @@ def test_nothing_listening_exits_2_with_one_line_naming_the_url(capsys):
           "--sampler=temp=2"], "KEY one of temperature, top_k, top_p, min_p"),
         (["--engine=llama_cpp", "--checkpoint=tinyllama-float32", "--sampling",
           "--sampler=top_k=5,temperature=0"], "temperature=0.0 must be > 0"),
+        # Checked by the parser: each reached the engine and stopped in a traceback, exit 1.
+        (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
+          "--timeout=-5"], "argument --timeout: -5: give a number of seconds above 0"),
+        (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
+          "--timeout=nan"], "argument --timeout: nan: give a number of seconds above 0"),
+        (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
+          "--batch=0"], "argument --batch: 0: give at least 1"),
+        (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
+          "--batch=-1"], "argument --batch: -1: give at least 1"),
+        (["--engine=this", "--checkpoint=tinyllama-float32", "--mode=turbo"],
+         "argument --mode: invalid choice: 'turbo'"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_naming_it(argv, message, capsys):
@@ -89,6 +100,27 @@ def test_bad_input_exits_2_naming_it(argv, message, capsys):
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert message in captured.err
+
+
+def test_a_report_that_cannot_be_written_exits_2_not_a_verdict(tmp_path, monkeypatch, capsys):
+    """A failed report write (here mkstemp refused) is one line, exit 2: exit 1 means FAIL."""
+    from goldens import cli_files
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    def judge(args, variant, gguf, goldens, column, report_dir=None):
+        cli_files.write_atomically(report_dir / "golden_report_x.html", "<html>")
+        raise AssertionError("the write above must fail")
+
+    monkeypatch.setattr(cli_files.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(golden_check, "_judge", judge)
+    assert _check("http://x/v1", str(tmp_path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"golden_check: cannot write {tmp_path / 'golden_report_x.html'} (Permission denied); "
+        f"free space or grant write permission in {tmp_path}, or name another path"
+    ]
 
 
 def test_transformers_passes_this_engines_golden_and_every_mutation_fails_it(tmp_path, capsys):

@@ -728,3 +728,22 @@ def test_a_changed_constrained_golden_is_classed_by_what_changed() -> None:
     assert render.case_line(diff.diff_case(plain, with_c)) == (
         "case prose: steps identical; constraints added ['c']"
     )
+
+
+def test_an_html_report_that_cannot_be_written_exits_2_not_different(
+    capsys, base: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A report write that fails at the end (a full disk, a folder made read-only meanwhile)
+    is one line naming the file and exit 2: exit 1 is the verdict "different"."""
+    moved = {"prose": BASE["prose"].copy(), "code": BASE["code"]}
+    moved["prose"][1, 12] += 0.5
+    _write(tmp_path / "new", {FLOAT32: _golden(moved), Q4_K: _golden(BASE)})
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("tempfile.mkstemp", no_space)
+    code, _, err = _run(capsys, OWN, f"--from={base}", "--to=new", "--html=out/diff.html")
+    assert code == 2
+    assert err.startswith(f"golden_diff: error: cannot write {tmp_path / 'out' / 'diff.html'}")
+    assert len(err.splitlines()) == 1

@@ -245,6 +245,23 @@ def test_a_pending_folder_never_holds_a_previous_run(repo: Path) -> None:
     assert not (stale / "tinyllama_bfloat16_all_golden.json").exists()
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--model", "tinylama"), ("--encoding", "float23")])
+def test_a_misspelt_selection_exits_2_and_keeps_the_pending_goldens(
+    repo: Path, capsys, flag: str, value: str
+) -> None:
+    """evaluate_llama's choices, checked before the pending folder is emptied: a misspelt
+    --model used to delete the previous run's goldens, then stop in evaluate_llama's parser."""
+    pending = repo / ".goldens-pending"
+    pending.mkdir()
+    kept = pending / "tinyllama_float32_golden.json"
+    kept.write_text('{"kept": true}')
+    regenerate = _regenerating(BASE)
+    assert golden_update.main(["--dry-run", f"{flag}={value}", *_flags(repo)], regenerate) == 2
+    assert f"argument {flag}: invalid choice: '{value}'" in capsys.readouterr().err
+    assert kept.read_text() == '{"kept": true}'
+    assert regenerate.calls == []
+
+
 def test_a_pending_dir_holding_anything_else_is_refused_and_left_as_it_was(
     repo: Path, tmp_path: Path, capsys
 ) -> None:

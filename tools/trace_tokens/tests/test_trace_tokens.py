@@ -123,3 +123,18 @@ def test_bad_input_exits_2_naming_it(args, message, files, capsys) -> None:
         trace_tokens.main([*args, f"--prompt={PROMPT}"])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_record_that_cannot_be_written_exits_2_not_a_flip(files, tmp_path, capsys, monkeypatch):
+    """--json written at the end: a write that fails is one line naming the file and exit 2
+    (exit 1 means a token flipped)."""
+    record = tmp_path / "steps.json"
+    argv = [f"--gguf={files['f32']}", f"--prompt={PROMPT}", f"--json={record}"]
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("tempfile.mkstemp", no_space)
+    assert trace_tokens.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"trace_tokens: error: cannot write {record}") and not record.exists()
