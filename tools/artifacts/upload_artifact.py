@@ -7,7 +7,8 @@ Commands (the first argument; `upload` when it is none of them, as the seed's sc
   add NAME FILE...             the pinned archive plus new or replaced FILEs, as the next version
   distdir                      regenerate third_party/golden_distdir.bazelrc from MODULE.bazel
   verify                       check every pinned archive in the local store against its sha256
-                               (a pin at a URL Bazel downloads need not be there)
+                               (a pin at a URL Bazel downloads need not be there); offline,
+                               so the S3 store flags are refused (exit 2), as by distdir
 
 An archive uploaded to S3 is made public-read (--no-public-read leaves that to the bucket's
 policy) and then fetched from the URL it is pinned at with an anonymous GET, as Bazel will fetch
@@ -22,6 +23,8 @@ progress to stderr.
 """
 
 import argparse
+import contextlib
+import io
 import sys
 import urllib.error
 import urllib.request
@@ -77,11 +80,15 @@ examples:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list and args_list[0] not in (*COMMANDS, "-h", "--help"):
+    implicit = bool(args_list) and args_list[0] not in (*COMMANDS, "-h", "--help")
+    if implicit:
         args_list.insert(0, "upload")
+    usage = io.StringIO()
     try:
-        args = _parser().parse_args(args_list)
+        with contextlib.redirect_stderr(usage):
+            args = _parser().parse_args(args_list)
     except SystemExit as stop:  # usage errors and --help: return the code, let callers exit
+        _progress_usage(usage.getvalue(), args_list[1] if implicit else None)
         return int(stop.code or 0)
     try:
         return args.run(args)
@@ -91,6 +98,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckFailed, StoreError, PublishRefused) as error:
         _progress(f"error: {error}")
         return 1
+
+
+def _progress_usage(message: str, word: str | None) -> None:
+    """argparse's message on stderr; when an implicit upload lacks its arguments, the first
+    word was as likely a mistyped command (`upload_artifact frobnicate`), so the message names
+    it and the commands before upload's missing arguments."""
+    if (
+        word is not None
+        and not word.startswith("-")
+        and "the following arguments are required" in message
+    ):
+        missing = message[message.index("the following arguments are required") :]
+        message = (
+            f"upload_artifact: error: {word} is not a command (commands: {', '.join(COMMANDS)}); "
+            f"read as `upload {word} ...`, {missing}"
+        )
+    sys.stderr.write(message)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -247,6 +271,9 @@ def _add(args: argparse.Namespace) -> int:
 
 
 def _distdir(args: argparse.Namespace) -> int:
+    _refuse_remote_store_flags(
+        args, "distdir reads only MODULE.bazel, no store; leave the store flags out"
+    )
     module_file = _module_file(args, must_exist=True)
     bazelrc = _bazelrc_path(args)
     expected = distdir.render(stanza.parse(module_file.read_text(encoding="utf-8")).values())
@@ -262,6 +289,11 @@ def _distdir(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    _refuse_remote_store_flags(
+        args,
+        "verify checks only the local store (--artifacts-dir), offline; leave the S3 store "
+        "flags out (`upload_artifact fetch NAME --bucket=...` checks an archive in S3)",
+    )
     module_file = _module_file(args, must_exist=True)
     local = local_store_from_args(args)
     problems = []
@@ -424,6 +456,23 @@ def _bazelrc_path(args: argparse.Namespace) -> Path:
     return repo_root() / distdir.BAZELRC_PATH
 
 
+def _refuse_remote_store_flags(args: argparse.Namespace, why: str) -> None:
+    """UsageError naming the first S3 store flag given to a command that never reads a remote
+    store (`why`: what the command reads, and the fix). Ignored, the flag would mislead:
+    `verify --store=s3` passed on the local store's archives and exited 0."""
+    given = [
+        ("--store=s3", args.store == "s3"),
+        ("--bucket", args.bucket),
+        ("--endpoint-url", args.endpoint_url),
+        ("--region", args.region),
+        ("--prefix", args.prefix != DEFAULT_PREFIX),
+        ("--public-url-template", args.public_url_template),
+    ]
+    for flag, value in given:
+        if value:
+            raise UsageError(f"{flag} is not used here: {why}")
+
+
 def _writable_file(path: Path, flag: str) -> None:
     """`path` can be written as a file: its folder exists and it is not a folder itself."""
     if path.is_dir():
@@ -434,6 +483,11 @@ def _writable_file(path: Path, flag: str) -> None:
 
 def _existing_file(name: str) -> Path:
     path = user_path(name)
+    if path.is_dir():
+        raise UsageError(
+            f"FILE {name} is a folder (resolved to {path}); give the golden files in it, "
+            f"e.g. {name.rstrip('/')}/*_golden.json"
+        )
     if not path.is_file():
         raise UsageError(f"FILE {name} does not exist (resolved to {path}); give a golden file")
     return path

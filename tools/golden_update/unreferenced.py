@@ -180,6 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as stop:
         return int(stop.code or 0)
     store = LocalStore(user_path(args.artifacts_dir) if args.artifacts_dir else None)
+    if not store.root.is_dir():
+        # A missing store holds no archives: every one would read as pinned, and exit 0.
+        print(
+            f"golden_unreferenced: error: --artifacts-dir={store.root} is not a folder; point "
+            "it at the local store (default: REPO/artifacts)",
+            file=sys.stderr,
+        )
+        return 2
     module_file = user_path(args.module_file) if args.module_file else repo_root() / "MODULE.bazel"
     try:
         pins, pinned = _read_pins(module_file, store)

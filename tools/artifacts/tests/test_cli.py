@@ -496,3 +496,55 @@ def test_the_shell_wrapper_runs_from_the_callers_folder(
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("http_archive(\n")
     assert len(_store_files(scratch_repo)) == 1
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        ("verify", "--store=s3"),
+        ("verify", "--bucket=goldens"),
+        ("verify", "--endpoint-url=http://127.0.0.1:9"),
+        ("verify", "--prefix=elsewhere"),
+        ("distdir", "--bucket=goldens"),
+    ],
+)
+def test_verify_and_distdir_refuse_the_s3_store_flags_they_would_ignore(
+    command: str, flag: str, scratch_repo: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify checks the local store only (offline, as .ci/run runs it): `verify --store=s3`
+    used to check the local store and exit 0, as if the bucket had been checked."""
+    fragment = scratch_repo / "third_party" / "golden_distdir.bazelrc"
+    before = fragment.read_bytes() if fragment.exists() else None
+    code, out, err = _run(capsys, command, flag, *_repo_flags(scratch_repo))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"error: {flag.split('=')[0]}"), err
+    assert "is not used here" in err and len(err.splitlines()) == 1, err
+    assert (fragment.read_bytes() if fragment.exists() else None) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "lacks"), [(["frobnicate"], "VERSION, FILE"), (["frobnicate", "3"], "FILE")]
+)
+def test_an_unknown_command_is_named_with_the_commands(
+    args: list[str], lacks: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run(capsys, *args)
+    assert (code, out) == (2, "")
+    assert err == (
+        "upload_artifact: error: frobnicate is not a command (commands: upload, fetch, add, "
+        "distdir, verify); read as `upload frobnicate ...`, the following arguments are "
+        f"required: {lacks} (see --help)\n"
+    )
+
+
+def test_a_folder_given_as_file_is_called_a_folder(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = goldens[0].parent
+    code, out, err = _run(capsys, "g", "1", str(folder), *_repo_flags(scratch_repo))
+    assert (code, out) == (2, "")
+    assert err == (
+        f"error: FILE {folder} is a folder (resolved to {folder}); give the golden files in "
+        f"it, e.g. {folder}/*_golden.json\n"
+    )
+    assert _store_files(scratch_repo) == []

@@ -169,3 +169,21 @@ def test_a_module_file_that_does_not_parse_is_one_line_exit_2(tmp_path: Path, ca
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert captured.err.startswith(f"golden_unreferenced: error: MODULE.bazel line {line}: ")
+
+
+@pytest.mark.parametrize("where", ["nonexistent", "afile"])
+def test_an_artifacts_dir_that_is_not_a_folder_is_one_line_exit_2(
+    where: str, tmp_path: Path, capsys
+) -> None:
+    """A missing store used to read as "every stored archive is pinned", exit 0."""
+    _, flags = _pinned_repo(tmp_path)
+    (tmp_path / "afile").write_text("")
+    flags = [f for f in flags if not f.startswith("--artifacts-dir=")]
+    capsys.readouterr()
+    assert unreferenced.main([*flags, f"--artifacts-dir={tmp_path / where}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"golden_unreferenced: error: --artifacts-dir={tmp_path / where} is not a folder; "
+        "point it at the local store (default: REPO/artifacts)\n"
+    )
