@@ -73,10 +73,18 @@ def _writable_folder(folder: Path, flag: str, given: Path) -> Path:
         raise PathError(
             f"{flag}={given} cannot be created ({reason}); name a folder you can write"
         ) from error
+    reason = None
     if not os.access(folder, os.W_OK | os.X_OK):  # also false on a read-only file system
+        reason = "no write permission, or a read-only file system"
+    else:  # root passes os.access on /sys, where creating a file still fails: create one
+        try:  # (nameless, gone when closed) as the atomic write will
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as error:
+            reason = error.strerror or str(error)
+    if reason is not None:
         raise PathError(
-            f"{flag}={given}: cannot create files in {folder} (no write permission, or a "
-            "read-only file system); name a folder you can write"
+            f"{flag}={given}: cannot create files in {folder} ({reason}); name a folder you "
+            "can write"
         )
     return folder
 

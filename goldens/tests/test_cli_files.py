@@ -119,3 +119,23 @@ def test_a_folder_this_process_cannot_write_is_refused_naming_the_flag(
         "file system); name a folder you can write"
     )
     assert list(locked.iterdir()) == []
+
+
+@pytest.mark.parametrize("check", ["output_directory", "output_file"])
+def test_a_folder_where_no_file_can_be_created_is_refused_naming_the_flag(
+    tmp_path, monkeypatch, check
+):
+    """os.access says yes to root on a read-only file system (/sys), where creating a file
+    still fails: the check creates one, as the atomic write will (refused here)."""
+    given = tmp_path if check == "output_directory" else tmp_path / "report.html"
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cli_files.tempfile, "TemporaryFile", refused)
+    with pytest.raises(PathError) as caught:
+        getattr(cli_files, check)(given, "--out")
+    assert str(caught.value) == (
+        f"--out={given}: cannot create files in {tmp_path} (Permission denied); name a folder "
+        "you can write"
+    )

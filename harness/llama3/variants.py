@@ -121,6 +121,11 @@ def _smollm2() -> Variant:
     return Variant("smollm2", "q4_1", "real", "smollm2", path, reason)
 
 
+class Llama3FileError(ValueError):
+    """$LLAMA3_1_GGUF or --llama3-1-gguf names a file that is not a readable GGUF (truncated,
+    another format); the message names the flag or variable, the file and what is wrong."""
+
+
 def _llama3_1(explicit: str | os.PathLike | None) -> Variant:
     source = explicit or os.environ.get(LLAMA3_1_ENV)
     if not source:
@@ -135,9 +140,15 @@ def _llama3_1(explicit: str | os.PathLike | None) -> Variant:
     path = Path(source)
     if not path.is_file():
         return Variant("llama3_1", "unknown", "real", "llama3_1", None, f"{path} does not exist")
-    from pipelines.llama3.gguf_loader import metadata_value, open_gguf
+    from pipelines.llama3.gguf_loader import CheckpointError, metadata_value, open_gguf
 
-    file_type = metadata_value(open_gguf(path), "general.file_type", 0)
+    try:
+        file_type = metadata_value(open_gguf(path), "general.file_type", 0)
+    except (CheckpointError, OSError) as error:
+        given = f"--llama3-1-gguf={explicit}" if explicit else f"${LLAMA3_1_ENV}={source}"
+        raise Llama3FileError(
+            f"{given}: {error}; give a whole Llama-3.1-8B-Instruct GGUF file"
+        ) from None
     encoding = encoding_of_file_type(int(file_type))
     return Variant("llama3_1", encoding, "real", "llama3_1", path)
 
@@ -145,7 +156,8 @@ def _llama3_1(explicit: str | os.PathLike | None) -> Variant:
 def variants(
     model: str = "all", encoding: str = "all", llama3_1_gguf: str | os.PathLike | None = None
 ) -> list[Variant]:
-    """Every variant matching the filters, available or not (check `.path`)."""
+    """Every variant matching the filters, available or not (check `.path`). A Llama 3.1 file
+    that is given but is not a readable GGUF raises Llama3FileError naming it."""
     found: list[Variant] = []
     if model in ("all", "tinyllama"):
         found += [_tiny(e) for e in TINY_ENCODINGS]

@@ -1,19 +1,21 @@
 """Generate text from a GGUF checkpoint with the Llama 3 engine: greedily, or sampled with
 --temperature (and --top-k, --top-p, --min-p, penalties, --seed; pipelines/llama3/sampling.py).
 
-Example:
+Examples, from the checkout's root (`bazel run` reads --gguf against the folder it is run
+from), on the repository's tiny random checkpoint, whose text is noise; for real text name
+SmolLM2-135M-Instruct's file instead (docs/environment.md says how to fetch it):
     bazel run //pipelines/llama3:generate -- \\
-        --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --gguf max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf \\
         --prompt "The capital of France is" --max-new-tokens 16 --mode=quantized
     bazel run //pipelines/llama3:generate -- \\
-        --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --gguf max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf \\
         --prompt "Once upon a time" --temperature 0.8 --top-p 0.95 --seed 7
     bazel run //pipelines/llama3:generate -- \\
-        --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --prompt "A user record as JSON: " --json-schema '{"type": "object", \\
-        "properties": {"name": {"type": "string"}}, "required": ["name"]}'
+        --gguf max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf \\
+        --prompt "A user record as JSON: " \\
+        --json-schema '{"type": "object", "properties": {"name": {"type": "string"}}}'
     bazel run //pipelines/llama3:generate -- \\
-        --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --gguf max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf \\
         --prompt "The capital of France is" --mode=quantized --profile=$PWD/trace.json
 
 --profile writes a Chrome trace-event file of the generation (pipelines/llama3/profiling.py):

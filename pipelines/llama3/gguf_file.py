@@ -125,7 +125,16 @@ class GGUFFile:
         buf = self._map
         self._pos = 0
         if self.file_size < _HEADER.size:
-            raise _Truncated
+            # Too short for the header (magic, version and two counts, 24 bytes): say whether
+            # even the bytes there are not GGUF's, rather than "inside the metadata".
+            head = bytes(buf[:4])
+            if head != GGUF_MAGIC.to_bytes(4, "little")[: len(head)]:
+                raise CheckpointError(self.path, f"not a readable GGUF file: bad magic {head!r}")
+            raise CheckpointError(
+                self.path,
+                f"not a readable GGUF file: {self.file_size} bytes, shorter than the "
+                f"{_HEADER.size}-byte GGUF header (truncated?)",
+            )
         magic, version, n_tensors, n_fields = self._unpack(_HEADER)
         if magic != GGUF_MAGIC:
             raise CheckpointError(

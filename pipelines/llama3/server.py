@@ -2,7 +2,8 @@
 `/v1/completions`, streaming included.
 
     ./bazelw run //pipelines/llama3:serve -- \\
-        --gguf ~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf --mode=quantized --port 8080
+        --gguf max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf \\
+        --mode=quantized --port 8080
     curl -s http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
 
@@ -929,8 +930,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="serve",
         description=__doc__.split("\n\n")[0],
-        epilog="example: ./bazelw run //pipelines/llama3:serve -- --gguf "
-        "~/.cache/llama-goldens/SmolLM2-135M-Instruct.Q4_1.gguf --mode=quantized --port 8080",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example, from the checkout's root (`bazel run` reads --gguf against the folder\n"
+        "it is run from), on the repository's tiny random checkpoint, whose text is noise; for\n"
+        "real text name SmolLM2-135M-Instruct's file instead (docs/environment.md says how to\n"
+        "fetch it):\n"
+        "  ./bazelw run //pipelines/llama3:serve -- \\\n"
+        "      --gguf max_tests/integration/architectures/llama3/testdata/tiny_llama.gguf \\\n"
+        "      --mode=quantized --port 8080",
     )
     parser.add_argument("--gguf", required=True, help="GGUF checkpoint (llama architecture)")
     parser.add_argument("--mode", choices=MODES, default="eager", help="execution mode")

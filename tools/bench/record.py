@@ -36,7 +36,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -142,22 +141,12 @@ def json_output(value: str | None, parser) -> Path | None:
     started), checked before the minutes of timing, not after: a path that is a folder, a
     folder that cannot be created, or one this process cannot create a file in is
     `parser.error` (exit 2) now (a folder given as --json ran 93 s of bench, then stopped in
-    IsADirectoryError, exit 1, its numbers lost). The check creates and removes a temporary
-    file in the folder, as write_record will. None without the option."""
+    IsADirectoryError, exit 1, its numbers lost). None without the option."""
     if not value:
         return None
     path = user_path(value)
-    try:
+    try:  # creates and drops a file in the folder, as write_record will
         output_file(path, "--json")
     except PathError as error:
         parser.error(str(error))
-    try:
-        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as error:  # no permission, read-only file system
-        parser.error(
-            f"--json={path}: cannot create a file in {path.parent} ({error.strerror}); "
-            "name a file in a folder you can write"
-        )
-    os.close(fd)
-    os.unlink(probe)
     return path

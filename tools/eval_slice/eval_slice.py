@@ -20,8 +20,9 @@ member with --kl-divergence. --write-golden writes the engine's figures as the g
 //tools/eval_slice:eval_slice_test judges (published with tools/upload-public-bazel-artifact.sh
 as the `eval_slice_golden` archive; never edited by hand).
 
-Exit status: 0 done; 2 bad input (a checkpoint that is not there, too few tokens for one
-chunk, llama-perplexity missing or failing).
+Exit status: 0 done; 1 a --check golden failed; 2 bad input (a checkpoint that is not there
+or whose weights the family cannot be built from, too few tokens for one chunk, an output that
+cannot be written, llama-perplexity missing or failing).
 """
 
 from __future__ import annotations
@@ -40,12 +41,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType, LlamaFileType
 
-from goldens.cli_files import OneLineParser, at_least, user_path, write_atomically
+from goldens.cli_files import (
+    OneLineParser,
+    PathError,
+    at_least,
+    output_file,
+    user_path,
+    write_atomically,
+)
 from goldens.locate import cache_root
 from goldens.record import file_sha256
 from pipelines.checkpoints import smollm2_gguf
 from pipelines.llama3 import CheckpointError, Llama3Engine
+from pipelines.llama3.gguf_loader import metadata_value, open_gguf
 from tools.eval_slice import checkpoints, slice_stats
 
 TEXT = Path(__file__).resolve().parent / "testdata" / "coriolanus.txt"
@@ -364,7 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gguf", help="the family's source file (default: the pinned SmolLM2)")
     parser.add_argument("--text", default=str(TEXT), help="the slice's text (default: %(default)s)")
     parser.add_argument("--n-ctx", type=int, default=N_CTX, help="tokens a chunk (default 512)")
-    parser.add_argument("--chunks", type=int, default=0, help="at most this many chunks (0: all)")
+    parser.add_argument(
+        "--chunks", type=at_least(1), default=0, help="at most this many chunks (default: all)"
+    )
     parser.add_argument(
         "--modes", default="eager,ggml", help="engine modes for the quantized members"
     )
@@ -386,11 +398,55 @@ def default_cache() -> Path:
     return cache_root().parent / "eval_slice"
 
 
+# The weight types the family is built from: gguf-py dequantizes each to the float32 base, and
+# quantizes it again where a quantized member keeps the source's type (the token embedding).
+# gguf-py cannot quantize the k-quants, IQ and NVFP4 types (NotImplementedError after the base
+# is written: 20-30 s and a finished member left in the cache), so they are refused first.
+TAKES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+BLOCK = 32  # values per Q8_0 and Q4_0 block: a weight row of the family is a whole number of them
+
+
+def unbuildable(source: Path) -> str | None:
+    """Why the family cannot be built from `source`'s weights (None when it can): a weight
+    matrix of a type outside TAKES, or rows that are not whole Q8_0/Q4_0 blocks (the tiny
+    float32 checkpoint's 16-value rows). Reads the header and tensor index with the engine's
+    parser (0.04 s on SmolLM2's file, 0.1-0.2 s on the tiny ones; gguf-py's reader takes 2.4 s
+    and 8 s, its vocabulary read a string at a time). A file that is not a GGUF raises
+    CheckpointError (a ValueError)."""
+    reader = open_gguf(source)
+    number = int(metadata_value(reader, "general.file_type", -1))
+    try:
+        kind = LlamaFileType(number).name
+    except ValueError:
+        kind = f"file type {number}"
+    matrices = [t for t in reader.tensors.values() if len(t.shape) > 1]
+    taken = {GGMLQuantizationType[name] for name in TAKES}
+    other = sorted({t.tensor_type.name for t in matrices if t.tensor_type not in taken})
+    if other:
+        return (
+            f"--gguf={source} is {kind} (weights {', '.join(other)}); the slice builds its "
+            f"family from {', '.join(TAKES)} weights: pass such a file (default: the pinned "
+            "SmolLM2, Q4_1)"
+        )
+    # the embedding keeps its own type (and so its blocks) in every quantized member
+    ragged = [t for t in matrices if t.shape[-1] % BLOCK and t.name != checkpoints.EMBEDDING]
+    if ragged:
+        return (
+            f"--gguf={source} is {kind} with weight rows of {ragged[0].shape[-1]} values "
+            f"({ragged[0].name}); the slice's Q8_0 and Q4_0 members need rows of a multiple "
+            f"of {BLOCK}: pass a larger checkpoint (default: the pinned SmolLM2, Q4_1)"
+        )
+    return None
+
+
 def family_of(source: Path, cache: Path) -> dict[str, Path]:
     """The members by name: the derived ones, then the source under its own type's name."""
     if not source.is_file():
         raise SliceError(f"--gguf={source}: no such file; pass a GGUF checkpoint")
     try:
+        problem = unbuildable(source)  # before the family's seconds to minutes of writing
+        if problem is not None:
+            raise SliceError(problem)
         own = checkpoints.source_name(source)
     except ValueError as error:
         raise SliceError(f"--gguf={source}: not a GGUF checkpoint ({error})") from None
@@ -410,6 +466,15 @@ def _golden(value: str, parser: argparse.ArgumentParser) -> dict:
     return golden
 
 
+def _check_writable(parser: argparse.ArgumentParser, option: str, path: Path) -> None:
+    """`path` a file this process can write (output_file: a file created and dropped in its
+    folder), found before the minutes of scoring, not after them."""
+    try:
+        output_file(path, option)
+    except PathError as error:
+        parser.error(str(error))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -423,6 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{option}={value}: {user_path(value)} is a folder; name a file")
         if value and not user_path(value).parent.is_dir():
             parser.error(f"{option}={value}: {user_path(value).parent} is not a folder")
+        if value:
+            _check_writable(parser, option, user_path(value))
     golden = _golden(args.check, parser) if args.check else None
     torch.set_num_threads(args.threads)
     try:
@@ -452,9 +519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(engine, theirs))
     if args.write_golden:
         out = user_path(args.write_golden)
-        write_atomically(
-            out, json.dumps(golden_document(setup, engine), indent=1, sort_keys=True) + "\n"
-        )
+        document = golden_document(setup, engine)
+        if not _written(out, json.dumps(document, indent=1, sort_keys=True) + "\n"):
+            return 2
         print(f"golden: {out}")
     if golden is not None:
         failures = setup_failures(golden, setup) + row_failures(golden, engine)
@@ -466,8 +533,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         out = user_path(args.json)
         document = {"setup": setup.key(), "engine": engine, "llama_perplexity": theirs}
-        write_atomically(out, json.dumps(document, indent=1, sort_keys=True) + "\n")
+        if not _written(out, json.dumps(document, indent=1, sort_keys=True) + "\n"):
+            return 2
     return 0
+
+
+def _written(path: Path, content: str) -> bool:
+    """Write `path`; a write that fails all the same (a disk filled during the run) is one line
+    and exit 2, not a traceback whose exit 1 would read as a failed golden."""
+    try:
+        write_atomically(path, content)
+    except PathError as error:
+        print(f"eval_slice: error: {error}", file=sys.stderr)
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def validate(args: argparse.Namespace) -> tuple[TinyLlamaConfig, Path, Vocabular
     _check_block_rows(args.quantization_encoding, hidden, intermediate)
     output = user_path(args.output)
     if output.is_dir():
-        raise UsageError(f"--output={args.output} is a directory; name the .gguf file to write")
+        raise UsageError(f"--output={args.output} is a directory; name the file to write")
     config = TinyLlamaConfig(
         n_layers=args.n_layers,
         n_heads=heads,
@@ -172,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         vocab = llama3_tokenizer.gguf_vocab(llama3_tokenizer.build_tokenizer())
 
     print(f"writing {args.quantization_encoding} checkpoint {config}", file=sys.stderr)
-    with atomic_path(output) as tmp:
-        write_gguf(tmp, config, args.quantization_encoding, args.seed, vocab)
+    try:
+        with atomic_path(output) as tmp:
+            write_gguf(tmp, config, args.quantization_encoding, args.seed, vocab)
+    except PathError as error:  # a failure after the check: disk full, the folder changed
+        print(f"{PROG}: error: --output={args.output}: {error}", file=sys.stderr)
+        return 2
     print(output)
     return 0
 

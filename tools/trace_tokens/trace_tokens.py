@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(parser, path: pathlib.Path, mode: str, dtype: str, option: str) -> Llama3Engine:
+    if path.is_dir():
+        parser.error(f"{option}={path} is a folder; name the .gguf file in it")
     if not path.is_file():
         parser.error(f"{option}={path}: no such file")
     try:

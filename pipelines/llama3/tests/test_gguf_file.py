@@ -159,6 +159,26 @@ def test_wrong_magic_and_version(tiny_gguf: pathlib.Path, tmp_path: pathlib.Path
     _assert_one_line_error(path, "big-endian")
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"hello", r"bad magic b'hell'"),
+        (b"X", r"bad magic b'X'"),
+        (b"GG", r"2 bytes, shorter than the 24-byte GGUF header"),
+        (b"GGUF\x03\x00", r"6 bytes, shorter than the 24-byte GGUF header \(truncated\?\)"),
+        (b"GGUF" + bytes(19), r"23 bytes, shorter than the 24-byte GGUF header"),
+    ],
+)
+def test_a_file_shorter_than_the_header_is_named_for_what_it_is(
+    tmp_path: pathlib.Path, content: bytes, message: str
+) -> None:
+    """Under 24 bytes there is no metadata to be truncated inside: other bytes are not GGUF,
+    GGUF's own are a cut-off header."""
+    path = tmp_path / "short.gguf"
+    path.write_bytes(content)
+    _assert_one_line_error(path, f"not a readable GGUF file: {message}")
+
+
 def test_tensor_data_past_the_end_is_reported(
     tiny_gguf: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:

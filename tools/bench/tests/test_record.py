@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from goldens import cli_files
 from goldens.cli_files import OneLineParser
 from goldens.machine import cpu_model
 from tools.bench import perf_regression, record
@@ -140,18 +141,18 @@ def test_json_output_accepts_a_new_file_and_leaves_its_folder_as_it_was(tmp_path
 
 def test_json_output_in_a_folder_it_cannot_write_exits_2(tmp_path: Path, monkeypatch, capsys):
     """A folder without write permission (tests run as root here, which chmod cannot stop,
-    so mkstemp is made to fail as it does for a user) is refused naming --json and the
+    so creating a file is made to fail as it does for a user) is refused naming --json and the
     folder, before the bench times anything."""
 
-    def denied(**_):
+    def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(record.tempfile, "mkstemp", denied)
+    monkeypatch.setattr(cli_files.tempfile, "TemporaryFile", denied)
     with pytest.raises(SystemExit) as exit_info:
         record.json_output(str(tmp_path / "out.json"), OneLineParser(prog="bench"))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err == (
-        f"bench: error: --json={tmp_path / 'out.json'}: cannot create a file in {tmp_path} "
-        "(Permission denied); name a file in a folder you can write (see --help)\n"
+        f"bench: error: --json={tmp_path / 'out.json'}: cannot create files in {tmp_path} "
+        "(Permission denied); name a folder you can write (see --help)\n"
     )

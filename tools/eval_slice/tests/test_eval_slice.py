@@ -177,3 +177,90 @@ def test_llama_perplexity_output_missing_its_figures_is_run_once_more(tmp_path) 
     assert counter.read_text().count("x") == 2
     with pytest.raises(eval_slice.SliceError, match=r"printed no Final estimate \(twice\)"):
         eval_slice._run_printing(["sh", "-c", "echo '[1]28.7,'"], eval_slice._BASE_FIGURES)
+
+
+def _refused_before_work(argv: list[str], monkeypatch, capsys) -> str:
+    """eval_slice's exit status and stderr for `argv`, with the family's files and the scoring
+    replaced by an AssertionError: bad input must be refused before either."""
+
+    def no_family(*args, **kwargs):
+        raise AssertionError("the family was built")
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("the slice was scored")
+
+    monkeypatch.setattr(eval_slice.checkpoints, "family", no_family)
+    monkeypatch.setattr(eval_slice, "engine_rows", no_scoring)
+    try:
+        code = eval_slice.main(argv)
+    except SystemExit as exit:
+        code = exit.code
+    assert code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chunks", ["-1", "0"])
+def test_chunks_below_one_is_refused_naming_chunks(chunks, tmp_path, monkeypatch, capsys) -> None:
+    """--chunks=-1 used to reach the scoring and blame --n-ctx (0.01 s)."""
+    argv = [f"--cache={tmp_path}", "--no-llama-cpp", f"--chunks={chunks}"]
+    err = _refused_before_work(argv, monkeypatch, capsys)
+    assert f"argument --chunks: {chunks}: give at least 1" in err
+
+
+@pytest.mark.parametrize(
+    ("file", "says"),
+    [
+        ("tiny_llama.gguf", "is ALL_F32 with weight rows of 16 values (blk.0.attn_q.weight)"),
+        (
+            "tiny_llama_q4_k.gguf",
+            "is MOSTLY_Q4_K_S (weights Q4_K); the slice builds its family "
+            "from F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 weights",
+        ),
+    ],
+)
+def test_a_checkpoint_the_family_cannot_be_built_from_is_refused_first(
+    file, says, tmp_path, monkeypatch, capsys
+) -> None:
+    """The tiny checkpoints used to fail after 20-30 s in gguf-py's quantizers (QuantError on
+    16-value rows, NotImplementedError for Q4_K), members left in the cache: now exit 2 naming
+    the file's type, nothing in the cache (0.05 s each)."""
+    from harness.llama3.variants import testdata_directory
+
+    source = testdata_directory() / file
+    cache = tmp_path / "cache"
+    err = _refused_before_work(
+        [f"--gguf={source}", f"--cache={cache}", "--no-llama-cpp"], monkeypatch, capsys
+    )
+    assert f"eval_slice: error: --gguf={source} {says}" in err
+    assert not cache.exists()
+
+
+def test_an_unwritable_json_path_is_refused_before_scoring(tmp_path, monkeypatch, capsys) -> None:
+    """--json=/sys/e.json used to traceback after the scoring: now exit 2 naming --json before
+    it (no file can be created in /sys, by root or not; 0.01 s)."""
+    argv = [f"--cache={tmp_path}", "--no-llama-cpp", "--json=/sys/e.json"]
+    err = _refused_before_work(argv, monkeypatch, capsys)
+    assert "eval_slice: error: --json=/sys/e.json" in err
+    assert "cannot create files in /sys" in err
+
+
+def test_a_write_that_fails_after_scoring_exits_2(tmp_path, monkeypatch, capsys) -> None:
+    """A --json write that fails after the up-front check passed (a disk filled during the run)
+    is one line and exit 2, not a traceback with exit 1, the status of a failed golden. The
+    family and the scoring are replaced by one made-up row (0.01 s)."""
+    row = {"ppl": 2.0, "ppl_err": 0.1, "tokens": 255.0}
+    monkeypatch.setattr(eval_slice, "family_of", lambda source, cache: {})
+    monkeypatch.setattr(eval_slice, "engine_rows", lambda *args: ({"f32/eager": row}, 1))
+    monkeypatch.setattr(eval_slice, "setup_of", lambda *args: eval_slice.Setup("t", 512, 1, {}))
+
+    def disk_full(path, content):
+        raise eval_slice.PathError(f"cannot write {path} (No space left on device)")
+
+    monkeypatch.setattr(eval_slice, "write_atomically", disk_full)
+    out = tmp_path / "rows.json"
+    code = eval_slice.main([f"--cache={tmp_path}", "--no-llama-cpp", f"--json={out}"])
+    assert code == 2
+    assert (
+        f"eval_slice: error: cannot write {out} (No space left on device)"
+        in capsys.readouterr().err
+    )

@@ -1,10 +1,12 @@
+import json
 import pathlib
 
 import pytest
 import torch
 
+from goldens import cli_files
 from goldens.cli_files import user_path
-from tools.gen_tiny_model import gen_tiny_model, write_draft
+from tools.gen_tiny_model import gen_tiny_model, write_draft, write_hf_config
 from tools.gen_tiny_model.gen_tiny_model import main
 
 VALID = [
@@ -235,3 +237,63 @@ class _returns:
 
     def __exit__(self, *exc) -> bool:
         return False
+
+
+def _refuse(*args, **kwargs):
+    raise PermissionError(13, "Permission denied")
+
+
+def test_an_output_folder_it_cannot_create_files_in_exits_2_before_the_tokenizer(
+    tmp_path, capsys, monkeypatch
+):
+    """As root, os.access passes /sys; creating the file there fails. That is found before the
+    tokenizer build (seconds), not after it in a traceback with exit 1."""
+    monkeypatch.setattr(cli_files.tempfile, "TemporaryFile", _refuse)
+    monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "build_tokenizer", _refuse)
+    output = tmp_path / "model.gguf"
+    assert main(_with(f"--output={output}")) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"gen_tiny_model: error: --output's folder={tmp_path}: cannot create files in "
+        f"{tmp_path} (Permission denied); name a folder you can write\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_that_fails_late_exits_2_naming_output(tmp_path, capsys, monkeypatch):
+    """A failure after the check (a full disk) is one line naming --output, exit 2."""
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "build_tokenizer", lambda: None)
+    monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "gguf_vocab", lambda tokenizer: None)
+    monkeypatch.setattr(gen_tiny_model, "write_gguf", disk_full)
+    output = tmp_path / "model.gguf"
+    assert main(_with(f"--output={output}")) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"gen_tiny_model: error: --output={output}: cannot write {output} ")
+    assert "(No space left on device)" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_hf_config_help_shows_its_own_example_and_output(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        write_hf_config.build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: write_hf_config ")
+    assert "example: ./bazelw run //tools/gen_tiny_model:write_hf_config -- --output=" in out
+    assert "gen_tiny_model -- " not in out and "GGUF file to write" not in out
+    assert "--output OUTPUT config.json file to write (folder created)" in out
+
+
+def test_write_hf_config_writes_json_and_a_failed_write_exits_2(tmp_path, capsys, monkeypatch):
+    output = tmp_path / "config.json"
+    assert write_hf_config.main(_with(f"--output={output}")) == 0
+    assert json.loads(output.read_text())["hidden_size"] == 16
+    monkeypatch.setattr(cli_files.tempfile, "mkstemp", _refuse)
+    assert write_hf_config.main(_with(f"--output={tmp_path / 'other.json'}")) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"write_hf_config: error: --output={tmp_path / 'other.json'}: cannot ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]

@@ -111,6 +111,7 @@ def test_the_quantized_kernels_against_eager_move_only_by_summation_order(files,
     ("args", "message"),
     [
         (["--gguf=/nonexistent.gguf"], "--gguf=/nonexistent.gguf: no such file"),
+        (["--gguf=/tmp"], "--gguf=/tmp is a folder; name the .gguf file in it"),
         ([f"--gguf={TINY_128K}", "--against-gguf=F32"], "not --gguf's 128256"),
         (["--gguf=F32", "--max-new-tokens=0"], "must be at least 1"),
         (["--gguf=F32", "--json=/nonexistent/steps.json"], "/nonexistent does not exist"),

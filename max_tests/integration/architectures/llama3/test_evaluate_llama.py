@@ -163,3 +163,63 @@ def test_modular_path_picks_the_testdata_folder(tmp_path, monkeypatch, capsys):
     with pytest.raises(_EngineLoaded):
         evaluate_llama.main(argv)
     assert seen == {"output": testdata, "checkpoint": testdata / "tiny_llama.gguf"}
+
+
+def _no_engine(monkeypatch) -> None:
+    """Any engine load fails the test: the bad input must be refused before it."""
+
+    def stop(variant, device, mode):
+        raise AssertionError(f"the engine was loaded for {variant.model} on {device}")
+
+    monkeypatch.setattr(evaluate_llama.engine_runs, "load_engine", stop)
+
+
+@pytest.mark.parametrize(
+    ("device", "says"),
+    [
+        ("tpu", "--device=tpu: the engine runs on cpu or cuda[:N]"),
+        ("cuda:x", "--device=cuda:x: the engine runs on cpu or cuda[:N]"),
+    ],
+)
+def test_an_unusable_device_exits_2_before_the_output_folder(
+    device, says, tmp_path, monkeypatch, capsys
+):
+    """--device=tpu used to reach the engine load (a traceback, exit 1) after the output folder
+    was created: now it is refused first, and no folder appears (0.01 s)."""
+    _no_engine(monkeypatch)
+    output = tmp_path / "goldens"
+    argv = ["--model=tinyllama", "--encoding=float32", f"--device={device}"]
+    assert _exit_code([*argv, f"--output-dir={output}"]) == 2
+    assert says in capsys.readouterr().err
+    assert not output.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_gguf"])
+@pytest.mark.parametrize("given_by", ["flag", "environment"])
+def test_a_bad_llama3_1_file_exits_2_naming_how_it_was_given(
+    damage, given_by, tmp_path, monkeypatch, capsys
+):
+    """A truncated or non-GGUF Llama 3.1 file used to stop variants() in a traceback (exit 1):
+    now the message names --llama3-1-gguf or $LLAMA3_1_GGUF, the file and what is wrong, exit
+    2, nothing written (0.01 s each)."""
+    _no_engine(monkeypatch)
+    bad = tmp_path / "llama.gguf"
+    if damage == "truncated":
+        bad.write_bytes((testdata_directory() / "tiny_llama.gguf").read_bytes()[:1000])
+        reason = "not a readable GGUF file: truncated inside the metadata"
+    else:
+        bad.write_text("hello, not a checkpoint")
+        reason = "not a readable GGUF file: bad magic"
+    output = tmp_path / "goldens"
+    argv = ["--model=all", f"--output-dir={output}"]
+    if given_by == "flag":
+        monkeypatch.delenv(LLAMA3_1_ENV, raising=False)
+        argv.append(f"--llama3-1-gguf={bad}")
+        given = f"--llama3-1-gguf={bad}: {bad}: {reason}"
+    else:
+        monkeypatch.setenv(LLAMA3_1_ENV, str(bad))
+        given = f"${LLAMA3_1_ENV}={bad}: {bad}: {reason}"
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert given in err and "give a whole Llama-3.1-8B-Instruct GGUF file" in err
+    assert not output.exists()
