@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from pipelines.llama3 import Llama3Engine
 from tools.bench import constrained
 
 ARGS = argparse.Namespace(new_tokens=64, threads=2, repeats=2, mode="quantized")
@@ -41,27 +40,8 @@ def test_bad_arguments_exit_2(argv, capsys) -> None:
     assert "at least" in capsys.readouterr().err
 
 
-class _Loaded(Exception):
-    """Raised instead of loading: the command line was accepted."""
-
-
-@pytest.fixture
-def user_folder(tmp_path, monkeypatch):
-    """A `bazel run` user's folder holding rel.gguf (empty) and trunc.gguf (a GGUF cut inside its
-    metadata); torch's thread count is left as it is."""
-    (tmp_path / "rel.gguf").write_bytes(b"")
-    (tmp_path / "trunc.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x05")
-    monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
-    monkeypatch.setattr(constrained.torch, "set_num_threads", lambda threads: None)
-    return tmp_path
-
-
-def test_a_relative_checkpoint_is_read_from_the_users_folder(user_folder, monkeypatch) -> None:
-    def loaded(path, **kwargs):
-        raise _Loaded(path)
-
-    monkeypatch.setattr(Llama3Engine, "from_gguf", loaded)
-    with pytest.raises(_Loaded) as accepted:
+def test_a_relative_checkpoint_is_read_from_the_users_folder(user_folder, no_load) -> None:
+    with pytest.raises(no_load) as accepted:
         constrained.main(["--gguf=rel.gguf"])
     assert accepted.value.args == (str(user_folder / "rel.gguf"),)
 
