@@ -139,6 +139,26 @@ def freeze_imported_objects() -> None:
 MODES = ("eager", "compiled", "quantized", "ggml")
 
 
+def device_problem(device: str) -> str | None:
+    """Why --device=`device` cannot run the engine (None when it can): it runs on cpu and
+    cuda[:N], the CUDA ones only where torch sees that device. The command lines check it
+    before they load or write anything (generate, evaluate_llama)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):  # "tpu", "cuda:x": torch lists every type, at length
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        return f"--device={device} is not a device here: the engine runs on cpu or cuda[:N]"
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        return f"--device={device}: this torch has no CUDA device; use --device=cpu"
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        return (
+            f"--device={device}: torch sees {torch.cuda.device_count()} CUDA device(s); "
+            "pass a smaller index"
+        )
+    return None
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

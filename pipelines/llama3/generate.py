@@ -34,7 +34,7 @@ import torch
 
 from pipelines.llama3 import profiling
 from pipelines.llama3.constrained import Constraint, ConstraintError
-from pipelines.llama3.engine import MODES, Llama3Engine, freeze_imported_objects
+from pipelines.llama3.engine import MODES, Llama3Engine, device_problem, freeze_imported_objects
 from pipelines.llama3.gguf_loader import CheckpointError
 from pipelines.llama3.sampling import ORDERS, SamplerSettings
 from pipelines.llama3.speculative import (
@@ -193,14 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
-    try:
-        device_type = torch.device(args.device).type
-    except RuntimeError:  # "tpu", "cuda:x": torch names every device type it knows, at length
-        device_type = None
-    if device_type not in ("cpu", "cuda"):
-        parser.error(f"--device={args.device} is not a device here; give cpu, cuda or cuda:N")
-    if device_type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device={args.device}: this torch has no CUDA device; use --device=cpu")
+    problem = device_problem(args.device)
+    if problem is not None:
+        parser.error(problem)
     if args.threads is not None and args.threads < 0:
         parser.error(f"--threads={args.threads}: give at least 1 (or 0: torch's default)")
     if args.threads:

@@ -46,7 +46,7 @@ from harness.llama3.variants import (
     unavailable_selection,
     variants,
 )
-from pipelines.llama3.engine import MODES
+from pipelines.llama3.engine import MODES, device_problem
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,31 +90,12 @@ def _usage_error(parser: argparse.ArgumentParser, message: str) -> None:
     sys.exit(2)
 
 
-def _device_problem(device: str) -> str | None:
-    """Why --device=`device` cannot run the engine (None when it can): the engine runs on cpu
-    and cuda[:N]; checked before anything is written, so a bad device leaves no folder."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError):
-        parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
-        return f"--device={device}: the engine runs on cpu or cuda[:N]; pass one of those"
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        return f"--device={device} but torch sees no CUDA device; pass --device=cpu"
-    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
-        return (
-            f"--device={device}: torch sees {torch.cuda.device_count()} CUDA device(s); "
-            "pass a smaller index"
-        )
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    device_problem = _device_problem(args.device)
-    if device_problem is not None:
-        _usage_error(parser, device_problem)
+    problem = device_problem(args.device)  # before anything is written: no folder left
+    if problem is not None:
+        _usage_error(parser, problem)
     repository = user_path(args.modular_path).resolve() if args.modular_path else None
     testdata = checkout_testdata(repository)
     if not testdata.is_dir():

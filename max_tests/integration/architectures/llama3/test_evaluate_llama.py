@@ -177,8 +177,8 @@ def _no_engine(monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("device", "says"),
     [
-        ("tpu", "--device=tpu: the engine runs on cpu or cuda[:N]"),
-        ("cuda:x", "--device=cuda:x: the engine runs on cpu or cuda[:N]"),
+        ("tpu", "--device=tpu is not a device here: the engine runs on cpu or cuda[:N]"),
+        ("cuda:x", "--device=cuda:x is not a device here: the engine runs on cpu or cuda[:N]"),
     ],
 )
 def test_an_unusable_device_exits_2_before_the_output_folder(
