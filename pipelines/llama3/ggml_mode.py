@@ -299,7 +299,11 @@ class GgmlAttention(packed.PackedAttention):
         (the kernel writes them there) then copied to the piece's write slots, where they are
         new (`batch.fresh`). A row's products, norms and attention see only its own sequence,
         so a served sequence computes the bits `generate` computes (test_serving)."""
-        if not (cache_k.dtype == torch.float32 and cache_k.device.type == "cpu"):
+        plain = all(
+            mask is None or _is_plain_causal(mask, count, len(context) - count)
+            for count, context, mask in zip(batch.counts, batch.contexts, batch.masks, strict=True)
+        )
+        if not (plain and cache_k.dtype == torch.float32 and cache_k.device.type == "cpu"):
             return packed.PackedAttention.forward_paged(self, x, cos, sin, cache_k, cache_v, batch)
         qkv = self.wqkv(x).contiguous()  # [1, rows, (n_heads + 2 n_kv_heads) * head_dim]
         out = torch.empty(1, x.shape[1], self.n_heads * self.head_dim, dtype=torch.float32)

@@ -165,10 +165,16 @@ class PagedBatch:
     contexts: list[torch.Tensor]  # per piece: long slot indices
     write: torch.Tensor  # [rows] long
     fresh: torch.Tensor  # [rows] bool
+    # per piece: Transformer.attention_mask of its rows after its earlier positions, set by
+    # Transformer.with_masks (None until then; a piece's None: no mask needed)
+    masks: tuple[torch.Tensor | None, ...] | None = None
 
-    def decode_rows(self) -> torch.Tensor:
-        """[rows] bool: the rows of one-row pieces (a decode step)."""
-        return torch.tensor([c == 1 for c in self.counts for _ in range(c)], dtype=torch.bool)
+    def unmasked_decode_rows(self) -> torch.Tensor:
+        """[rows] bool: the rows of one-row pieces (a decode step) that need no mask: the ones
+        the kernels' decode attention computes (a windowed model's are not)."""
+        masks = self.masks or (None,) * len(self.counts)
+        rows = [c == 1 and m is None for c, m in zip(self.counts, masks, strict=True)]
+        return torch.tensor([r for r, c in zip(rows, self.counts, strict=True) for _ in range(c)])
 
 
 def write_paged(
@@ -192,14 +198,14 @@ def paged_attention(
     cache_v: torch.Tensor,
     context: torch.Tensor,
     scale: float,
+    mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """One piece's attention, q [1, heads, count, hd] over the keys of slots `context` of one
-    layer's caches (the piece's own the last `count` of them): grouped_attention with the mask
-    of a chunk after `len(context) - count` earlier positions."""
+    layer's caches (the piece's own the last `count` of them): grouped_attention under the
+    piece's `mask` (PagedBatch.masks; None: one query, or causal from position 0)."""
     count = q.shape[2]
     keys = slots_of(cache_k, context).transpose(0, 1)[None]  # [1, kv_heads, ctx, hd]
     values = slots_of(cache_v, context).transpose(0, 1)[None]
-    mask = attention_mask(count, len(context) - count, q.device)
     return grouped_attention(q, keys, values, mask, mask is None and count > 1, scale)
 
 
@@ -284,9 +290,9 @@ class Attention(nn.Module):
         context: rows [1, rows, heads * head_dim], before the output projection."""
         write_paged(cache_k, cache_v, xk, xv, batch, batch.fresh)
         outputs, offset = [], 0
-        for count, context in zip(batch.counts, batch.contexts, strict=True):
+        for count, context, mask in zip(batch.counts, batch.contexts, batch.masks, strict=True):
             q = xq[:, :, offset : offset + count]
-            outputs.append(paged_attention(q, cache_k, cache_v, context, self.scale))
+            outputs.append(paged_attention(q, cache_k, cache_v, context, self.scale, mask))
             offset += count
         return self.merge_pieces(outputs, xq.shape[2])
 
@@ -465,7 +471,9 @@ class Transformer(nn.Module):
         """A ragged batch: tokens [rows] at `positions` [rows] (long, within setup_rope's) ->
         per piece, the logits [len(outputs[i]), vocab] float32 of its rows `outputs[i]`
         (indices into the batch's rows; None where it asks for none). Keys and values go to
-        `batch`'s caches; each piece reads its own context (PagedBatch)."""
+        `batch`'s caches; each piece reads its own context (PagedBatch) under its mask
+        (`with_masks`)."""
+        batch = self.with_masks(batch)
         h = self.tok_embeddings(tokens)[None]  # [1, rows, dim]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for index, layer in enumerate(self.layers):
@@ -514,9 +522,23 @@ class Transformer(nn.Module):
     def attention_mask(
         self, seqlen: int, start_pos: int, device: torch.device
     ) -> torch.Tensor | None:
-        """The mask every layer's attention gets (`attention_mask`; a model that windows its
-        attention would differ here)."""
+        """The mask every layer's attention gets, in every mode, solo (`forward`) and served
+        (`with_masks`): the module's `attention_mask`. A model that windows its attention
+        differs here alone; the kernels compute the plain causal attention only, and a mask
+        they do not compute sends its rows to SDPA (test_serving's windowed model)."""
         return attention_mask(seqlen, start_pos, device)
+
+    def with_masks(self, batch: PagedBatch) -> PagedBatch:
+        """`batch` with each piece's mask: `attention_mask` of its rows after its earlier
+        positions, made once a forward rather than once a layer."""
+        if batch.masks is not None:
+            return batch
+        device = batch.k.device
+        masks = tuple(
+            self.attention_mask(count, len(context) - count, device)
+            for count, context in zip(batch.counts, batch.contexts, strict=True)
+        )
+        return dataclasses.replace(batch, masks=masks)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head in the head's dtype (float32 for bfloat16 engines: bfloat16

@@ -246,7 +246,7 @@ class PackedAttention(Attention):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        if x.shape[0] == x.shape[1] == 1 and self._decode_applies(cos, sin):
+        if x.shape[0] == x.shape[1] == 1 and mask is None and self._decode_applies(cos, sin):
             return self.wo(self._decode_step(x, start_pos, cos, sin))
         return super().forward(x, start_pos, cos, sin, mask)
 
@@ -267,10 +267,10 @@ class PackedAttention(Attention):
             return super().forward_paged(x, cos, sin, cache_k, cache_v, batch)
         qkv = self.wqkv(x)
         xq, xk, xv = self.rotate(qkv, cos, sin)
-        write_paged(cache_k, cache_v, xk, xv, batch, batch.fresh & ~batch.decode_rows())
+        write_paged(cache_k, cache_v, xk, xv, batch, batch.fresh & ~batch.unmasked_decode_rows())
         outputs, offset = [], 0
-        for count, context in zip(batch.counts, batch.contexts, strict=True):
-            if count == 1:
+        for count, context, mask in zip(batch.counts, batch.contexts, batch.masks, strict=True):
+            if count == 1 and mask is None:
                 slots = context.clone()
                 slots[-1] = batch.write[offset]
                 row = qkv[0, offset].clone()  # the kernel rotates it in place
@@ -278,7 +278,7 @@ class PackedAttention(Attention):
                 outputs.append(out.view(1, self.n_heads, 1, self.head_dim))
             else:
                 q = xq[:, :, offset : offset + count]
-                outputs.append(paged_attention(q, cache_k, cache_v, context, self.scale))
+                outputs.append(paged_attention(q, cache_k, cache_v, context, self.scale, mask))
             offset += count
         return self.wo(self.merge_pieces(outputs, x.shape[1]))
 
@@ -510,10 +510,10 @@ class FusedDecode:
 
     def takes(self, batch: PagedBatch) -> bool:
         """Whether `decode_paged` computes this serving batch: decode rows only (no prefill
-        chunk, no verification piece), float32 caches on the CPU."""
+        chunk, no verification piece) that need no mask, float32 caches on the CPU."""
         k = batch.k
         return (
-            all(c == 1 for c in batch.counts)
+            bool(batch.unmasked_decode_rows().all())
             and k.dtype == torch.float32
             and (k.device.type == "cpu" and k.is_contiguous() and batch.v.is_contiguous())
         )
@@ -561,7 +561,7 @@ class PackedTransformer(Transformer):
     def forward_paged(self, tokens, positions, batch: PagedBatch, outputs):
         """Transformer.forward_paged; a batch of decode rows only in one call where the fused
         step takes it (FusedDecode.takes)."""
-        fused = self.fused_decode
+        fused, batch = self.fused_decode, self.with_masks(batch)
         if fused is None or not fused.takes(batch):
             return super().forward_paged(tokens, positions, batch, outputs)
         h = self.tok_embeddings(tokens)  # [rows, dim]

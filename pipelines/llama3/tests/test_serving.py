@@ -102,8 +102,9 @@ def test_attention_over_scattered_slots_is_the_attention_over_consecutive_ones()
     moved_k, moved_v = cache_k.clone(), cache_v.clone()
     moved_k[consecutive], moved_v[consecutive] = cache_k[scattered], cache_v[scattered]
     assert model_module.slots_of(moved_k, consecutive)._base is moved_k  # a view, no copy
-    expected = model_module.paged_attention(q, cache_k, cache_v, scattered, 0.3)
-    got = model_module.paged_attention(q, moved_k, moved_v, consecutive, 0.3)
+    mask = model_module.attention_mask(count, len(scattered) - count, q.device)
+    expected = model_module.paged_attention(q, cache_k, cache_v, scattered, 0.3, mask)
+    got = model_module.paged_attention(q, moved_k, moved_v, consecutive, 0.3, mask)
     assert torch.equal(got, expected)
     assert torch.equal(model_module.slots_of(cache_k, scattered), cache_k[scattered])
     # and against attention written out: softmax(q.k * scale) over the causal context
@@ -146,6 +147,42 @@ def test_the_quantized_batch_is_bitwise_where_the_kernels_see_the_same_rows(serv
         assert worst == 0.0, worst
     else:
         assert worst < LOGPROB_ATOL, worst
+
+
+def _window(keys: int):
+    """A model's attention_mask that lets each query see only the last `keys` keys."""
+
+    def mask(seqlen: int, start_pos: int, device: torch.device) -> torch.Tensor:
+        queries = torch.arange(start_pos, start_pos + seqlen, device=device)[:, None]
+        positions = torch.arange(start_pos + seqlen, device=device)[None, :]
+        return (positions <= queries) & (positions > queries - keys)
+
+    return mask
+
+
+def test_a_models_attention_mask_reaches_generate_and_every_served_path(
+    served, monkeypatch
+) -> None:
+    """Transformer.attention_mask is where a model's mask is made, on every path: a window of
+    one key (each query sees itself) moves every step of generate's logits, decode steps
+    included (a kernel that computed plain causal attention would keep them), and the served
+    requests, batched, chunked and paged, follow the windowed generate. Windowed rows take
+    SDPA in every mode, so the served bound is the eager one."""
+    engine, requests, solo = served
+    monkeypatch.setattr(engine.model, "attention_mask", _window(1))
+    with torch.inference_mode():
+        windowed = [
+            engine.generate(
+                r.prompt, STEPS, forced_tokens=r.forced_tokens, prompt_positions=r.prompt_positions
+            )
+            for r in requests
+        ]
+    for request, ours, plain in zip(requests, windowed, solo, strict=True):
+        moved = (ours.logits - plain.logits).abs().amax(-1)
+        assert bool((moved > 1e-3).all()), (request.id, moved)
+    for config in ({}, {"chunk_size": 3, "block_size": 4}):
+        worst = _worst(ServingEngine(engine, **config).serve(requests), requests, windowed)
+        assert worst < LOGPROB_ATOL, (config, worst)
 
 
 def test_a_pool_too_small_preempts_and_resumed_requests_continue_exactly(served) -> None:
@@ -834,7 +871,7 @@ def test_pooled_head_rows_keep_each_pieces_bits(
     pooled call past the dense switch to the dense product. Planted, ggml: its head (pool_rows
     None: each row computed alone) given a dense switch at 64 rows. Either way some row moves.
     16 cases: 1.2 s of CPU time in all, the two files written once (0.4 s) included."""
-    lacks = [f for f in kernel_library.REQUIRED_FLAGS[isa] if f not in kernel_library.cpu_flags()]
+    lacks = kernel_library.missing_flags(isa)
     if lacks:
         pytest.skip(f"this CPU cannot run the {isa} kernels: it lacks {' '.join(lacks)}")
     monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
