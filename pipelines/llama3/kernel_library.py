@@ -74,8 +74,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def missing_flags(isa: str) -> list[str]:
+    """The CPU flags the `isa` build needs and this CPU lacks (/proc/cpuinfo), in order."""
+    return [flag for flag in REQUIRED_FLAGS[isa] if flag not in cpu_flags()]
+
+
 def runnable(isa: str) -> bool:
-    return all(flag in cpu_flags() for flag in REQUIRED_FLAGS[isa])
+    return not missing_flags(isa)
 
 
 def chosen(order: tuple[str, ...] = DEFAULT_ORDER) -> str:
@@ -87,10 +92,9 @@ def chosen(order: tuple[str, ...] = DEFAULT_ORDER) -> str:
     if isa not in REQUIRED_FLAGS:
         raise KernelUnavailable(f"${KERNELS_ENV}={isa!r} is not one of {names} (or unset)")
     if not runnable(isa):
-        missing = [flag for flag in REQUIRED_FLAGS[isa] if flag not in cpu_flags()]
         usable = ", ".join(name for name in REQUIRED_FLAGS if runnable(name))
         raise KernelUnavailable(
-            f"${KERNELS_ENV}={isa}: this CPU lacks {' '.join(missing)} (/proc/cpuinfo); "
+            f"${KERNELS_ENV}={isa}: this CPU lacks {' '.join(missing_flags(isa))} (/proc/cpuinfo); "
             f"it runs {usable} (unset ${KERNELS_ENV} for the default)"
         )
     return isa

@@ -124,9 +124,8 @@ def _check_namespace() -> None:
 def command(level_name: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that run `argv` (this process's) at the level."""
     level = LEVELS[level_name]
-    if not kernel_library.runnable(level.kernels):
-        flags = kernel_library.cpu_flags()
-        missing = [f for f in kernel_library.REQUIRED_FLAGS[level.kernels] if f not in flags]
+    missing = kernel_library.missing_flags(level.kernels)
+    if missing:
         raise LevelUnavailable(f"this CPU lacks {' '.join(missing)} (/proc/cpuinfo)")
     environment = {**os.environ, **level.environment, ENV: level_name}
     folder = backend_folder()

@@ -38,7 +38,7 @@ ISAS = [isa for isa in ("portable", "avx2", "avx512", "vnni") if kernel_library.
 def _runnable_or_skip(isa: str) -> None:
     """Skip, naming the CPU flags it lacks (/proc/cpuinfo), where this CPU cannot run `isa`. A
     skip, not a failure under $GOLDENS_REQUIRED: a CPU without AVX-512 is no missing input."""
-    lacks = [f for f in kernel_library.REQUIRED_FLAGS[isa] if f not in kernel_library.cpu_flags()]
+    lacks = kernel_library.missing_flags(isa)
     if lacks:
         pytest.skip(f"this CPU cannot run the {isa} kernels: it lacks {' '.join(lacks)}")
 
