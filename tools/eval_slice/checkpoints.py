@@ -74,12 +74,17 @@ def write_member(source: Path, name: str, out: Path) -> Path:
 
 
 def source_name(source: Path) -> str:
-    """The member name of the source file itself: its general.file_type ("q4_1" for
-    MOSTLY_Q4_1, "f32" for ALL_F32)."""
+    """The member name of the source file itself (`member_name` of its general.file_type)."""
     field = GGUFReader(source).fields.get("general.file_type")
-    if field is None:
+    return member_name(None if field is None else int(field.contents()))
+
+
+def member_name(file_type: int | None) -> str:
+    """The member name of a file of general.file_type `file_type`: "q4_1" for MOSTLY_Q4_1,
+    "f32" for ALL_F32; "source" for a file that records none."""
+    if file_type is None:
         return "source"
-    kind = LlamaFileType(int(field.contents())).name
+    kind = LlamaFileType(file_type).name
     return kind.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
 
 
@@ -95,7 +100,7 @@ def family(source: Path, folder: Path, skip: str = "") -> dict[str, Path]:
     return files
 
 
-__all__ = ["MEMBERS", "family", "main", "source_name", "write_member"]
+__all__ = ["MEMBERS", "family", "main", "member_name", "source_name", "write_member"]
 
 
 def main(argv: list[str] | None = None) -> int:
