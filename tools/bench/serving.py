@@ -67,6 +67,8 @@ TEXT = (
     "came every spring and left the fields rich and dark for the summer crops"
 )
 WORDS = TEXT.split(" ")
+CONTEXT = 8192  # SmolLM2-135M's context length (the pinned file's llama.context_length)
+SERVER_MARGIN = 16  # the server rows' --max-context: a request's tokens and this many more
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,11 +137,15 @@ def _batches(text: str) -> list[int]:
 
 
 def _prompts(engine: Llama3Engine, count: int, length: int) -> list[list[int]]:
-    """`count` prompts of exactly `length` tokens, each its own text (a rotation of WORDS)."""
+    """`count` prompts of exactly `length` tokens, each its own text (a rotation of WORDS,
+    repeated as often as the length takes: 4 times gave 184 tokens, and longer prompts were
+    cut to that silently)."""
     prompts = []
     for i in range(count):
         words = WORDS[i % len(WORDS) :] + WORDS[: i % len(WORDS)]
-        ids = engine.tokenizer.encode(" ".join(words * 4))
+        repeats = 4
+        while len(ids := engine.tokenizer.encode(" ".join(words * repeats))) < length:
+            repeats *= 2
         prompts.append(ids[:length])
     return prompts
 
@@ -295,7 +301,7 @@ def _own_server(mode: str, args: argparse.Namespace):
     runs): its OpenAI base URL; stopped by SIGTERM after."""
     from pipelines.llama3.server import ServerProcess
 
-    context = args.prompt_tokens + args.new_tokens + 16
+    context = args.prompt_tokens + args.new_tokens + SERVER_MARGIN
     options = (f"--threads={args.threads}", f"--max-batch={args.clients}")
     with ServerProcess(smollm2_gguf(), mode, *options, f"--max-context={context}") as server:
         yield server.url
@@ -388,6 +394,12 @@ def main(argv: list[str] | None = None) -> int:
             f"--clients={args.clients}: every client and its warm-up twin get a prompt of "
             f"their own, rotations of a {len(WORDS)}-word text: pass 0 to "
             f"{len(WORDS) // 2} (0: no server rows)"
+        )
+    if args.prompt_tokens + args.new_tokens > CONTEXT - SERVER_MARGIN:
+        parser.error(
+            f"--prompt-tokens={args.prompt_tokens} and --new-tokens={args.new_tokens} do not fit "
+            f"SmolLM2's context of {CONTEXT} tokens: give at most {CONTEXT - SERVER_MARGIN} in "
+            f"all (the server rows keep {SERVER_MARGIN} more)"
         )
     torch.set_num_threads(args.threads)
     if args.modes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 
 import pytest
 import torch
@@ -221,6 +222,17 @@ def test_llama_cpp_runs_the_engines_forwards_and_is_counted_as_the_engine_is(
     assert totals == pytest.approx({1: 12 / 0.353, 2: 24 / 0.549}, rel=1e-12)
 
 
+def test_bench_serving_prompts_are_as_long_as_asked() -> None:
+    """Each prompt has exactly --prompt-tokens tokens, past what four rotations of the text
+    give (SmolLM2's tokenizer: 184; longer ones were cut there silently), and the prompts
+    differ. A tokenizer of one id per word stands in (four rotations: 176 ids)."""
+    words = {word: i for i, word in enumerate(serving.WORDS)}
+    tokenizer = types.SimpleNamespace(encode=lambda text: [words[w] for w in text.split(" ")])
+    prompts = serving._prompts(types.SimpleNamespace(tokenizer=tokenizer), 3, 700)
+    assert [len(p) for p in prompts] == [700, 700, 700]
+    assert len({tuple(p) for p in prompts}) == 3
+
+
 def test_bench_serving_needs_two_new_tokens(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         serving.main(["--modes=", "--new-tokens=1"])
@@ -237,6 +249,7 @@ def test_bench_serving_needs_two_new_tokens(capsys) -> None:
         ("--batches=", "argument --batches: '': give whole numbers of at least 1"),
         ("--prompt-tokens=-4", "argument --prompt-tokens: -4: give at least 1"),
         ("--prompt-tokens=0", "argument --prompt-tokens: 0: give at least 1"),
+        ("--prompt-tokens=8170", "--prompt-tokens=8170 and --new-tokens=16 do not fit SmolLM2's"),
         ("--modes=eager,turbo", "argument --modes: turbo is no mode; choose from eager, "),
         ("--server-modes=ggml,fast", "argument --server-modes: fast is no mode; choose from "),
     ],
