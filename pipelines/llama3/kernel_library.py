@@ -182,7 +182,7 @@ def load(isa: str) -> ctypes.CDLL:
     lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.decode_attention.argtypes += [ctypes.c_float, ptr, ptr]
     lib.decode_attention_paged.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64]
-    lib.decode_attention_paged.argtypes += [ctypes.c_float, ptr, ptr]
+    lib.decode_attention_paged.argtypes += [ctypes.c_float, ptr, ptr, ctypes.c_int]
     lib.ggml_act_row_bytes.argtypes = [ctypes.c_int, i64]
     lib.ggml_act_row_bytes.restype = i64
     lib.ggml_quantize_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]

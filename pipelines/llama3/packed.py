@@ -274,7 +274,10 @@ class PackedAttention(Attention):
                 slots = context.clone()
                 slots[-1] = batch.write[offset]
                 row = qkv[0, offset].clone()  # the kernel rotates it in place
-                out = self.decode_paged(row, cos[offset], sin[offset], cache_k, cache_v, slots)
+                fresh = bool(batch.fresh[offset])
+                out = self.decode_paged(
+                    row, cos[offset], sin[offset], cache_k, cache_v, slots, fresh
+                )
                 outputs.append(out.view(1, self.n_heads, 1, self.head_dim))
             else:
                 q = xq[:, :, offset : offset + count]
@@ -309,11 +312,13 @@ class PackedAttention(Attention):
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
         slots: torch.Tensor,
+        fresh: bool = True,
     ) -> torch.Tensor:
         """One new position's attention output before wo, [n_heads * head_dim], over a paged
         cache (`decode_attention_paged`): qkv [(n_heads + 2 n_kv_heads) * head_dim] unrotated
         (rotated in place), caches [slots, n_kv_heads, head_dim] float32, slots[t] the slot of
-        position t, the last one where the new keys and values are written."""
+        position t, the last one where the new keys and values are written (`fresh`; else the
+        slot keeps its own, PagedBatch.fresh)."""
         pos = slots.numel() - 1
         if self._scores.numel() < pos + 1:
             self._scores = torch.empty(max(pos + 1, 2 * self._scores.numel()), dtype=torch.float32)
@@ -333,6 +338,7 @@ class PackedAttention(Attention):
                 self.scale,
                 self._scores.data_ptr(),
                 out.data_ptr(),
+                int(fresh),
             )
         return out
 
@@ -472,10 +478,18 @@ class FusedDecode:
             entry.int4[i] = linear.weight.kind == "int4"
             entry.parallel_rows[i] = linear.parallel_rows
 
-    def _eps(self) -> float:
-        """The norms' epsilon, read from a layer's norm module (as the attention scale is read
-        from its module): a planted epsilon reaches the one-call step too."""
-        return self.model.layers[0].attention_norm.eps
+    def shared(self) -> tuple[float, float] | None:
+        """(epsilon, attention scale): the one call takes one of each for every layer and both
+        norms, read here from the modules at each call (a planted epsilon or scale reaches it);
+        None where the layers or norms differ (a plant on one of them): the call cannot compute
+        that, and the modules' path runs instead."""
+        layers = self.model.layers
+        eps, scale = layers[0].attention_norm.eps, layers[0].attention.scale
+        for layer in layers:
+            norms = (layer.attention_norm.eps, layer.ffn_norm.eps)
+            if norms != (eps, eps) or layer.attention.scale != scale:
+                return None
+        return eps, scale
 
     def _table(self) -> ctypes.Array:
         """The layers' entries, remade when setup_caches has allocated other caches (a serving
@@ -497,12 +511,13 @@ class FusedDecode:
         layers = self._table()
         max_seq = model.layers[0].attention.cache_k.shape[2]
         h = h.float().contiguous().clone()  # [1, 1, dim], updated in place
+        eps, scale = self.shared()
         with profiling.region(self.function):
             failed = getattr(self._lib, self.function)(
                 layers, len(model.layers), h.data_ptr(), config.dim, config.n_heads,
                 config.n_kv_heads, config.head_dim, config.ffn_dim, max_seq, start_pos,
-                cos.data_ptr(), sin.data_ptr(), self._eps(),
-                model.layers[0].attention.scale, torch.get_num_threads(), self.attention_work,
+                cos.data_ptr(), sin.data_ptr(), eps, scale, torch.get_num_threads(),
+                self.attention_work,
             )  # fmt: skip
         if failed:
             raise MemoryError(f"{self.function}: no memory for one decode step's scratch")
@@ -510,10 +525,12 @@ class FusedDecode:
 
     def takes(self, batch: PagedBatch) -> bool:
         """Whether `decode_paged` computes this serving batch: decode rows only (no prefill
-        chunk, no verification piece) that need no mask, float32 caches on the CPU."""
+        chunk, no verification piece) that need no mask, float32 caches on the CPU, one
+        epsilon and one scale (`shared`)."""
         k = batch.k
         return (
             bool(batch.unmasked_decode_rows().all())
+            and self.shared() is not None
             and k.dtype == torch.float32
             and (k.device.type == "cpu" and k.is_contiguous() and batch.v.is_contiguous())
         )
@@ -537,7 +554,7 @@ class FusedDecode:
                 config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim,
                 slots.data_ptr(), starts.data_ptr(), write.data_ptr(), fresh.data_ptr(),
                 k.data_ptr(), v.data_ptr(), k[0].numel(), cos.data_ptr(), sin.data_ptr(),
-                self._eps(), model.layers[0].attention.scale, torch.get_num_threads(),
+                *self.shared(), torch.get_num_threads(),
                 self.attention_work,
             )  # fmt: skip
         if failed:
@@ -554,8 +571,9 @@ class PackedTransformer(Transformer):
     fused_decode: FusedDecode | None = None
 
     def run_layers(self, h, start_pos: int, cos, sin, mask) -> torch.Tensor:
-        if self.fused_decode is not None and h.shape[:2] == (1, 1) and mask is None:
-            return self.fused_decode(h, start_pos, cos, sin)
+        fused = self.fused_decode
+        if fused is not None and h.shape[:2] == (1, 1) and mask is None and fused.shared():
+            return fused(h, start_pos, cos, sin)
         return super().run_layers(h, start_pos, cos, sin, mask)
 
     def forward_paged(self, tokens, positions, batch: PagedBatch, outputs):

@@ -791,15 +791,27 @@ void decode_attention(float *qkv, const float *cos, const float *sin, float *cac
            scale, scores, out);
 }
 
+/* store_slot where `fresh`; else the rotation alone, the slot's keys and values kept (a
+ * position kept from before, as a preempted sequence's, is not written again: PagedBatch). */
+static void store_if_fresh(float *qkv, const float *cos, const float *sin, float *cache_k,
+                           float *cache_v, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                           int64_t slot, int fresh) {
+    if (fresh)
+        store_slot(qkv, cos, sin, cache_k, cache_v, n_heads, n_kv_heads, head_dim, slot);
+    else
+        rotate_heads(qkv, cos, sin, n_heads + n_kv_heads, head_dim);
+}
+
 /* decode_attention over a paged cache (pipelines/llama3/serving.py's block pool): the cache is
  * [slots, n_kv_heads, head_dim], slots[t] is where position t lives (t = 0..pos; the new
- * position's keys and values are written at slots[pos]). Bit-identical to decode_attention on
- * the same keys. */
+ * position's keys and values are written at slots[pos] where `fresh`). Bit-identical to
+ * decode_attention on the same keys. */
 void decode_attention_paged(float *qkv, const float *cos, const float *sin, float *cache_k,
                             float *cache_v, int64_t n_heads, int64_t n_kv_heads,
                             int64_t head_dim, const int64_t *slots, int64_t pos, float scale,
-                            float *scores, float *out) {
-    store_slot(qkv, cos, sin, cache_k, cache_v, n_heads, n_kv_heads, head_dim, slots[pos]);
+                            float *scores, float *out, int fresh) {
+    store_if_fresh(qkv, cos, sin, cache_k, cache_v, n_heads, n_kv_heads, head_dim, slots[pos],
+                   fresh);
     attend(qkv, cache_k, cache_v, slots, n_kv_heads, 1, n_heads, n_kv_heads, head_dim,
            pos + 1, scale, scores, out);
 }
@@ -848,6 +860,7 @@ int64_t packed_layer_bytes(void) { return (int64_t)sizeof(packed_layer); }
 typedef struct {
     int64_t pos, max_seq;
     const int64_t *slots, *starts, *write;
+    const uint8_t *fresh; /* paged: row r's keys and values written where fresh[r] */
     float *k, *v;
     int64_t layer_floats, attention_work;
 } decode_context;
@@ -893,8 +906,8 @@ static int decode_rows(const packed_layer *layers, int64_t n_layers, float *h, i
         if (c->slots) { /* each row's position stored, then every row's attention */
             float *k = c->k + l * c->layer_floats, *v = c->v + l * c->layer_floats;
             for (int64_t r = 0; r < rows; r++)
-                store_slot(qkv + r * width, cos + r * hd, sin + r * hd, k, v, n_heads, n_kv, hd,
-                           c->write[r]);
+                store_if_fresh(qkv + r * width, cos + r * hd, sin + r * hd, k, v, n_heads, n_kv,
+                               hd, c->write[r], c->fresh[r]);
             failed = attend_rows(qkv, width, k, v, row_slots, c->starts, n_kv, 1, rows, n_heads,
                                  n_kv, hd, 0, scale, att, attn, threads, c->attention_work);
         } else {
@@ -929,7 +942,7 @@ int packed_decode_layers(const packed_layer *layers, int64_t n_layers, float *h,
                          int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
                          int64_t max_seq, int64_t pos, const float *cos, const float *sin,
                          float eps, float scale, int threads, int64_t attention_work) {
-    const decode_context c = {pos, max_seq, NULL, NULL, NULL, NULL, NULL, 0, attention_work};
+    const decode_context c = {pos, max_seq, NULL, NULL, NULL, NULL, NULL, NULL, 0, attention_work};
     return decode_rows(layers, n_layers, h, 1, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
                        scale, threads);
 }
@@ -938,16 +951,16 @@ int packed_decode_layers(const packed_layer *layers, int64_t n_layers, float *h,
  * attends over slots[starts[r] .. starts[r + 1]) of the paged caches k, v ([layers, slots,
  * n_kv, hd]: layer_floats = slots * n_kv * hd apart), its own position's slot replaced by
  * write[r], as PackedAttention.forward_paged's decode_paged. The arguments are
- * ggml_decode_paged's; `fresh` is unused here (the module writes every decode row's keys).
- * Returns -1 (h untouched) when its scratch cannot be allocated. */
+ * ggml_decode_paged's: a row's keys and values are written where fresh[r], as the modules
+ * write them. Returns -1 (h untouched) when its scratch cannot be allocated. */
 int packed_decode_paged(const packed_layer *layers, int64_t n_layers, float *h, int64_t rows,
                         int64_t dim, int64_t n_heads, int64_t n_kv, int64_t hd, int64_t ffn,
                         const int64_t *slots, const int64_t *starts, const int64_t *write,
                         const uint8_t *fresh, float *k, float *v, int64_t layer_floats,
                         const float *cos, const float *sin, float eps, float scale, int threads,
                         int64_t attention_work) {
-    (void)fresh;
-    const decode_context c = {0, 0, slots, starts, write, k, v, layer_floats, attention_work};
+    const decode_context c = {0, 0, slots, starts, write, fresh, k, v, layer_floats,
+                              attention_work};
     return decode_rows(layers, n_layers, h, rows, dim, n_heads, n_kv, hd, ffn, &c, cos, sin, eps,
                        scale, threads);
 }

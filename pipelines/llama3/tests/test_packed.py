@@ -564,7 +564,7 @@ def _decode_attention(lib, shape, paged: bool, nudge: bool = False) -> bytes:
     if paged:
         lib.decode_attention_paged(
             *args, heads, kv, hd, slots.data_ptr(), positions - 1, 0.125,
-            scores.data_ptr(), out.data_ptr(),
+            scores.data_ptr(), out.data_ptr(), 1,
         )  # fmt: skip
     else:
         lib.decode_attention(

@@ -185,6 +185,64 @@ def test_a_models_attention_mask_reaches_generate_and_every_served_path(
         assert worst < LOGPROB_ATOL, (config, worst)
 
 
+def test_one_norms_epsilon_reaches_every_decode_step_solo_and_served(served, monkeypatch) -> None:
+    """The quantized and ggml modes' one call through every layer takes one epsilon for all
+    norms (FusedDecode.shared): the feed-forward norm's alone set to 1 must move generate's
+    decode steps as it moves its prefill, and the served decode steps must follow it. Planted,
+    the call reading the attention norm's epsilon for both (as it did): the decode steps kept
+    their unplanted logits."""
+    engine, requests, solo = served
+    monkeypatch.setattr(engine.model.layers[-1].ffn_norm, "eps", 1.0)
+    with torch.inference_mode():
+        planted = [
+            engine.generate(
+                r.prompt, STEPS, forced_tokens=r.forced_tokens, prompt_positions=r.prompt_positions
+            )
+            for r in requests
+        ]
+    for request, ours, plain in zip(requests, planted, solo, strict=True):
+        moved = (ours.logits - plain.logits).abs().amax(-1)
+        assert bool((moved > 1e-3).all()), (request.id, moved)
+    worst = _worst(ServingEngine(engine).serve(requests), requests, planted)
+    assert worst == 0.0 if engine.mode in ("quantized", "ggml") else worst < LOGPROB_ATOL, worst
+
+
+def test_a_kept_position_is_not_written_again_on_any_path(served) -> None:
+    """PagedBatch.fresh: a position kept from before (a preempted sequence's, resumed) keeps
+    its keys and values, in a one-row piece beside a prefill (each layer's modules) and in a
+    step of one-row pieces only (the quantized and ggml modes' one call through every layer).
+    Planted, the quantized mode's kernels writing every decode row (as they did): the
+    serving mutation resume_without_last_kv passed it at chunks of 1."""
+    engine, _, _ = served
+    model, config = engine.model, engine.config
+    model.setup_rope(64)
+    k = torch.zeros(config.n_layers, 32, config.n_kv_heads, config.head_dim)
+    v = torch.zeros_like(k)
+
+    def run(counts, contexts, write, fresh, tokens, positions, outputs) -> None:
+        batch = model_module.PagedBatch(
+            k=k, v=v, counts=counts, contexts=[torch.tensor(c) for c in contexts],
+            write=torch.tensor(write), fresh=torch.tensor(fresh),
+        )  # fmt: skip
+        with torch.inference_mode():
+            model.forward_paged(torch.tensor(tokens), torch.tensor(positions), batch, outputs)
+
+    run([3], [[10, 11, 12]], [10, 11, 12], [True] * 3, [5, 6, 7], [0, 1, 2], [[2]])
+    marker = torch.full_like(k[:, 12], 7.0)
+    steps = {  # name: the step, and the slot a fresh row of it writes
+        "beside a prefill": (([3, 1], [[0, 1, 2], [10, 11, 12]], [0, 1, 2, 12],
+                              [True] * 3 + [False], [5, 6, 7, 7], [0, 1, 2, 2], [[2], [3]]), 2),
+        "one-row pieces only": (([1, 1], [[0, 1, 2, 3], [10, 11, 12]], [3, 12], [True, False],
+                                 [8, 7], [3, 2], [[0], [1]]), 3),
+    }  # fmt: skip
+    for name, (step, written) in steps.items():
+        k[:, 12], v[:, 12] = marker, marker
+        k[:, written], v[:, written] = 0.0, 0.0
+        run(*step)
+        assert torch.equal(k[:, 12], marker) and torch.equal(v[:, 12], marker), name
+        assert bool(k[:, written].abs().sum() > 0), f"{name}: its fresh row was not written"
+
+
 def test_a_pool_too_small_preempts_and_resumed_requests_continue_exactly(served) -> None:
     engine, requests, solo = served
     # Blocks of one position and room for the longest request and one more block: two
