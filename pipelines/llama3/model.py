@@ -11,7 +11,10 @@ Two entries run the same layers: `Transformer.forward` (a batch of equal-length 
 the contiguous cache that `setup_caches` allocates: `Llama3Engine.generate`) and
 `Transformer.forward_paged` (a ragged batch over a paged cache that `PagedBatch` describes:
 the serving engine, serving.py, which keeps the blocks and the schedule and computes nothing
-of the transformer itself). Every layer's arithmetic is the same code in both.
+of the transformer itself). Every layer's arithmetic is the same code in both, and so are the
+mask (`attention_mask`), the rope tables (`setup_rope`) and the head. Each has its own layer
+loop (`run_layers`; `forward_paged`'s) and cache write (`update_cache`; `write_paged`): an
+override of one of those reaches one entry only.
 """
 
 import dataclasses
@@ -398,8 +401,10 @@ class Transformer(nn.Module):
         return precompute_rope(self.config, positions, device)
 
     def run_layers(self, h, start_pos: int, cos, sin, mask) -> torch.Tensor:
-        """Every layer over h, in order. A mode with a fused path through the layers
-        overrides it (ggml_mode.GgmlTransformer: one kernel call per decode step)."""
+        """`forward`'s loop: every layer over h, in order. A mode with a fused path through
+        the layers overrides it (packed.PackedTransformer: one kernel call per decode step)
+        and `forward_paged`, whose loop is its own: an override of this one alone changes
+        `generate`, not the served requests."""
         for layer in self.layers:
             h = layer(h, start_pos, cos, sin, mask)
         return h

@@ -355,7 +355,9 @@ def verify(decoder, rows: torch.Tensor, proposal, dists=None, keep=None) -> tupl
 
 
 # The loop's four decisions, each a seam the speculation mutations patch (test_speculative,
-# test_llama's test_a_speculation_bug_fails_the_goldens).
+# test_llama's test_a_speculation_bug_fails_the_goldens). `verify` reads the middle two on both
+# paths; `block_start` and `next_position` are generate's alone (the serving engine places
+# its pieces with ServingEngine._positions and _accepted_end).
 
 
 def block_start(position: int) -> int:

@@ -83,20 +83,22 @@ def _flip_bos(engine: Llama3Engine) -> None:
 
 def _rope_late_from(position: int) -> Callable[[Llama3Engine], None]:
     """RoPE one position late from `position` on: positions p >= position rotate by p - 1
-    (an off-by-one that only a table rebuilt past a buffer boundary would make)."""
+    (an off-by-one that only a table rebuilt past a buffer boundary would make). Planted in
+    `setup_rope`, where both paths get their tables (`setup_caches` for generate, the serving
+    engine directly), so it reaches a served request as it reaches generate."""
 
     def patch(engine: Llama3Engine) -> None:
         model = engine.model
-        setup = model.setup_caches
+        setup = model.setup_rope
 
-        def late_tables(*args, **kwargs) -> None:
+        def late_tables(positions: int) -> None:
             before = model.rope_cos
-            setup(*args, **kwargs)
-            if model.rope_cos is not before and model.max_seq_len > position:
+            setup(positions)
+            if model.rope_cos is not before and model.rope_len > position:
                 for table in (model.rope_cos, model.rope_sin):
                     table[position:] = table[position - 1 : -1].clone()
 
-        model.setup_caches = late_tables
+        model.setup_rope = late_tables
 
     return patch
 
