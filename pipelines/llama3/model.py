@@ -12,9 +12,9 @@ the contiguous cache that `setup_caches` allocates: `Llama3Engine.generate`) and
 `Transformer.forward_paged` (a ragged batch over a paged cache that `PagedBatch` describes:
 the serving engine, serving.py, which keeps the blocks and the schedule and computes nothing
 of the transformer itself). Every layer's arithmetic is the same code in both, and so are the
-mask (`attention_mask`), the rope tables (`setup_rope`) and the head. Each has its own layer
-loop (`run_layers`; `forward_paged`'s) and cache write (`update_cache`; `write_paged`): an
-override of one of those reaches one entry only.
+layer loop (`run_layers`), the mask (`attention_mask`), the rope tables (`setup_rope`) and the
+head. Each has its own cache write (`update_cache`; `write_paged`): an override of one of
+those reaches one entry only.
 """
 
 import dataclasses
@@ -400,13 +400,20 @@ class Transformer(nn.Module):
         another program's overrides it (ggml_mode.GgmlTransformer: llama.cpp's)."""
         return precompute_rope(self.config, positions, device)
 
-    def run_layers(self, h, start_pos: int, cos, sin, mask) -> torch.Tensor:
-        """`forward`'s loop: every layer over h, in order. A mode with a fused path through
-        the layers overrides it (packed.PackedTransformer: one kernel call per decode step)
-        and `forward_paged`, whose loop is its own: an override of this one alone changes
-        `generate`, not the served requests."""
-        for layer in self.layers:
-            h = layer(h, start_pos, cos, sin, mask)
+    def run_layers(
+        self, h, start_pos: int, cos, sin, mask, batch: PagedBatch | None = None
+    ) -> torch.Tensor:
+        """Every layer over h, in order: `forward`'s batch over the contiguous cache (from
+        `start_pos`, under `mask`), or with `batch` `forward_paged`'s ragged one, h [1, rows,
+        dim] over the batch's paged caches (each piece's context and mask in the batch). The
+        one layer loop of both entries: a mode with a fused path through the layers overrides
+        it (packed.PackedTransformer: one kernel call per decode step, solo or served), and an
+        override reaches generate and the served requests alike (test_serving)."""
+        for index, layer in enumerate(self.layers):
+            if batch is None:
+                h = layer(h, start_pos, cos, sin, mask)
+            else:
+                h = layer.forward_paged(h, cos, sin, batch.k[index], batch.v[index], batch)
         return h
 
     def tie_weights(self) -> None:
@@ -481,8 +488,7 @@ class Transformer(nn.Module):
         batch = self.with_masks(batch)
         h = self.tok_embeddings(tokens)[None]  # [1, rows, dim]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        for index, layer in enumerate(self.layers):
-            h = layer.forward_paged(h, cos, sin, batch.k[index], batch.v[index], batch)
+        h = self.run_layers(h, 0, cos, sin, None, batch)
         return self._piece_logits(h[0], outputs)
 
     def _piece_logits(

@@ -566,25 +566,20 @@ class PackedTransformer(Transformer):
     """The quantized mode's model (a file with packed matrices; install() gives it its
     layers): one kernel call per decode step through every layer where every layer is the
     mode's (fused_decode; else None: the layers' modules one by one, as for a batch or a
-    prefill), and so is a serving step of decode rows only (forward_paged)."""
+    prefill), and so is a serving step of decode rows only (run_layers)."""
 
     fused_decode: FusedDecode | None = None
 
-    def run_layers(self, h, start_pos: int, cos, sin, mask) -> torch.Tensor:
+    def run_layers(self, h, start_pos: int, cos, sin, mask, batch=None) -> torch.Tensor:
+        """Transformer.run_layers; one sequence's decode step, or a serving step of decode rows
+        only, in one call where the fused step takes it (FusedDecode.shared, .takes)."""
         fused = self.fused_decode
-        if fused is not None and h.shape[:2] == (1, 1) and mask is None and fused.shared():
-            return fused(h, start_pos, cos, sin)
-        return super().run_layers(h, start_pos, cos, sin, mask)
-
-    def forward_paged(self, tokens, positions, batch: PagedBatch, outputs):
-        """Transformer.forward_paged; a batch of decode rows only in one call where the fused
-        step takes it (FusedDecode.takes)."""
-        fused, batch = self.fused_decode, self.with_masks(batch)
-        if fused is None or not fused.takes(batch):
-            return super().forward_paged(tokens, positions, batch, outputs)
-        h = self.tok_embeddings(tokens)  # [rows, dim]
-        h = fused.decode_paged(h, self.rope_cos[positions], self.rope_sin[positions], batch)
-        return self._piece_logits(h, outputs)
+        if fused is not None and batch is None:
+            if h.shape[:2] == (1, 1) and mask is None and fused.shared():
+                return fused(h, start_pos, cos, sin)
+        elif fused is not None and fused.takes(batch):
+            return fused.decode_paged(h[0], cos, sin, batch)[None]
+        return super().run_layers(h, start_pos, cos, sin, mask, batch)
 
 
 def _fusable(matrices: dict[str, RawMatrix], names: list[str]) -> list[RawMatrix] | None:

@@ -185,6 +185,31 @@ def test_a_models_attention_mask_reaches_generate_and_every_served_path(
         assert worst < LOGPROB_ATOL, (config, worst)
 
 
+def test_an_override_of_the_layer_loop_reaches_generate_and_the_served_requests(
+    served, monkeypatch
+) -> None:
+    """Transformer.run_layers is the one layer loop of `forward` and `forward_paged`: an
+    override that moves the residual stream by 0.5 after the layers moves every step of
+    generate's logits, and the served requests (a decode-only step in the quantized and ggml
+    modes' one call included) follow it. Planted, forward_paged looping over the layers
+    itself (as it did): the served rows kept their unmoved logits."""
+    engine, requests, solo = served
+    loop = engine.model.run_layers
+    monkeypatch.setattr(engine.model, "run_layers", lambda *args: loop(*args) + 0.5)
+    with torch.inference_mode():
+        moved_runs = [
+            engine.generate(
+                r.prompt, STEPS, forced_tokens=r.forced_tokens, prompt_positions=r.prompt_positions
+            )
+            for r in requests
+        ]
+    for request, ours, plain in zip(requests, moved_runs, solo, strict=True):
+        moved = (ours.logits - plain.logits).abs().amax(-1)
+        assert bool((moved > 1e-3).all()), (request.id, moved)
+    worst = _worst(ServingEngine(engine).serve(requests), requests, moved_runs)
+    assert worst == 0.0 if engine.mode in ("quantized", "ggml") else worst < LOGPROB_ATOL, worst
+
+
 def test_one_norms_epsilon_reaches_every_decode_step_solo_and_served(served, monkeypatch) -> None:
     """The quantized and ggml modes' one call through every layer takes one epsilon for all
     norms (FusedDecode.shared): the feed-forward norm's alone set to 1 must move generate's
