@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 import torch
@@ -508,7 +509,11 @@ def _all_blocks(requests: list[Request], serving: Serving) -> int:
 
 def max_logprob_delta(runs: list[Run], solo: list[Run]) -> float:
     """Max |Δ log-prob| between served and solo runs of the same cases (steps and the prompt
-    positions both computed): 0.0 is bitwise the same distribution."""
+    positions both computed): 0.0 is bitwise the same distribution. A non-finite difference
+    (a NaN or +inf logit, whose row's log-probs are all NaN; an id at -inf on one side only)
+    is inf, past every bound: Python's max(worst, nan) keeps worst, so a NaN served row
+    scored 0.0, bitwise. An id at -inf on both sides (ruled out by a constraint in both) has
+    the same log-prob there, a difference of 0."""
     by_id = {run.spec.id: run for run in solo}
     worst = 0.0
     for run in runs:
@@ -524,7 +529,10 @@ def max_logprob_delta(runs: list[Run], solo: list[Run]) -> float:
         for a, b in pairs:
             if np.array_equal(a, b):  # the same logits: 0 (bitwise lanes), in one pass
                 continue
-            worst = max(worst, float(np.abs(_log_softmax(a) - _log_softmax(b)).max()))
+            with np.errstate(invalid="ignore"):  # inf - inf: NaN, counted as inf below
+                served, alone = _log_softmax(a), _log_softmax(b)
+                gap = float(np.where(served == alone, 0.0, np.abs(served - alone)).max())
+            worst = max(worst, gap if math.isfinite(gap) else math.inf)
     return worst
 
 

@@ -91,8 +91,10 @@ class Trace:
 @contextlib.contextmanager
 def trace(path: str | os.PathLike) -> Iterator[Trace]:
     """Profile the block; write its Chrome trace-event file to `path` (through a temporary
-    file, renamed into place: a trace is whole or absent) and count its events into the
-    Trace it yields.
+    file beside it, renamed into place: a trace is whole or absent) and count its events
+    into the Trace it yields. When the export or the count fails (a full disk, a file that
+    does not parse), the temporary file is removed, an older file at `path` is left as it
+    was, and the error propagates.
 
     One trace at a time: a trace inside another raises TraceError before profiling starts
     (torch.profiler sessions do not nest: the inner one's end stops the outer's, whose own
@@ -114,9 +116,13 @@ def trace(path: str | os.PathLike) -> Iterator[Trace]:
         finally:
             _taking = None
     partial = taken.path.with_name(f".{taken.path.name}.partial")
-    profile.export_chrome_trace(str(partial))
-    taken.events = len(events(partial))
-    os.replace(partial, taken.path)
+    try:
+        profile.export_chrome_trace(str(partial))
+        taken.events = len(events(partial))
+        os.replace(partial, taken.path)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # a failed export (a full disk) leaves no fragment
+        raise
 
 
 def events(path: str | os.PathLike) -> list[dict]:

@@ -628,6 +628,25 @@ def test_the_generate_command_constrains_and_names_a_bad_constraint(tiny, capsys
         assert option in error and message in error, error
 
 
+def test_a_forced_token_outside_the_language_is_refused(tiny) -> None:
+    """Teacher forcing feeds the constraint's matcher too (decoder.py): a forced token the
+    language does not allow ("maybe" under a choice of "yes" and "no") is an error naming the
+    token and the constraint's kind, in generate and in the serving engine. Planted: a matcher
+    that drops such a token silently let both runs finish."""
+    prompt = tiny.tokenizer.encode("Answer: ")
+    forced = tiny.tokenizer.encode("maybe", add_bos=False)
+    assert len(forced) == 1  # one token: the first step already feeds it
+    choice = Constraint.choice(["yes", "no"])
+    message = rf"token {forced[0]} \(b'maybe'\) is outside the choice constraint"
+    with pytest.raises(constrained.ConstraintError, match=message):
+        tiny.generate(prompt, len(forced), constraint=choice, forced_tokens=forced)
+    request = Request("r", prompt, len(forced), forced_tokens=forced, constraint=choice)
+    serving = ServingEngine(tiny, block_size=4)
+    with pytest.raises(constrained.ConstraintError, match=message):
+        serving.serve([request])
+    assert serving.pending == 0  # nothing left behind for a next call
+
+
 def test_masks_are_kept_only_when_asked(tiny) -> None:
     """A step's allowed ids are up to the vocabulary's size (about 1 MB inside a JSON string on
     128k tokens): a generation or a served request keeps them only with record_allowed."""

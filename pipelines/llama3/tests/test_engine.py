@@ -1,6 +1,7 @@
 """The model and generation API on tiny random checkpoints (milliseconds each)."""
 
 import dataclasses
+import os
 import pathlib
 
 import gguf
@@ -10,6 +11,7 @@ import torch
 
 from pipelines.llama3 import Llama3Engine, load_config
 from pipelines.llama3 import engine as engine_module
+from pipelines.llama3.gguf_file import CheckpointError
 from pipelines.llama3.gguf_loader import DequantizedCache
 from pipelines.llama3.model import rope_inverse_frequencies
 from pipelines.llama3.tests.recompute import greedy_decode_without_cache
@@ -177,6 +179,45 @@ def test_a_replaced_file_is_parsed_again(tmp_path: pathlib.Path) -> None:
     (tmp_path / "other.gguf").replace(path)
     after = Llama3Engine.from_gguf(path)
     assert (before.config.ffn_dim, after.config.ffn_dim) == (128, 64)
+
+
+def _rewrite_in_place(path: pathlib.Path, rewrite) -> None:
+    """Runs `rewrite` on the file's own bytes (same inode, same size), then moves its mtime a
+    second on: a rewrite within one timestamp tick of the last write (the kernel's clock is
+    coarse, some milliseconds) leaves mtime and ctime as they were, so the new version would
+    only be told apart by chance."""
+    before = path.stat()
+    rewrite()
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    after = path.stat()
+    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+
+
+def test_a_file_rewritten_in_place_is_parsed_again(tmp_path: pathlib.Path) -> None:
+    """Same path, inode and size, new bytes: another version by mtime and ctime (_FileVersion),
+    so the new values are read and the new tensors checked. Planted: the parse cache keyed
+    without mtime and ctime kept rope_theta at 10000 and loaded the NaN weight."""
+    path, other = tmp_path / "tiny.gguf", tmp_path / "other.gguf"
+    write_tiny_llama(path, seed=0, rope_theta=10000.0)
+    write_tiny_llama(other, seed=0, rope_theta=20000.0)
+    assert Llama3Engine.from_gguf(path).config.rope_theta == 10000.0
+
+    def copy_other() -> None:
+        with open(path, "r+b") as f:
+            f.write(other.read_bytes())
+
+    _rewrite_in_place(path, copy_other)
+    assert Llama3Engine.from_gguf(path).config.rope_theta == 20000.0
+
+    def poison_a_weight() -> None:
+        reader = gguf.GGUFReader(path, "r+")
+        tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+        tensor.data.reshape(-1)[0] = np.nan
+        reader.data.flush()
+
+    _rewrite_in_place(path, poison_a_weight)
+    with pytest.raises(CheckpointError, match=r"tensor blk\.0\.attn_q\.weight holds NaN"):
+        Llama3Engine.from_gguf(path)
 
 
 def test_one_file_under_two_names_is_parsed_once(tmp_path: pathlib.Path) -> None:

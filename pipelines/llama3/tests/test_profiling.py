@@ -13,6 +13,7 @@ one Perfetto's UI and chrome://tracing both run. That browser check is headless 
 from __future__ import annotations
 
 import contextlib
+import errno
 import html
 import json
 import os
@@ -23,6 +24,7 @@ import subprocess
 
 import gguf
 import pytest
+import torch
 
 from pipelines.llama3 import Llama3Engine, generate, profiling, server
 from pipelines.llama3.serving import Request, ServingEngine
@@ -247,6 +249,39 @@ def test_a_trace_inside_another_raises_and_the_outer_trace_is_written(tmp_path) 
     with profiling.trace(inner):  # the refusal leaves nothing behind: the next trace runs
         pass
     assert profiling.events(inner)
+
+
+def _export_a_fragment_then_fill_the_disk(self, path) -> None:
+    pathlib.Path(path).write_text('{"traceEvents": [{"name": "x"')
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def _export_a_fragment(self, path) -> None:  # "succeeds", but the file does not parse
+    pathlib.Path(path).write_text('{"traceEvents": [{"name": "x"')
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["no-older-file", "older-file"])
+@pytest.mark.parametrize(
+    "export, error",
+    [(_export_a_fragment_then_fill_the_disk, OSError), (_export_a_fragment, ValueError)],
+    ids=["disk-full", "unparsable"],
+)
+def test_a_failed_export_leaves_the_path_as_it_was_and_no_fragment(
+    export, error, older, tmp_path, monkeypatch
+) -> None:
+    """A trace is written whole or not at all: when the export fails (a full disk) or its file
+    does not parse, the error propagates, an older file at the path keeps its bytes (or no
+    file appears) and the temporary file beside it is removed. Planted: the export straight
+    to the path left the fragment there; the temporary file not removed was left behind."""
+    path = tmp_path / "t.json"
+    if older:
+        path.write_text('{"traceEvents": []}')
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", export)
+    with pytest.raises(error), profiling.trace(path):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["t.json"] if older else [])
+    if older:
+        assert path.read_text() == '{"traceEvents": []}'
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from goldens.tolerances import tolerance
@@ -508,6 +510,47 @@ def test_a_ggml_paged_key_error_fails_the_bitwise_lane(goldens, monkeypatch) -> 
     monkeypatch.setattr(ggml_mode.GgmlAttention, "forward_paged", large_keys)
     (failure,) = not_bitwise("ggml", "q4_k", "batch", "short", _batch_delta(engine, golden, solo))
     assert "documented as bitwise" in failure
+
+
+def _run(logits, prompt_logits=None) -> engine_runs.Run:
+    """A run of case "c" with these rows (and prompt position 3's row, when given)."""
+    positions = [3] if prompt_logits is not None else []
+    spec = types.SimpleNamespace(id="c")
+    return engine_runs.Run(spec, [1, 2, 3, 4], [], logits, 0.0, positions, prompt_logits)
+
+
+def test_a_nan_served_logit_is_past_every_bound() -> None:
+    """A non-finite log-prob difference (a NaN served logit, in a step row or a prompt row; an
+    id at -inf on one side only) is inf: it fails a bitwise lane and every bound, where
+    max(worst, nan) had scored it 0.0, bitwise. No model: rows of a fixed generator."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 50)).astype(np.float32)
+    prompt = rng.standard_normal((1, 50)).astype(np.float32)
+    solo = [_run(logits, prompt)]
+    delta = scenarios.max_logprob_delta
+    assert delta([_run(logits.copy(), prompt.copy())], solo) == 0.0
+    nudged = logits.copy()
+    nudged[1, 7] += 1e-3  # the setup tells a finite move apart: small, not 0 and not inf
+    assert 1e-5 < delta([_run(nudged, prompt)], solo) < 1e-3
+    for where in ("step", "prompt", "-inf"):
+        served_logits, served_prompt = logits.copy(), prompt.copy()
+        if where == "step":
+            served_logits[1, 7] = np.nan
+        elif where == "prompt":
+            served_prompt[0, 7] = np.nan
+        else:
+            served_logits[1, 7] = -np.inf
+        moved = delta([_run(served_logits, served_prompt)], solo)
+        assert moved == np.inf, where
+        (failure,) = not_bitwise("quantized", "q4_k", "batch", "short", moved)
+        assert "documented as bitwise" in failure
+        (failure,) = not_bitwise("eager", "bfloat16", "chunked", "long", moved, one_row=True)
+        assert "past the batch-invariance bound" in failure
+    # an id a constraint rules out on both sides has the same log-prob there (-inf): 0
+    both = [logits.copy(), nudged.copy()]
+    for rows in both:
+        rows[2, 11] = -np.inf
+    assert 1e-5 < delta([_run(both[1], prompt)], [_run(both[0], prompt)]) < 1e-3
 
 
 class _DropsLaterChunksRows(ServingEngine):
