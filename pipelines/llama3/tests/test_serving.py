@@ -160,6 +160,26 @@ def _window(keys: int):
     return mask
 
 
+def _moved_and_followed(engine, requests, solo, servings, bitwise=()) -> None:
+    """With what the test planted: generate, teacher-forced on the requests' tokens, moves
+    every step's logits from `solo` (the plant reached generate, decode steps included), and
+    the served requests, in each of `servings`, follow it (the plant reached them too):
+    bitwise in the modes `bitwise` names, else within LOGPROB_ATOL."""
+    with torch.inference_mode():
+        planted = [
+            engine.generate(
+                r.prompt, STEPS, forced_tokens=r.forced_tokens, prompt_positions=r.prompt_positions
+            )
+            for r in requests
+        ]
+    for request, ours, plain in zip(requests, planted, solo, strict=True):
+        moved = (ours.logits - plain.logits).abs().amax(-1)
+        assert bool((moved > 1e-3).all()), (request.id, moved)
+    for config in servings:
+        worst = _worst(ServingEngine(engine, **config).serve(requests), requests, planted)
+        assert worst == 0.0 if engine.mode in bitwise else worst < LOGPROB_ATOL, (config, worst)
+
+
 def test_a_models_attention_mask_reaches_generate_and_every_served_path(
     served, monkeypatch
 ) -> None:
@@ -170,19 +190,7 @@ def test_a_models_attention_mask_reaches_generate_and_every_served_path(
     SDPA in every mode, so the served bound is the eager one."""
     engine, requests, solo = served
     monkeypatch.setattr(engine.model, "attention_mask", _window(1))
-    with torch.inference_mode():
-        windowed = [
-            engine.generate(
-                r.prompt, STEPS, forced_tokens=r.forced_tokens, prompt_positions=r.prompt_positions
-            )
-            for r in requests
-        ]
-    for request, ours, plain in zip(requests, windowed, solo, strict=True):
-        moved = (ours.logits - plain.logits).abs().amax(-1)
-        assert bool((moved > 1e-3).all()), (request.id, moved)
-    for config in ({}, {"chunk_size": 3, "block_size": 4}):
-        worst = _worst(ServingEngine(engine, **config).serve(requests), requests, windowed)
-        assert worst < LOGPROB_ATOL, (config, worst)
+    _moved_and_followed(engine, requests, solo, ({}, {"chunk_size": 3, "block_size": 4}))
 
 
 def test_an_override_of_the_layer_loop_reaches_generate_and_the_served_requests(
@@ -196,18 +204,7 @@ def test_an_override_of_the_layer_loop_reaches_generate_and_the_served_requests(
     engine, requests, solo = served
     loop = engine.model.run_layers
     monkeypatch.setattr(engine.model, "run_layers", lambda *args: loop(*args) + 0.5)
-    with torch.inference_mode():
-        moved_runs = [
-            engine.generate(
-                r.prompt, STEPS, forced_tokens=r.forced_tokens, prompt_positions=r.prompt_positions
-            )
-            for r in requests
-        ]
-    for request, ours, plain in zip(requests, moved_runs, solo, strict=True):
-        moved = (ours.logits - plain.logits).abs().amax(-1)
-        assert bool((moved > 1e-3).all()), (request.id, moved)
-    worst = _worst(ServingEngine(engine).serve(requests), requests, moved_runs)
-    assert worst == 0.0 if engine.mode in ("quantized", "ggml") else worst < LOGPROB_ATOL, worst
+    _moved_and_followed(engine, requests, solo, ({},), bitwise=("quantized", "ggml"))
 
 
 def test_one_norms_epsilon_reaches_every_decode_step_solo_and_served(served, monkeypatch) -> None:
@@ -218,18 +215,7 @@ def test_one_norms_epsilon_reaches_every_decode_step_solo_and_served(served, mon
     their unplanted logits."""
     engine, requests, solo = served
     monkeypatch.setattr(engine.model.layers[-1].ffn_norm, "eps", 1.0)
-    with torch.inference_mode():
-        planted = [
-            engine.generate(
-                r.prompt, STEPS, forced_tokens=r.forced_tokens, prompt_positions=r.prompt_positions
-            )
-            for r in requests
-        ]
-    for request, ours, plain in zip(requests, planted, solo, strict=True):
-        moved = (ours.logits - plain.logits).abs().amax(-1)
-        assert bool((moved > 1e-3).all()), (request.id, moved)
-    worst = _worst(ServingEngine(engine).serve(requests), requests, planted)
-    assert worst == 0.0 if engine.mode in ("quantized", "ggml") else worst < LOGPROB_ATOL, worst
+    _moved_and_followed(engine, requests, solo, ({},), bitwise=("quantized", "ggml"))
 
 
 def test_a_kept_position_is_not_written_again_on_any_path(served) -> None:
