@@ -93,6 +93,11 @@ remote=(--config=remote --remote_executor="$endpoint" "${common[@]}")
 bazel_run remote-cold test "${SUBSET[@]}" "${remote[@]}"
 line="$(processes_line "$work/remote-cold.log")"
 check_kinds remote-cold "$line" "internal,remote"
+# A cold run executes: every test, and at least one process remotely (a line of internal
+# processes alone, or tests taken from a cache, proves nothing of remote execution).
+grep -qE ' [1-9][0-9]* remote' <<<"$line" || fail "remote-cold: no remote process in '$line'"
+grep -qE '^Executed ([0-9]+) out of \1 tests?' "$work/remote-cold.log" \
+  || fail "remote-cold: not every test executed (log $work/remote-cold.log)"
 say "--config=remote, cold: $wall s; $line"
 remote_tests="$(summary)"
 say "remote results: $remote_tests"
