@@ -26,6 +26,14 @@ property those are its own run's examples. For a parametrized one (`pytest.mark.
 or a parametrized fixture), pytest's hypothesis plugin adds each parametrization's node id to
 its own run's seed, so a planted run draws other examples than any of them, but the same ones
 on every run, whichever parametrizations ran before it or were deselected.
+
+A failure counts as the property catching the bug only when the property's own check raised
+it. A plant that fails once and then behaves (hypothesis's Flaky: the failing example passed
+when replayed) is refused, and so is an error raised while a plant was running (the plant's
+own assert, or the subject's, under the plant: the property's check never ran). `match` names
+the property's failure message and replaces that second rule where a property's check runs
+inside a plant (a planted subject that the property drives) or a test plants a failure on
+purpose.
 """
 
 from __future__ import annotations
@@ -33,17 +41,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import traceback
 from collections.abc import Callable
+from types import CodeType, FunctionType
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.errors import UnsatisfiedAssumption
+from hypothesis.errors import Flaky, UnsatisfiedAssumption
 
 ExceptionTypes = type[BaseException] | tuple[type[BaseException], ...]
 # What hypothesis adds to a test's source and signature to seed a derandomized run; its pytest
 # plugin sets it to the node id of each parametrization of a parametrized property.
 ADD_DIGEST = "_hypothesis_internal_add_digest"
+# Marks first_failure's own counting wrapper, so that a later call on the same monkeypatch
+# does not take it for a plant.
+_COUNTER = "_first_failure_counter"
 
 
 def fuzz_settings(max_examples: int) -> settings:
@@ -67,6 +80,43 @@ class PlantedFailure:
     errors: list[BaseException]  # what hypothesis raised: one failure, or each distinct one
 
 
+def _code_of(value: Any, *, depth: int = 0) -> list[CodeType]:
+    """The code objects a planted value runs: a function's, a method's, a staticmethod's or
+    classmethod's, a functools.partial's function's; for a class, its own methods'."""
+    if isinstance(value, type):
+        if depth:
+            return []
+        return [code for item in vars(value).values() for code in _code_of(item, depth=1)]
+    value = getattr(value, "__func__", value)  # bound methods, staticmethod, classmethod
+    if isinstance(value, functools.partial):
+        value = value.func
+    code = getattr(value, "__code__", None)
+    return [code] if isinstance(code, CodeType) else []
+
+
+def _plants(monkeypatch: pytest.MonkeyPatch) -> dict[CodeType, str]:
+    """The code each value set so far through `monkeypatch` (setattr, setitem) runs, by a
+    name for messages. Read from the MonkeyPatch's undo lists (private; pytest 9.2)."""
+    planted: dict[CodeType, str] = {}
+    for owner, name, _ in monkeypatch._setattr:
+        value = getattr(owner, name, None)
+        if isinstance(value, FunctionType) and value.__dict__.get(_COUNTER):
+            continue  # an earlier first_failure's counter on the same monkeypatch, no plant
+        label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+        planted.update(dict.fromkeys(_code_of(value), label))
+    for mapping, key, _ in monkeypatch._setitem:
+        planted.update(dict.fromkeys(_code_of(mapping.get(key)), f"[{key!r}]"))
+    return planted
+
+
+def _raised_in_plant(error: BaseException, planted: dict[CodeType, str]) -> str | None:
+    """The plant (and its function) running where `error` was raised, or None."""
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        if frame.f_code in planted:
+            return f"{planted[frame.f_code]} ({frame.f_code.co_qualname})"
+    return None
+
+
 def first_failure(
     monkeypatch: pytest.MonkeyPatch,
     prop: Callable[..., None],
@@ -80,11 +130,14 @@ def first_failure(
     """Run the hypothesis test `prop(**kwargs)` with a bug planted and assert that it fails.
 
     Every error hypothesis raises (the failure, or an ExceptionGroup of the distinct failures
-    it found) must be an `expected` and not an `unexpected` instance; with `match`, the regex
-    must be found in at least one error's message. Counts the examples through
+    it found) must be an `expected` and not an `unexpected` instance. The failure must be the
+    property's: a Flaky failure (the failing example passed when replayed) is refused; with
+    `match`, the regex must be found in at least one error's message; without it, no error may
+    be raised while a value planted through `monkeypatch` runs. Counts the examples through
     `prop.hypothesis.inner_test`; examples rejected by `assume` or a filter do not count, as
     they do not count towards `max_examples`. Prints and returns where the first failure came.
     """
+    planted = _plants(monkeypatch)  # before this function's own setattrs below
     inner = prop.hypothesis.inner_test
     calls, first = 0, 0
 
@@ -110,6 +163,7 @@ def first_failure(
     # inner test all parametrizations share. Dropped, the planted run is seeded by the source
     # and signature alone: the same examples on every run, whatever ran before it.
     counting.__dict__.pop(ADD_DIGEST, None)
+    setattr(counting, _COUNTER, True)
     monkeypatch.setattr(prop.hypothesis, "inner_test", counting)
     if not shrink:
         own = prop._hypothesis_internal_use_settings
@@ -118,10 +172,23 @@ def first_failure(
     with pytest.raises(Exception) as caught:
         prop(**kwargs)
     raised = caught.value
+    assert not isinstance(raised, Flaky), (
+        f"{prop.__name__}: the plant is flaky, not caught: example {first} failed, then passed "
+        f"when hypothesis ran it again ({type(raised).__name__}: {raised}); a planted bug must "
+        "fail the same example every time"
+    )
     errors = list(raised.exceptions) if isinstance(raised, ExceptionGroup) else [raised]
     assert all(isinstance(e, expected) and not isinstance(e, unexpected) for e in errors), errors
     if match is not None:
         assert any(re.search(match, str(e)) for e in errors), [str(e) for e in errors]
+    else:
+        for error in errors:
+            plant = _raised_in_plant(error, planted)
+            assert plant is None, (
+                f"{prop.__name__}: {error!r} was raised inside the plant {plant}, not by the "
+                "property's check: fix the plant, or pass match= naming the property's "
+                "failure message if its check runs inside the plant"
+            )
     assert first, f"{prop.__name__} raised {errors!r} but no example failed"
     record = PlantedFailure(first=first, calls=calls, errors=errors)
     print(

@@ -266,12 +266,13 @@ def _assert_property_fails(
     record_property: Callable[[str, object], None],
     prop: Callable[..., None],
     engines: Callable[..., Llama3Engine],
+    match: str,
 ) -> None:
     """Run a property with a planted bug: it fails within the first half of its FUZZ_EXAMPLES
-    examples. (Not shrinking, hypothesis stops at FUZZ_EXAMPLES: `first <= FUZZ_EXAMPLES`
-    could not fail; the half is a margin, so a strategy that drifts away from a bug fails
-    here before the bug is missed.)"""
-    planted = first_failure(monkeypatch, prop, engines=engines)
+    examples, with its own check's message `match`. (Not shrinking, hypothesis stops at
+    FUZZ_EXAMPLES: `first <= FUZZ_EXAMPLES` could not fail; the half is a margin, so a
+    strategy that drifts away from a bug fails here before the bug is missed.)"""
+    planted = first_failure(monkeypatch, prop, match=match, engines=engines)
     assert planted.first <= FUZZ_EXAMPLES // 2, f"found only at example {planted.first}"
     record_property("first_failing_example", planted.first)
     record_property("examples_run", planted.calls)
@@ -290,7 +291,11 @@ def test_planted_kv_cache_shift_fails_decode_property(
 
     monkeypatch.setattr(Transformer, "forward", shifted)
     _assert_property_fails(
-        monkeypatch, record_property, test_kv_cache_decode_equals_recomputation, engines
+        monkeypatch,
+        record_property,
+        test_kv_cache_decode_equals_recomputation,
+        engines,
+        match="cached decode .* vs recomputed",
     )
 
 
@@ -309,7 +314,11 @@ def test_planted_kv_cache_late_from_position_1000_fails_decode_property(
 
     monkeypatch.setattr(Transformer, "forward", late)
     _assert_property_fails(
-        monkeypatch, record_property, test_kv_cache_decode_equals_recomputation, engines
+        monkeypatch,
+        record_property,
+        test_kv_cache_decode_equals_recomputation,
+        engines,
+        match="cached decode .* vs recomputed",
     )
 
 
@@ -325,7 +334,11 @@ def test_planted_non_causal_prefill_fails_forward_property(
 
     monkeypatch.setattr(model_module, "attention_mask", see_everything)
     _assert_property_fails(
-        monkeypatch, record_property, test_full_forward_equals_teacher_forced_steps, engines
+        monkeypatch,
+        record_property,
+        test_full_forward_equals_teacher_forced_steps,
+        engines,
+        match="Tensor-likes are not close",  # torch.testing.assert_close's message
     )
 
 
@@ -344,4 +357,6 @@ def test_planted_nan_rope_tail_fails_finite_property(
         return cos, sin
 
     monkeypatch.setattr(model_module, "precompute_rope", nan_tail)
-    _assert_property_fails(monkeypatch, record_property, test_logits_are_finite, engines)
+    _assert_property_fails(
+        monkeypatch, record_property, test_logits_are_finite, engines, match="rows with finite"
+    )

@@ -66,16 +66,38 @@ def test_tiny_checkpoint_reads_like_gguf_py(
     assert_same_as_gguf_py(tiny_gguf)
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["tiny_llama.gguf", "tiny_llama_bf16.gguf", "tiny_llama_q4_k.gguf", "tiny_llama_nvfp4.gguf"],
-)
+TESTDATA_CHECKPOINTS = [
+    "tiny_llama.gguf",
+    "tiny_llama_bf16.gguf",
+    "tiny_llama_q4_k.gguf",
+    "tiny_llama_nvfp4.gguf",
+]
+
+
+@pytest.mark.parametrize("name", TESTDATA_CHECKPOINTS)
 @pytest.mark.slow  # gguf-py needs seconds for the 128k-token vocabulary
 def test_testdata_checkpoints_read_like_gguf_py(name: str) -> None:
     path = TESTDATA / name
     if not path.is_file():
-        pytest.skip(f"{path} not generated yet")
+        required.missing(f"{path} not generated yet (see its folder's README.md)")
     assert_same_as_gguf_py(path)
+
+
+def test_missing_testdata_checkpoint_fails_where_required(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shipped checkpoint that is not there fails the test under GOLDENS_REQUIRED=1 (`bazel
+    test`), where a skip would let a lost input go green; plain pytest skips with its path."""
+    monkeypatch.setitem(globals(), "TESTDATA", tmp_path)  # an empty folder
+    monkeypatch.setenv(required.REQUIRED_ENV, "1")
+    for name in TESTDATA_CHECKPOINTS:
+        with pytest.raises((pytest.fail.Exception, pytest.skip.Exception)) as outcome:
+            test_testdata_checkpoints_read_like_gguf_py(name)
+        assert outcome.type is pytest.fail.Exception, f"{name}: {outcome.value!r}"
+        assert str(tmp_path / name) in str(outcome.value)
+    monkeypatch.delenv(required.REQUIRED_ENV)
+    with pytest.raises(pytest.skip.Exception, match=str(tmp_path / "tiny_llama.gguf")):
+        test_testdata_checkpoints_read_like_gguf_py("tiny_llama.gguf")
 
 
 @pytest.mark.slow

@@ -122,7 +122,7 @@ def test_repeated_load_does_not_grow_memory(
     locate, dtype, mode = CHECKPOINTS[name]
     path = locate()
     if not path.is_file():
-        pytest.skip(f"{path} is missing (see its folder's README.md)")
+        required.missing(f"{path} is missing (see its folder's README.md)")
     rss, cuda = [], []
     for _ in range(CYCLES):
         _load_run_drop(path, device, dtype, mode)
@@ -143,6 +143,25 @@ def test_repeated_load_does_not_grow_memory(
         record_property("cuda_allocated_mib", cuda)
         # The caching allocator keeps freed blocks reserved, but nothing stays allocated.
         assert cuda[-1] == cuda[0], f"CUDA memory allocated grew: {cuda} MiB"
+
+
+def test_missing_tiny_checkpoint_fails_where_required(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shipped tiny checkpoint that is not there fails the test under GOLDENS_REQUIRED=1
+    (`bazel test`), where a skip would let a lost input go green; plain pytest skips."""
+    monkeypatch.setitem(globals(), "TESTDATA", tmp_path)  # an empty folder
+    monkeypatch.setenv(required.REQUIRED_ENV, "1")
+    tiny = [name for name in CHECKPOINTS if name.startswith("tiny")]
+    assert len(tiny) == 4
+    for name in tiny:
+        with pytest.raises((pytest.fail.Exception, pytest.skip.Exception)) as outcome:
+            test_repeated_load_does_not_grow_memory(name, "cpu", lambda *_: None)
+        assert outcome.type is pytest.fail.Exception, f"{name}: {outcome.value!r}"
+        assert str(tmp_path) in str(outcome.value)
+    monkeypatch.delenv(required.REQUIRED_ENV)
+    with pytest.raises(pytest.skip.Exception, match=str(tmp_path / "tiny_llama.gguf")):
+        test_repeated_load_does_not_grow_memory("tiny-float32", "cpu", lambda *_: None)
 
 
 def test_parsed_checkpoint_cache_stays_at_its_cap(tmp_path: pathlib.Path) -> None:
