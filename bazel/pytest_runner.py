@@ -34,6 +34,12 @@ equal shares of the tests' weights: 1 each, times every factor of PYTEST_SHARD_W
 ("smollm2=10 chunked=3": a test whose id contains "smollm2" weighs 10, 30 if "chunked" too)
 whose word its id contains, so that a target's few heavy cases do not land in one shard. A
 shard left with no test while the selection holds some passes with the skipped case saying so.
+Each shard's JUnit XML records what it split, as the `shard_collection` property of its
+testsuite: the count of the selected tests and the sha256 of their node ids in collection
+order. A shard keeps its share by position in its own collection, so shards that collected
+different orders (a parametrization over a set follows the hash seed, random in each shard's
+process) run some tests twice and others in no shard, every shard passing; the CI summary
+(bazel/test_summary.py) fails a target whose shards' properties differ.
 
 The check is scoped to the package: give a selection to the target that holds the test (the
 README's one-case commands do), or to a suite of its package's targets, not to `//...`, where
@@ -42,11 +48,13 @@ packages without a match fail.
 
 import difflib
 import gc
+import hashlib
 import math
 import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
@@ -146,6 +154,7 @@ class _Shard:
         self.total, self.index, self.contiguous = total, index, contiguous
         self.weights = weights
         self.selected_before = 0  # tests the selection holds, over every shard
+        self.collection: str | None = None  # "N tests, sha256 HEX" of their ordered node ids
 
     def _weight(self, nodeid: str) -> float:
         return math.prod(w for word, w in self.weights.items() if word in nodeid)
@@ -165,6 +174,8 @@ class _Shard:
     @pytest.hookimpl(trylast=True)  # after -k/-m deselect
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
         self.selected_before = len(items)
+        nodeids = "\n".join(item.nodeid for item in items).encode("utf-8")
+        self.collection = f"{len(items)} tests, sha256 {hashlib.sha256(nodeids).hexdigest()}"
         mine, others = [], []
         shards = self._shards([item.nodeid for item in items])
         for item, shard in zip(items, shards, strict=True):
@@ -258,6 +269,8 @@ def main() -> int:
     shard = _shard()
     plugins = [own, _FrozenImports()] + ([shard] if shard else [])
     code = _profiled(lambda: pytest.main(args + user_args, plugins=plugins))
+    if xml and shard is not None and shard.collection is not None:
+        _record_collection(xml, shard.collection)
     if code != pytest.ExitCode.NO_TESTS_COLLECTED:
         return code
     if shard is not None and shard.selected_before:
@@ -268,6 +281,7 @@ def main() -> int:
         print(f"pytest_runner: {message}")
         if xml:
             _write_skipped_case(xml, message)
+            _record_collection(xml, shard.collection)
         return pytest.ExitCode.OK
     if not own.selection_pairs():
         print(
@@ -417,6 +431,22 @@ def _write_skipped_case(xml: str, message: str) -> None:
         "</testcase></testsuite></testsuites>\n",
         encoding="utf-8",
     )
+
+
+def _record_collection(xml: str, collection: str) -> None:
+    """Add this shard's `shard_collection` property (module docstring) to each testsuite of
+    its JUnit XML, in the testsuite's `<properties>`, where JUnit has suite properties."""
+    path = Path(xml)
+    if not path.is_file():  # pytest stopped before writing it; Bazel writes its own
+        return
+    tree = ET.parse(path)
+    for suite in tree.getroot().iter("testsuite"):
+        properties = suite.find("properties")
+        if properties is None:
+            properties = ET.Element("properties")
+            suite.insert(0, properties)
+        ET.SubElement(properties, "property", name="shard_collection", value=collection)
+    tree.write(path, encoding="utf-8", xml_declaration=True)
 
 
 def _hint(own: _Collected, items: list[pytest.Item], more_names: list[str] = ()) -> str:

@@ -1,6 +1,12 @@
-"""CI's closing line: pytest results and ambiguous golden steps counted from JUnit XML."""
+"""CI's closing line: pytest results and ambiguous golden steps counted from JUnit XML.
+
+The reports are those that one run's build event file names (Bazel's
+--build_event_json_file: one JSON event a line); each test writes a small one of its own.
+"""
 
 import importlib.util
+import json
+import os
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bazel" / "test_summary.py"
@@ -22,26 +28,72 @@ XML = """<?xml version="1.0" encoding="utf-8"?>
  <testcase name="test_other"/>
 </testsuite></testsuites>
 """
+SUITE = "<testsuites><testsuite>{}</testsuite></testsuites>"
+PASSING = SUITE.format('<testcase name="test_a"/><testcase name="test_b"/>')
+FAILING = SUITE.format('<testcase name="test_c"><failure message="no"/></testcase>')
+LINE = (
+    "{} ambiguous steps, {} golden checks (steps and prompt positions compared by the judge lanes)"
+)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _bep(folder: Path, shards: dict, status: dict | None = None, cached=()) -> str:
+    """A build event file: a testResult event per shard of each label (its test.log and
+    test.xml as file URIs, the shards numbered from 1) and a testSummary per label (PASSED,
+    or `status`'s)."""
+    lines = []
+    for label, xmls in shards.items():
+        for shard, xml in enumerate(xmls, 1):
+            outputs = [
+                {"name": "test.log", "uri": (xml.parent / "test.log").as_uri()},
+                {"name": "test.xml", "uri": xml.as_uri()},
+            ]
+            event_id = {"label": label, "run": 1, "shard": shard, "attempt": 1}
+            result = {"testActionOutput": outputs, "status": "PASSED"}
+            if label in cached:
+                result["cachedLocally"] = True
+            lines.append({"id": {"testResult": event_id}, "testResult": result})
+    for label, overall in ({label: "PASSED" for label in shards} | (status or {})).items():
+        summary = {"overallStatus": overall, "shardCount": len(shards.get(label, []))}
+        lines.append({"id": {"testSummary": {"label": label}}, "testSummary": summary})
+    bep = folder / "bep.json"
+    bep.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(bep)
 
 
 def test_counts_passed_failed_skipped_and_ambiguous_steps(tmp_path, capsys):
-    target = tmp_path / "max_tests" / "test_llama"
-    target.mkdir(parents=True)
-    (target / "test.xml").write_text(XML)
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "test.xml").write_text(XML.replace('value="2"', 'value="0"'))
-    counts = test_summary.summarize(tmp_path)
+    llama = _write(tmp_path / "max_tests" / "test_llama" / "test.xml", XML)
+    other = _write(tmp_path / "other" / "test.xml", XML.replace('value="2"', 'value="0"'))
+    bep = _bep(tmp_path, {"//max_tests:test_llama": [llama], "//other:other": [other]})
+    counts, problems = test_summary.summarize(test_summary.load(Path(bep)))
     assert counts == {"passed": 4, "failed": 2, "skipped": 2, "ambiguous": 4, "checks": 240}
-    assert test_summary.main([str(tmp_path)]) == 0
-    assert capsys.readouterr().out == (
-        "tests: 4 passed, 2 failed, 2 skipped, 4 ambiguous steps, 240 golden checks (steps and "
-        "prompt positions compared by the judge lanes)\n"
+    assert problems == []
+    assert test_summary.main([bep]) == 1  # a test failed
+    assert (
+        capsys.readouterr().out == f"tests: 4 passed, 2 failed, 2 skipped, {LINE.format(4, 240)}\n"
     )
+    _write(other, PASSING)
+    _write(llama, PASSING)
+    assert test_summary.main([bep]) == 0
+    assert capsys.readouterr().out.startswith("tests: 4 passed, 0 failed, 0 skipped, 0 ambiguous")
 
 
-def test_no_test_run_at_all_is_an_error(tmp_path):
-    assert test_summary.main([str(tmp_path)]) == 1
-    assert test_summary.main([str(tmp_path / "missing")]) == 2
+def test_no_test_run_at_all_is_an_error_and_bad_input_is_named(tmp_path, capsys):
+    assert test_summary.main([_bep(tmp_path, {})]) == 1
+    assert test_summary.main([str(tmp_path / "empty_testlogs")]) == 2  # absent
+    (tmp_path / "empty_testlogs").mkdir()
+    assert test_summary.main([str(tmp_path / "empty_testlogs")]) == 1
+    capsys.readouterr()
+    (tmp_path / "bep.json").write_text('{"id": {"testResult": {"label": "//a:b"')  # cut short
+    assert test_summary.main([str(tmp_path / "bep.json")]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"test_summary: {tmp_path / 'bep.json'}, line 1: not JSON (")
+    assert "pass the complete file that `bazel test --build_event_json_file=FILE` wrote" in out
 
 
 def _headroom(entry: str, share: float, test: str, where: str) -> str:
@@ -61,26 +113,113 @@ def test_the_three_entries_closest_to_their_thresholds_are_named(tmp_path, capsy
         '<property name="ambiguous_steps" value="2"/>',
         '<property name="ambiguous_steps" value="2"/>' + "".join(props),
     )
-    (tmp_path / "test.xml").write_text(xml)
-    assert test_summary.closest(tmp_path) == [
+    bep = _bep(tmp_path, {"//t:t": [_write(tmp_path / "t" / "test.xml", xml)]})
+    assert test_summary.closest(test_summary.load(Path(bep))) == [
         "own/bfloat16/cpu 95% (tiny-bfloat16-llama3_1, prose, step 7 (position 12), logprob)",
         "torch/q4_k/cpu 50% (tiny-q4_k-llama3_1, prose, step 0 (position 5), logprob)",
         "own/float32/cpu 35% (tiny-float32-llama3_1, long_8k, prompt position 4097, logprob)",
     ]
-    assert test_summary.main([str(tmp_path)]) == 0
+    assert test_summary.main([bep]) == 1
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("closest to tolerance: own/bfloat16/cpu 95% (tiny-bfloat16-llama3_1")
 
 
-def test_a_sharded_target_counts_once(tmp_path):
-    """Bazel writes each shard's XML and their merge: only the merge is counted."""
-    target = tmp_path / "test_llama_serving"
-    for shard in ("shard_1_of_2", "shard_2_of_2"):
-        (target / shard).mkdir(parents=True)
-        (target / shard / "test.xml").write_text(XML)
-    assert test_summary.summarize(tmp_path)["passed"] == 4  # no merge: the shards count
-    (target / "test.xml").write_text(XML)
-    assert test_summary.summarize(tmp_path)["passed"] == 2
+def test_a_sharded_target_counts_once(tmp_path, capsys):
+    """Bazel 7.7 writes no merged test.xml for a sharded target: a top-level file beside the
+    shards is an earlier unsharded run's. Read from bazel-testlogs, that passing file hid the
+    current shards (a failure in shard_2_of_2 printed "0 failed"), and a target this run did
+    not test counted too. Only the files the run's build events name count."""
+    target = tmp_path / "testlogs" / "pkg" / "test_llama_serving_long"
+    _write(target / "test.xml", PASSING)  # the earlier run's
+    shards = [
+        _write(target / "shard_1_of_2" / "test.xml", PASSING),
+        _write(target / "shard_2_of_2" / "test.xml", FAILING),
+    ]
+    _write(tmp_path / "testlogs" / "pkg" / "gone" / "test.xml", FAILING)  # not in this run
+    bep = _bep(tmp_path, {"//pkg:test_llama_serving_long": shards}, {"//pkg:x": "NO_STATUS"})
+    assert test_summary.main([bep]) == 1
+    assert capsys.readouterr().out == f"tests: 2 passed, 1 failed, 0 skipped, {LINE.format(0, 0)}\n"
+
+
+def test_a_testlogs_folder_counts_each_targets_newest_layout(tmp_path, capsys):
+    """The fallback without build events (tools/remote/e2e.sh, a fresh output base): where a
+    target holds a top-level file and shard files, the newer set counts."""
+    target = tmp_path / "pkg" / "t"
+    top = _write(target / "test.xml", FAILING)
+    shards = [_write(target / f"shard_{i}_of_2" / "test.xml", PASSING) for i in (1, 2)]
+    os.utime(top, (1000, 1000))  # the earlier, unsharded run
+    assert test_summary.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("tests: 4 passed, 0 failed, 0 skipped")
+    for shard in shards:
+        os.utime(shard, (1000, 1000))
+    os.utime(top, (2000, 2000))  # sharded before, unsharded now
+    assert test_summary.main([str(tmp_path)]) == 1
+    assert capsys.readouterr().out.startswith("tests: 0 passed, 1 failed, 0 skipped")
+
+
+CRASHED = (
+    "//pkg:t: Bazel says FAILED, its tests' XML says none failed: it crashed after its tests "
+    "(see its test.log)"
+)
+
+
+def test_a_target_bazel_failed_whose_xml_says_none_failed_counts_as_failed(tmp_path, capsys):
+    """A runner that exits 139 after its tests passed and wrote their XML (a native library
+    crashing at interpreter exit): Bazel says FAILED, the XML one passed test."""
+    crashed = _write(tmp_path / "t" / "test.xml", PASSING)
+    failing = _write(tmp_path / "f" / "test.xml", FAILING)
+    cached = _write(tmp_path / "c" / "test.xml", PASSING)
+    flaky = _write(tmp_path / "r" / "test.xml", PASSING)  # its last attempt passed
+    shards = {"//pkg:t": [crashed], "//pkg:f": [failing], "//pkg:c": [cached], "//pkg:r": [flaky]}
+    status = {"//pkg:t": "FAILED", "//pkg:f": "FAILED", "//pkg:r": "FLAKY", "//pkg:n": "NO_STATUS"}
+    bep = _bep(tmp_path, shards, status, cached={"//pkg:c"})
+    assert test_summary.main([bep]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"tests: 6 passed, 3 failed, 0 skipped, {LINE.format(0, 0)}",
+        "//pkg:r: Bazel says FLAKY, its tests' XML says none failed (see its test.log)",
+        CRASHED,
+    ]
+    # Bazel's status alone, no test result: the target never ran
+    bep = _bep(tmp_path, {}, {"//pkg:lib_test": "FAILED_TO_BUILD"})
+    assert test_summary.main([bep]) == 1
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "//pkg:lib_test: Bazel says FAILED_TO_BUILD, and no test of it reported a result"
+    ]
+
+
+def test_a_report_the_run_names_but_cannot_be_read_counts_as_failed(tmp_path, capsys):
+    gone = tmp_path / "gone" / "test.xml"
+    cut = _write(tmp_path / "cut" / "test.xml", PASSING[:40])
+    bep = _bep(tmp_path, {"//pkg:gone": [gone], "//pkg:cut": [cut]})
+    assert test_summary.main([bep]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("tests: 0 passed, 2 failed, 0 skipped")
+    assert out[1].startswith(f"//pkg:cut: its report {cut} is not JUnit XML (")
+    assert out[2] == f"//pkg:gone: shard 1 of this run: its report {gone.as_uri()} is missing"
+
+
+def _collected(value: str) -> str:
+    prop = f'<properties><property name="shard_collection" value="{value}"/></properties>'
+    return PASSING.replace("<testsuite>", "<testsuite>" + prop)
+
+
+def test_shards_that_collected_different_test_lists_fail_the_target(tmp_path, capsys):
+    """bazel/pytest_runner.py records each shard's collection (count, sha256 of the ordered
+    node ids): shards that split different orders ran some tests twice and others never.
+    The runner's side, with real hash seeds: test_shard_collection.py."""
+    same = "6 tests, sha256 " + "a" * 64
+    shards = [_write(tmp_path / f"shard_{i}_of_2" / "test.xml", _collected(same)) for i in (1, 2)]
+    bep = _bep(tmp_path, {"//pkg:t": shards})
+    assert test_summary.main([bep]) == 0
+    capsys.readouterr()
+    _write(shards[1], _collected("6 tests, sha256 " + "b" * 64))
+    assert test_summary.main([bep]) == 1
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "//pkg:t: its shards collected different ordered test lists (shard_1_of_2: 6 tests, "
+        "sha256 aaaaaaaaaaaa...; shard_2_of_2: 6 tests, sha256 bbbbbbbbbbbb...), so some tests "
+        "ran in no shard and others in two; make the collection order the same in every "
+        "process (a parametrization over a set follows the hash seed)"
+    )
 
 
 LANES = Path("max_tests/integration/architectures/llama3")
@@ -97,15 +236,29 @@ def test_every_lane_that_counts_golden_checks_counts_its_ambiguous_steps_too() -
     assert silent == []
 
 
+PROBE = "test_checkpoint_override_env_reaches_this_test"
+
+
+def _probe(name: str, skipped: bool) -> str:
+    inner = '<skipped message="no"/>' if skipped else ""
+    return SUITE.format(f'<testcase name="{name}">{inner}</testcase>')
+
+
 def test_the_probe_passes_only_where_its_test_passed(tmp_path, capsys):
-    """CI's probe (.ci/run): LLAMA3_1_GGUF reached test_llama only if its probe test passed;
-    a skip (EXPECTED_LLAMA3_1_GGUF did not arrive) exited 0 and was taken for a pass before."""
-    shard = tmp_path / "test_llama" / "shard_1_of_2"
-    shard.mkdir(parents=True)
-    probe = '<testsuites><testsuite><testcase name="test_probe{}"{}</testsuite></testsuites>'
-    (shard / "test.xml").write_text(probe.format("", "/>"))
-    assert test_summary.main(["--passed", "test_probe", str(tmp_path)]) == 0
-    (shard / "test.xml").write_text(probe.format("[x]", '><skipped message="no"/></testcase>'))
-    assert test_summary.main(["--passed", "test_probe", str(tmp_path)]) == 1
-    assert "test_probe did not pass under" in capsys.readouterr().out
-    assert test_summary.main(["--passed", "test_other", str(tmp_path)]) == 1
+    """CI's probe (.ci/run): LLAMA3_1_GGUF reached test_llama only if its probe test passed in
+    the probe run. A skip (EXPECTED_LLAMA3_1_GGUF did not arrive) was taken for a pass where
+    an earlier unsharded run's passing test.xml lay beside the current shards."""
+    target = tmp_path / "testlogs" / "test_llama"
+    _write(target / "test.xml", _probe(PROBE, skipped=False))  # the earlier run's
+    shards = [
+        _write(target / "shard_1_of_2" / "test.xml", _probe(PROBE, skipped=True)),
+        _write(target / "shard_2_of_2" / "test.xml", _probe("none selected", skipped=True)),
+    ]
+    bep = _bep(tmp_path, {"//llama3:test_llama": shards})
+    assert test_summary.main(["--passed", PROBE, bep]) == 1
+    assert f"{PROBE} did not pass in {bep}" in capsys.readouterr().out
+    _write(shards[0], _probe(f"{PROBE}[x]", skipped=False))
+    assert test_summary.main(["--passed", PROBE, bep]) == 0
+    assert test_summary.main(["--passed", "test_other", bep]) == 1
+    assert test_summary.main(["--passed", PROBE, str(target)]) == 2  # a folder: no run named
+    assert "--passed reads the probe run's build event file" in capsys.readouterr().out
