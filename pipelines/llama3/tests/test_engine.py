@@ -210,10 +210,13 @@ def test_a_file_rewritten_in_place_is_parsed_again(tmp_path: pathlib.Path) -> No
     assert Llama3Engine.from_gguf(path).config.rope_theta == 20000.0
 
     def poison_a_weight() -> None:
-        reader = gguf.GGUFReader(path, "r+")
-        tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
-        tensor.data.reshape(-1)[0] = np.nan
-        reader.data.flush()
+        # at the tensor's offset in the file (testing/gguf_reader.py, which the Bazel targets
+        # install, views gguf-py's memmap as a plain array, with no flush of its own)
+        tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_q.weight")
+        assert tensor.tensor_type == gguf.GGMLQuantizationType.F32
+        with open(path, "r+b") as f:
+            f.seek(tensor.data_offset)
+            f.write(np.float32(np.nan).tobytes())
 
     _rewrite_in_place(path, poison_a_weight)
     with pytest.raises(CheckpointError, match=r"tensor blk\.0\.attn_q\.weight holds NaN"):
