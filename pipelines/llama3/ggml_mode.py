@@ -43,7 +43,7 @@ from torch import nn
 
 from pipelines.llama3 import packed, profiling
 from pipelines.llama3.kernel_library import GGML_ORDER, library
-from pipelines.llama3.model import causal_mask, rope_inverse_frequencies, slots_of
+from pipelines.llama3.model import is_causal, rope_inverse_frequencies, slots_of
 from pipelines.llama3.packing import RawMatrix
 
 # kernels/ggml_dot.c's weight codes, and the activations ggml quantizes for each
@@ -268,7 +268,7 @@ class GgmlAttention(packed.PackedAttention):
         # A model without windows: the plain causal case (None: a decode step or a prefill
         # from position 0; a chunk after cached positions, e.g. a speculative verification
         # block, gets the explicit causal mask, which the kernel computes as well).
-        causal = mask is None or _is_plain_causal(mask, seqlen, start_pos)
+        causal = mask is None or is_causal(mask, seqlen, start_pos)
         if not (bsz == 1 and causal and self._decode_applies(cos, sin)):
             return super().forward(x, start_pos, cos, sin, mask)
         qkv = self.wqkv(x).contiguous()  # [1, seq, (n_heads + 2 n_kv_heads) * head_dim]
@@ -299,11 +299,7 @@ class GgmlAttention(packed.PackedAttention):
         (the kernel writes them there) then copied to the piece's write slots, where they are
         new (`batch.fresh`). A row's products, norms and attention see only its own sequence,
         so a served sequence computes the bits `generate` computes (test_serving)."""
-        plain = all(
-            mask is None or _is_plain_causal(mask, count, len(context) - count)
-            for count, context, mask in zip(batch.counts, batch.contexts, batch.masks, strict=True)
-        )
-        if not (plain and cache_k.dtype == torch.float32 and cache_k.device.type == "cpu"):
+        if not (batch.plain and cache_k.dtype == torch.float32 and cache_k.device.type == "cpu"):
             return packed.PackedAttention.forward_paged(self, x, cos, sin, cache_k, cache_v, batch)
         qkv = self.wqkv(x).contiguous()  # [1, rows, (n_heads + 2 n_kv_heads) * head_dim]
         out = torch.empty(1, x.shape[1], self.n_heads * self.head_dim, dtype=torch.float32)
@@ -418,8 +414,3 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
         fused_decode=FusedDecode,
     )
 
-
-def _is_plain_causal(mask: torch.Tensor, seqlen: int, start_pos: int) -> bool:
-    """Whether `mask` is model.causal_mask's for these positions (a windowed model's is not)."""
-    plain = causal_mask(seqlen, start_pos, mask.device)
-    return mask.shape == plain.shape and bool(torch.equal(mask, plain))

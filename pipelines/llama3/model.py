@@ -119,6 +119,12 @@ def causal_mask(seqlen: int, start_pos: int, device: torch.device) -> torch.Tens
     )
 
 
+def is_causal(mask: torch.Tensor, seqlen: int, start_pos: int) -> bool:
+    """Whether `mask` is causal_mask's for these positions (a windowed model's is not)."""
+    plain = causal_mask(seqlen, start_pos, mask.device)
+    return mask.shape == plain.shape and bool(torch.equal(mask, plain))
+
+
 def attention_mask(seqlen: int, start_pos: int, device: torch.device) -> torch.Tensor | None:
     """The mask of `seqlen` queries from `start_pos`, or None where none is needed: one query
     sees every cached key, and a prefill from position 0 is causal, which SDPA computes
@@ -171,6 +177,9 @@ class PagedBatch:
     # per piece: Transformer.attention_mask of its rows after its earlier positions, set by
     # Transformer.with_masks (None until then; a piece's None: no mask needed)
     masks: tuple[torch.Tensor | None, ...] | None = None
+    # whether every piece's mask is None or causal_mask of its positions (what the kernels'
+    # attention computes), found once a forward by with_masks (None: not yet known)
+    plain: bool | None = None
 
     def unmasked_decode_rows(self) -> torch.Tensor:
         """[rows] bool: the rows of one-row pieces (a decode step) that need no mask: the ones
@@ -540,16 +549,21 @@ class Transformer(nn.Module):
         return attention_mask(seqlen, start_pos, device)
 
     def with_masks(self, batch: PagedBatch) -> PagedBatch:
-        """`batch` with each piece's mask: `attention_mask` of its rows after its earlier
-        positions, made once a forward rather than once a layer."""
-        if batch.masks is not None:
+        """`batch` with each piece's mask, `attention_mask` of its rows after its earlier
+        positions, and whether they are all plain causal (`PagedBatch.plain`): made once a
+        forward rather than once a layer."""
+        if batch.masks is not None and batch.plain is not None:
             return batch
         device = batch.k.device
-        masks = tuple(
-            self.attention_mask(count, len(context) - count, device)
-            for count, context in zip(batch.counts, batch.contexts, strict=True)
+        pieces = list(zip(batch.counts, batch.contexts, strict=True))
+        masks = batch.masks or tuple(
+            self.attention_mask(count, len(context) - count, device) for count, context in pieces
         )
-        return dataclasses.replace(batch, masks=masks)
+        plain = all(
+            mask is None or is_causal(mask, count, len(context) - count)
+            for (count, context), mask in zip(pieces, masks, strict=True)
+        )
+        return dataclasses.replace(batch, masks=masks, plain=plain)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head in the head's dtype (float32 for bfloat16 engines: bfloat16
