@@ -506,12 +506,16 @@ class FusedDecode:
             self._layers, self._caches = table, key
         return self._layers
 
-    def __call__(self, h: torch.Tensor, start_pos: int, cos, sin) -> torch.Tensor:
+    def __call__(
+        self, h: torch.Tensor, start_pos: int, cos, sin, shared: tuple[float, float]
+    ) -> torch.Tensor:
+        """h [1, 1, dim] of one sequence's decode step after every layer, with `shared`'s
+        epsilon and scale (`shared()`, read once by the step's caller)."""
         model, config = self.model, self.model.config
         layers = self._table()
         max_seq = model.layers[0].attention.cache_k.shape[2]
         h = h.float().contiguous().clone()  # [1, 1, dim], updated in place
-        eps, scale = self.shared()
+        eps, scale = shared
         with profiling.region(self.function):
             failed = getattr(self._lib, self.function)(
                 layers, len(model.layers), h.data_ptr(), config.dim, config.n_heads,
@@ -525,19 +529,20 @@ class FusedDecode:
 
     def takes(self, batch: PagedBatch) -> bool:
         """Whether `decode_paged` computes this serving batch: decode rows only (no prefill
-        chunk, no verification piece) that need no mask, float32 caches on the CPU, one
-        epsilon and one scale (`shared`)."""
+        chunk, no verification piece) that need no mask, float32 caches on the CPU (the
+        caller checks `shared` as well)."""
         k = batch.k
         return (
             bool(batch.unmasked_decode_rows().all())
-            and self.shared() is not None
             and k.dtype == torch.float32
             and (k.device.type == "cpu" and k.is_contiguous() and batch.v.is_contiguous())
         )
 
-    def decode_paged(self, h: torch.Tensor, cos, sin, batch: PagedBatch) -> torch.Tensor:
-        """h [rows, dim] of a serving batch of decode rows (`takes`) after every layer, in one
-        call (`paged_function`): each row's attention over its context slots as the mode's
+    def decode_paged(
+        self, h: torch.Tensor, cos, sin, batch: PagedBatch, shared: tuple[float, float]
+    ) -> torch.Tensor:
+        """h [rows, dim] of a serving batch of decode rows (`takes`) after every layer, with
+        `shared`'s epsilon and scale, in one call (`paged_function`): each row's attention over its context slots as the mode's
         attention module's forward_paged runs it, its new keys and values to its write slot,
         the products over every row."""
         model, config = self.model, self.model.config
@@ -554,7 +559,7 @@ class FusedDecode:
                 config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim,
                 slots.data_ptr(), starts.data_ptr(), write.data_ptr(), fresh.data_ptr(),
                 k.data_ptr(), v.data_ptr(), k[0].numel(), cos.data_ptr(), sin.data_ptr(),
-                *self.shared(), torch.get_num_threads(),
+                *shared, torch.get_num_threads(),
                 self.attention_work,
             )  # fmt: skip
         if failed:
@@ -574,11 +579,12 @@ class PackedTransformer(Transformer):
         """Transformer.run_layers; one sequence's decode step, or a serving step of decode rows
         only, in one call where the fused step takes it (FusedDecode.shared, .takes)."""
         fused = self.fused_decode
-        if fused is not None and batch is None:
-            if h.shape[:2] == (1, 1) and mask is None and fused.shared():
-                return fused(h, start_pos, cos, sin)
-        elif fused is not None and fused.takes(batch):
-            return fused.decode_paged(h[0], cos, sin, batch)[None]
+        shared = None if fused is None else fused.shared()
+        if shared is not None and batch is None:
+            if h.shape[:2] == (1, 1) and mask is None:
+                return fused(h, start_pos, cos, sin, shared)
+        elif shared is not None and fused.takes(batch):  # a serving step
+            return fused.decode_paged(h[0], cos, sin, batch, shared)[None]
         return super().run_layers(h, start_pos, cos, sin, mask, batch)
 
 

@@ -488,10 +488,10 @@ def test_a_serving_step_of_decode_rows_computes_the_modules_bits(
         fused.attention_work = type(fused).attention_work
 
         class FirstKeyDropped(type(fused)):
-            def decode_paged(self, h, cos, sin, batch):
+            def decode_paged(self, h, cos, sin, batch, shared):
                 contexts = [c[1:] if len(c) > 1 else c for c in batch.contexts]
                 return super().decode_paged(
-                    h, cos, sin, dataclasses.replace(batch, contexts=contexts)
+                    h, cos, sin, dataclasses.replace(batch, contexts=contexts), shared
                 )
 
         assert _served(engine, FirstKeyDropped(engine.model)) != modules, path.name
