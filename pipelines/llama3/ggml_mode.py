@@ -413,4 +413,3 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
         attention=GgmlAttention,
         fused_decode=FusedDecode,
     )
-

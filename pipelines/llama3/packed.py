@@ -542,9 +542,9 @@ class FusedDecode:
         self, h: torch.Tensor, cos, sin, batch: PagedBatch, shared: tuple[float, float]
     ) -> torch.Tensor:
         """h [rows, dim] of a serving batch of decode rows (`takes`) after every layer, with
-        `shared`'s epsilon and scale, in one call (`paged_function`): each row's attention over its context slots as the mode's
-        attention module's forward_paged runs it, its new keys and values to its write slot,
-        the products over every row."""
+        `shared`'s epsilon and scale, in one call (`paged_function`): each row's attention
+        over its context slots as the mode's attention module's forward_paged runs it, its new
+        keys and values to its write slot, the products over every row."""
         model, config = self.model, self.model.config
         starts = torch.tensor([0, *itertools.accumulate(len(c) for c in batch.contexts)])
         slots = torch.cat(batch.contexts).contiguous()
