@@ -81,10 +81,14 @@ def source_name(source: Path) -> str:
 
 def member_name(file_type: int | None) -> str:
     """The member name of a file of general.file_type `file_type`: "q4_1" for MOSTLY_Q4_1,
-    "f32" for ALL_F32; "source" for a file that records none."""
+    "f32" for ALL_F32; "source" for a file that records none, "file_type_N" for a number
+    gguf-py does not name (a newer writer's)."""
     if file_type is None:
         return "source"
-    kind = LlamaFileType(file_type).name
+    try:
+        kind = LlamaFileType(file_type).name
+    except ValueError:
+        return f"file_type_{file_type}"
     return kind.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
 
 

@@ -406,17 +406,17 @@ TAKES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 BLOCK = 32  # values per Q8_0 and Q4_0 block: a weight row of the family is a whole number of them
 
 
-def unbuildable(source: Path, reader) -> str | None:
+def unbuildable(source: Path, reader, file_type: int | None) -> str | None:
     """Why the family cannot be built from `source`'s weights (None when it can): a weight
     matrix of a type outside TAKES, or rows that are not whole Q8_0/Q4_0 blocks (the tiny
     float32 checkpoint's 16-value rows). `reader`: the file's header and tensor index, read
     by the engine's parser (`open_gguf`: 0.04 s on SmolLM2's file, 0.1-0.2 s on the tiny ones;
-    gguf-py's reader takes 2.4 s and 8 s, its vocabulary read a string at a time)."""
-    number = int(metadata_value(reader, "general.file_type", -1))
+    gguf-py's reader takes 2.4 s and 8 s, its vocabulary read a string at a time);
+    `file_type`: its general.file_type (None: it records none)."""
     try:
-        kind = LlamaFileType(number).name
+        kind = LlamaFileType(file_type).name
     except ValueError:
-        kind = f"file type {number}"
+        kind = f"file type {file_type}"
     matrices = [t for t in reader.tensors.values() if len(t.shape) > 1]
     taken = {GGMLQuantizationType[name] for name in TAKES}
     other = sorted({t.tensor_type.name for t in matrices if t.tensor_type not in taken})
@@ -443,11 +443,12 @@ def family_of(source: Path, cache: Path) -> dict[str, Path]:
         raise SliceError(f"--gguf={source}: no such file; pass a GGUF checkpoint")
     try:
         reader = open_gguf(source)  # a file that is not a GGUF: CheckpointError (a ValueError)
-        problem = unbuildable(source, reader)  # before the family's seconds to minutes of writing
+        file_type = metadata_value(reader, "general.file_type", None)
+        file_type = None if file_type is None else int(file_type)
+        problem = unbuildable(source, reader, file_type)  # before the minutes of writing
         if problem is not None:
             raise SliceError(problem)
-        file_type = metadata_value(reader, "general.file_type", None)
-        own = checkpoints.member_name(None if file_type is None else int(file_type))
+        own = checkpoints.member_name(file_type)
     except ValueError as error:
         raise SliceError(f"--gguf={source}: not a GGUF checkpoint ({error})") from None
     members = checkpoints.family(source, cache / file_sha256(source)[:16], skip=own)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from harness.llama3 import checkpoint_mutations
-from tools.eval_slice import eval_slice, slice_stats
+from tools.eval_slice import checkpoints, eval_slice, slice_stats
 from tools.eval_slice.tests.conftest import CHUNKS
 
 MODES = ("eager", "ggml")
@@ -233,6 +233,15 @@ def test_a_checkpoint_the_family_cannot_be_built_from_is_refused_first(
     )
     assert f"eval_slice: error: --gguf={source} {says}" in err
     assert not cache.exists()
+
+
+def test_a_member_is_named_by_its_file_type_and_an_unknown_one_by_its_number() -> None:
+    """The source's member name: a file type gguf-py does not name (a newer writer's) used to
+    raise ValueError in family_of, which reported the checkpoint as "not a GGUF checkpoint"."""
+    assert checkpoints.member_name(3) == "q4_1"  # MOSTLY_Q4_1
+    assert checkpoints.member_name(0) == "f32"  # ALL_F32
+    assert checkpoints.member_name(None) == "source"
+    assert checkpoints.member_name(9999) == "file_type_9999"
 
 
 def test_an_unwritable_json_path_is_refused_before_scoring(tmp_path, monkeypatch, capsys) -> None:
