@@ -30,18 +30,17 @@ The problems:
   list as the `shard_collection` property of its testsuite; those of a target must agree.
 - A report the run names that is missing, or is not XML.
 
-  python3 -m bazel.test_summary BEP_FILE   # .ci/run: the suite's --build_event_json_file
+  python3 -m bazel.test_summary BEP_FILE   # .ci/run, tools/remote/e2e.sh
   python3 -m bazel.test_summary --passed TEST_FUNCTION BEP_FILE   # exit 1 unless it passed
-  python3 -m bazel.test_summary TESTLOGS_FOLDER
 
-The folder is a fallback for a run without a build event file (tools/remote/e2e.sh: a fresh
-output base, so only that run's reports lie there): every test.xml under it, a target's newest
-set only where it holds files of several layouts (a top-level file, shards of N, shards of M),
-and no Bazel status, so the crash check is not made.
+A remotely executed or remotely cached test's event names its report by the remote cache's
+address (bytestream://HOST/blobs/SHA256/SIZE); the report Bazel downloaded is the one under the
+run's testlogs folder (the execroot the build events name) with that digest.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -51,7 +50,6 @@ from pathlib import Path
 
 COLLECTION = "shard_collection"  # bazel/pytest_runner.py writes it
 NOT_FAILED = {"PASSED", "NO_STATUS", "ABORTED (SKIPPED)"}  # no status: a skipped target
-SPLIT = re.compile(r"shard_\d+_of_\d+(_run_\d+_of_\d+)?|run_\d+_of_\d+")  # a shard's folder
 
 
 class BadInput(Exception):
@@ -68,14 +66,37 @@ class Run:
         self.missing: dict[str, list[str]] = {}
 
 
-def _path(uri: str) -> Path | None:
+def _path(uri: str, testlogs: Path | None) -> Path | None:
+    """The local file of a report's URI: a file URI's path, or the test.xml under `testlogs`
+    (the target's own folder of this run's testlogs) whose sha256 a bytestream URI names."""
     parsed = urllib.parse.urlparse(uri)
-    return Path(urllib.parse.unquote(parsed.path)) if parsed.scheme == "file" else None
+    if parsed.scheme == "file":
+        return Path(urllib.parse.unquote(parsed.path))
+    blob = re.search(r"/blobs/([0-9a-f]{64})/(\d+)$", parsed.path)
+    if parsed.scheme != "bytestream" or blob is None or testlogs is None:
+        return None
+    digest, size = blob.group(1), int(blob.group(2))
+    for xml in sorted(testlogs.rglob("test.xml")) if testlogs.is_dir() else ():
+        if xml.stat().st_size == size and hashlib.sha256(xml.read_bytes()).hexdigest() == digest:
+            return xml
+    return None
+
+
+def _testlogs(execroot: str | None, mnemonic: str | None, label: str) -> Path | None:
+    """The label's own folder of the run's testlogs: EXECROOT/bazel-out/MNEMONIC/testlogs/
+    PACKAGE/NAME (None where the events do not say, or for another repository's label)."""
+    if execroot is None or mnemonic is None or not label.startswith("//"):
+        return None
+    package, _, name = label[2:].partition(":")
+    return Path(execroot, "bazel-out", mnemonic, "testlogs", package, name)
 
 
 def from_bep(bep: Path) -> Run:
     """The reports and statuses a build event file names (JSON, one event a line)."""
     last: dict[tuple[str, int, int], tuple[int, str | None]] = {}  # shard -> (attempt, uri)
+    execroot: str | None = None  # the workspace event's
+    mnemonics: dict[str, str] = {}  # configuration id -> its output folder (k8-fastbuild)
+    configuration: dict[str, str] = {}  # label -> its tests' configuration id
     run = Run()
     for number, line in enumerate(bep.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -88,8 +109,13 @@ def from_bep(bep: Path) -> Run:
                 "`bazel test --build_event_json_file=FILE` wrote"
             ) from None
         ids = event.get("id", {})
+        if "workspaceInfo" in event:
+            execroot = event["workspaceInfo"].get("localExecRoot")
+        elif "configuration" in ids and "configuration" in event:
+            mnemonics[ids["configuration"]["id"]] = event["configuration"].get("mnemonic", "")
         if "testResult" in ids and "testResult" in event:
             key = ids["testResult"]
+            configuration[key["label"]] = key.get("configuration", {}).get("id", "")
             shard = (key["label"], int(key.get("run", 1)), int(key.get("shard", 1)))
             outputs = event["testResult"].get("testActionOutput", [])
             uri = next((o.get("uri") for o in outputs if o.get("name") == "test.xml"), None)
@@ -103,7 +129,8 @@ def from_bep(bep: Path) -> Run:
             elif "aborted" in event:
                 run.status[label] = f"ABORTED ({event['aborted'].get('reason', 'UNKNOWN')})"
     for (label, _, shard), (_, uri) in sorted(last.items()):
-        path = _path(uri) if uri else None
+        mnemonic = mnemonics.get(configuration.get(label, ""))
+        path = _path(uri, _testlogs(execroot, mnemonic, label)) if uri else None
         if path is None or not path.is_file():
             where = f"its report {uri} is missing" if uri else "it wrote no test.xml"
             run.missing.setdefault(label, []).append(f"{label}: shard {shard} of this run: {where}")
@@ -112,27 +139,13 @@ def from_bep(bep: Path) -> Run:
     return run
 
 
-def from_folder(testlogs: Path) -> Run:
-    """Every test.xml under a bazel-testlogs folder (module docstring: the fallback)."""
-    layouts: dict[Path, dict[str, list[Path]]] = {}
-    for xml in sorted(testlogs.rglob("test.xml")):
-        split = SPLIT.fullmatch(xml.parent.name) is not None
-        target = xml.parent.parent if split else xml.parent
-        layout = re.sub(r"_\d+_of_", "_N_of_", xml.parent.name) if split else ""
-        layouts.setdefault(target, {}).setdefault(layout, []).append(xml)
-    run = Run()
-    for target, sets in layouts.items():
-        newest = max(sets.values(), key=lambda xmls: max(x.stat().st_mtime for x in xmls))
-        run.reports[str(target.relative_to(testlogs)) or "."] = newest
-    return run
-
-
 def load(source: Path) -> Run:
-    if source.is_dir():
-        return from_folder(source)
     if source.is_file():
         return from_bep(source)
-    raise BadInput(f"{source} does not exist; pass the run's --build_event_json_file")
+    raise BadInput(
+        f"{source} is not a file; pass the build event file of the run "
+        "(bazel test --build_event_json_file=FILE)"
+    )
 
 
 class _Unreadable(Exception):
@@ -246,7 +259,7 @@ def passed(run: Run, name: str) -> bool:
 
 USAGE = (
     "usage: python3 -m bazel.test_summary BEP_FILE (the run's --build_event_json_file), "
-    "or --passed TEST_FUNCTION BEP_FILE, or a TESTLOGS_FOLDER that only one run wrote"
+    "or --passed TEST_FUNCTION BEP_FILE"
 )
 
 

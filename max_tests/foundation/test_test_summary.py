@@ -4,6 +4,7 @@ The reports are those that one run's build event file names (Bazel's
 --build_event_json_file: one JSON event a line); each test writes a small one of its own.
 """
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -85,10 +86,8 @@ def test_counts_passed_failed_skipped_and_ambiguous_steps(tmp_path, capsys):
 
 def test_no_test_run_at_all_is_an_error_and_bad_input_is_named(tmp_path, capsys):
     assert test_summary.main([_bep(tmp_path, {})]) == 1
-    assert test_summary.main([str(tmp_path / "empty_testlogs")]) == 2  # absent
-    (tmp_path / "empty_testlogs").mkdir()
-    assert test_summary.main([str(tmp_path / "empty_testlogs")]) == 1
-    capsys.readouterr()
+    assert test_summary.main([str(tmp_path / "absent.json")]) == 2
+    assert "absent.json is not a file; pass the build event file" in capsys.readouterr().out
     (tmp_path / "bep.json").write_text('{"id": {"testResult": {"label": "//a:b"')  # cut short
     assert test_summary.main([str(tmp_path / "bep.json")]) == 2
     out = capsys.readouterr().out
@@ -141,20 +140,37 @@ def test_a_sharded_target_counts_once(tmp_path, capsys):
     assert capsys.readouterr().out == f"tests: 2 passed, 1 failed, 0 skipped, {LINE.format(0, 0)}\n"
 
 
-def test_a_testlogs_folder_counts_each_targets_newest_layout(tmp_path, capsys):
-    """The fallback without build events (tools/remote/e2e.sh, a fresh output base): where a
-    target holds a top-level file and shard files, the newer set counts."""
-    target = tmp_path / "pkg" / "t"
-    top = _write(target / "test.xml", FAILING)
-    shards = [_write(target / f"shard_{i}_of_2" / "test.xml", PASSING) for i in (1, 2)]
-    os.utime(top, (1000, 1000))  # the earlier, unsharded run
-    assert test_summary.main([str(tmp_path)]) == 0
-    assert capsys.readouterr().out.startswith("tests: 4 passed, 0 failed, 0 skipped")
-    for shard in shards:
-        os.utime(shard, (1000, 1000))
-    os.utime(top, (2000, 2000))  # sharded before, unsharded now
-    assert test_summary.main([str(tmp_path)]) == 1
-    assert capsys.readouterr().out.startswith("tests: 0 passed, 1 failed, 0 skipped")
+def test_a_remote_report_is_the_downloaded_file_with_its_digest(tmp_path, capsys):
+    """A remotely executed or cached test's event names its report by the remote cache's
+    address: the summary reads the file with that digest under the target's testlogs folder
+    (from the workspace and configuration events), and counts a report it cannot find there
+    as missing (tools/remote/e2e.sh read every test.xml of a folder before)."""
+    execroot = tmp_path / "execroot"
+    target = execroot / "bazel-out" / "k8-fastbuild" / "testlogs" / "pkg" / "t"
+    stale = _write(target / "test.xml", PASSING)  # an earlier run's, another digest
+    shard = _write(target / "shard_1_of_1" / "test.xml", FAILING)
+    digest = hashlib.sha256(shard.read_bytes()).hexdigest()
+    uri = f"bytestream://127.0.0.1:1/blobs/{digest}/{shard.stat().st_size}"
+    events = [
+        {"id": {"workspace": {}}, "workspaceInfo": {"localExecRoot": str(execroot)}},
+        {"id": {"configuration": {"id": "c1"}}, "configuration": {"mnemonic": "k8-fastbuild"}},
+        {
+            "id": {"testResult": {"label": "//pkg:t", "shard": 1, "configuration": {"id": "c1"}}},
+            "testResult": {"testActionOutput": [{"name": "test.xml", "uri": uri}]},
+        },
+        {"id": {"testSummary": {"label": "//pkg:t"}}, "testSummary": {"overallStatus": "FAILED"}},
+    ]
+    bep = tmp_path / "bep.json"
+    bep.write_text("".join(json.dumps(event) + "\n" for event in events))
+    assert test_summary.main([str(bep)]) == 1
+    assert capsys.readouterr().out == f"tests: 0 passed, 1 failed, 0 skipped, {LINE.format(0, 0)}\n"
+    shard.unlink()  # not downloaded: the stale file's digest is another
+    assert test_summary.main([str(bep)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("tests: 0 passed, 1 failed") and f"its report {uri} is missing" in out
+    assert stale.is_file()
+    assert test_summary.main([str(tmp_path)]) == 2  # a folder is not a run's build events
+    assert "pass the build event file of the run" in capsys.readouterr().out
 
 
 CRASHED = (

@@ -68,8 +68,11 @@ bazel_run() {
   wall="$(since "$began")"
 }
 
-# The pytest counts of the run just made (bazel.test_summary over this output base's testlogs).
-summary() { python3 -m bazel.test_summary "$(bazel info bazel-testlogs 2>/dev/null)"; }
+# The pytest counts of the run NAME (bazel.test_summary over the reports its build events name,
+# `events NAME`; a remote test's report is the file Bazel downloaded, found by its digest). Not
+# for a run with the server down: Bazel fails writing build events that name remote files.
+events() { printf -- '--build_event_json_file=%s' "$work/$1.bep"; }
+summary() { python3 -m bazel.test_summary "$work/$1.bep"; }
 
 # Every process of a run was one of the allowed kinds (comma-separated: "internal,remote").
 check_kinds() {
@@ -90,7 +93,7 @@ bazel_run analysis build --nobuild "${SUBSET[@]}" "${common[@]}"
 say "fresh output base, analysis and pip hub: $wall s"
 
 remote=(--config=remote --remote_executor="$endpoint" "${common[@]}")
-bazel_run remote-cold test "${SUBSET[@]}" "${remote[@]}"
+bazel_run remote-cold test "${SUBSET[@]}" "${remote[@]}" "$(events remote-cold)"
 line="$(processes_line "$work/remote-cold.log")"
 check_kinds remote-cold "$line" "internal,remote"
 # A cold run executes: every test, and at least one process remotely (a line of internal
@@ -99,7 +102,7 @@ grep -qE ' [1-9][0-9]* remote' <<<"$line" || fail "remote-cold: no remote proces
 grep -qE '^Executed ([0-9]+) out of \1 tests?' "$work/remote-cold.log" \
   || fail "remote-cold: not every test executed (log $work/remote-cold.log)"
 say "--config=remote, cold: $wall s; $line"
-remote_tests="$(summary)"
+remote_tests="$(summary remote-cold)"
 say "remote results: $remote_tests"
 
 if [ "$full" = 1 ]; then
@@ -111,21 +114,23 @@ if [ "$full" = 1 ]; then
 fi
 
 bazel clean >/dev/null 2>&1
-bazel_run remote-cache test "${SUBSET[@]}" --config=remote-cache "${common[@]}"
+bazel_run remote-cache test "${SUBSET[@]}" --config=remote-cache "${common[@]}" "$(events remote-cache)"
 line="$(processes_line "$work/remote-cache.log")"
 check_kinds remote-cache "$line" "internal,remote cache hit"
 grep -q 'remote cache hit' <<<"$line" || fail "remote-cache: no remote cache hit in '$line'"
 say "--config=remote-cache after bazel clean: $wall s; $line"
 grep -qE '^Executed 0 out of [0-9]+ tests?' "$work/remote-cache.log" \
   || fail "remote-cache: tests executed instead of coming from the cache (log $work/remote-cache.log)"
-[ "$(summary)" = "$remote_tests" ] || fail "cached results '$(summary)' differ from remote '$remote_tests'"
+cached_tests="$(summary remote-cache)"
+[ "$cached_tests" = "$remote_tests" ] || fail "cached results '$cached_tests' differ from remote '$remote_tests'"
 
 # Last, as local runs of the no-sandbox tests write bytecode next to their inputs (the
 # remote-cache step above missed for some tests when it came after this).
 if [ "$full" = 1 ]; then
-  bazel_run local test "${SUBSET[@]}" --disk_cache= --symlink_prefix=/ --nocache_test_results
+  bazel_run local test "${SUBSET[@]}" --disk_cache= --symlink_prefix=/ --nocache_test_results "$(events local)"
   say "local (no remote config): $wall s; $(processes_line "$work/local.log")"
-  [ "$(summary)" = "$remote_tests" ] || fail "local results '$(summary)' differ from remote '$remote_tests'"
+  local_tests="$(summary local)"
+  [ "$local_tests" = "$remote_tests" ] || fail "local results '$local_tests' differ from remote '$remote_tests'"
 fi
 
 # Stop everything, then nothing of the stack may be left: no process naming the state folder or
