@@ -7,7 +7,6 @@ The reports are those that one run's build event file names (Bazel's
 import hashlib
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bazel" / "test_summary.py"
