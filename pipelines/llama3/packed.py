@@ -261,8 +261,9 @@ class PackedAttention(Attention):
     ) -> torch.Tensor:
         """Attention.forward_paged, the decode rows through the paged kernel
         (`decode_attention_paged`, bit-identical to the contiguous one `forward` runs) where
-        it reads these caches (float32, CPU): the kernel writes a decode row's keys itself,
-        into the row's write slot, the last of the slots it reads."""
+        it reads these caches (float32, CPU): the kernel writes a decode row's keys and values
+        itself, into the row's write slot, the last of the slots it reads, where the row is
+        fresh (`PagedBatch.fresh`: a kept position keeps its keys)."""
         if not (cache_k.dtype == torch.float32 and cache_k.device.type == "cpu"):
             return super().forward_paged(x, cos, sin, cache_k, cache_v, batch)
         qkv = self.wqkv(x)

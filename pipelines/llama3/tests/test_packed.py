@@ -508,6 +508,29 @@ def test_a_layer_of_another_kind_turns_the_one_call_decode_step_off(fused_files)
         assert len(empty.generate([1, 2, 3], 3, stop_on_eos=False).tokens) == 3
 
 
+@pytest.mark.parametrize("mode", ["quantized", "ggml"])
+def test_one_layers_scale_or_epsilon_sends_the_decode_step_to_the_modules(mode, fused_files):
+    """The one call takes one epsilon and one attention scale for every layer
+    (FusedDecode.shared); where one layer's differs, here the last of two layers', the step is
+    the modules': shared() None, and generate's and the served decode steps the bits of
+    fused_decode None. Planted, shared() comparing layer 0 alone (the tiny served checkpoints
+    have one layer, where the last layer is the first): the decode steps took layer 0's value
+    for both layers, and test_serving's epsilon test still passed."""
+    plants = {
+        "attention scale": lambda layer: setattr(
+            layer.attention, "scale", layer.attention.scale * 1.5
+        ),
+        "attention norm epsilon": lambda layer: setattr(layer.attention_norm, "eps", 1.0),
+    }
+    for name, plant in plants.items():
+        engine = Llama3Engine.from_gguf(fused_files[0], mode=mode)
+        fused = engine.model.fused_decode
+        plant(engine.model.layers[-1])
+        assert fused.shared() is None, name
+        assert _runs(engine, fused) == _runs(engine, None), name
+        assert _served(engine, fused) == _served(engine, None), name
+
+
 def test_swiglu_is_silu_times_up_and_the_same_on_every_build() -> None:
     """The quantized mode's SwiGLU (swiglu_rows, the C library's expf): within 1e-6 of the
     float64 value (expf within an ulp, then a division and a product), the same bits on every
