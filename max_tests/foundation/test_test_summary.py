@@ -146,10 +146,14 @@ def test_a_remote_report_is_the_downloaded_file_with_its_digest(tmp_path, capsys
     as missing (tools/remote/e2e.sh read every test.xml of a folder before)."""
     execroot = tmp_path / "execroot"
     target = execroot / "bazel-out" / "k8-fastbuild" / "testlogs" / "pkg" / "t"
-    stale = _write(target / "test.xml", PASSING)  # an earlier run's, another digest
-    shard = _write(target / "shard_1_of_1" / "test.xml", FAILING)
-    digest = hashlib.sha256(shard.read_bytes()).hexdigest()
-    uri = f"bytestream://127.0.0.1:1/blobs/{digest}/{shard.stat().st_size}"
+    report = _write(target / "test.xml", FAILING)  # this run's (unsharded)
+    # an earlier sharded run's, found first in the folder: of the same size, another digest
+    passing = SUITE.format('<testcase name="test_c"/>')
+    passing = passing.replace("<testsuite>", "<testsuite>" + " " * (len(FAILING) - len(passing)))
+    stale = _write(target / "shard_1_of_2" / "test.xml", passing)
+    assert stale.stat().st_size == report.stat().st_size
+    digest = hashlib.sha256(report.read_bytes()).hexdigest()
+    uri = f"bytestream://127.0.0.1:1/blobs/{digest}/{report.stat().st_size}"
     events = [
         {"id": {"workspace": {}}, "workspaceInfo": {"localExecRoot": str(execroot)}},
         {"id": {"configuration": {"id": "c1"}}, "configuration": {"mnemonic": "k8-fastbuild"}},
@@ -163,7 +167,7 @@ def test_a_remote_report_is_the_downloaded_file_with_its_digest(tmp_path, capsys
     bep.write_text("".join(json.dumps(event) + "\n" for event in events))
     assert test_summary.main([str(bep)]) == 1
     assert capsys.readouterr().out == f"tests: 0 passed, 1 failed, 0 skipped, {LINE.format(0, 0)}\n"
-    shard.unlink()  # not downloaded: the stale file's digest is another
+    report.unlink()  # not downloaded: the stale file's digest is another
     assert test_summary.main([str(bep)]) == 1
     out = capsys.readouterr().out
     assert out.startswith("tests: 0 passed, 1 failed") and f"its report {uri} is missing" in out
