@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import pathlib
+import time
 
 import gguf
 import numpy as np
@@ -196,7 +197,8 @@ def _rewrite_in_place(path: pathlib.Path, rewrite) -> None:
 def test_a_file_rewritten_in_place_is_parsed_again(tmp_path: pathlib.Path) -> None:
     """Same path, inode and size, new bytes: another version by mtime and ctime (_FileVersion),
     so the new values are read and the new tensors checked. Planted: the parse cache keyed
-    without mtime and ctime kept rope_theta at 10000 and loaded the NaN weight."""
+    without mtime and ctime kept rope_theta at 10000 and loaded the NaN weight; keyed without
+    ctime, it kept the rope_theta of a version whose mtime the rewrite restored."""
     path, other = tmp_path / "tiny.gguf", tmp_path / "other.gguf"
     write_tiny_llama(path, seed=0, rope_theta=10000.0)
     write_tiny_llama(other, seed=0, rope_theta=20000.0)
@@ -221,6 +223,25 @@ def test_a_file_rewritten_in_place_is_parsed_again(tmp_path: pathlib.Path) -> No
     _rewrite_in_place(path, poison_a_weight)
     with pytest.raises(CheckpointError, match=r"tensor blk\.0\.attn_q\.weight holds NaN"):
         Llama3Engine.from_gguf(path)
+
+    # A rewrite that keeps the file's mtime (rsync --inplace --times, a copy that restores
+    # times): its ctime alone tells the versions apart. (mtime cannot move alone: setting it
+    # moves ctime too.) Planted, the key without ctime: the cached parse's rope_theta 20000.
+    write_tiny_llama(other, seed=0, rope_theta=30000.0)
+    before = path.stat()
+    for _ in range(100):  # until the coarse clock has moved past the last change's ctime
+        with open(path, "r+b") as f:
+            f.write(other.read_bytes())
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        if path.stat().st_ctime_ns != before.st_ctime_ns:
+            break
+        time.sleep(0.01)
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns,
+    )  # fmt: skip
+    assert after.st_ctime_ns != before.st_ctime_ns
+    assert Llama3Engine.from_gguf(path).config.rope_theta == 30000.0
 
 
 def test_one_file_under_two_names_is_parsed_once(tmp_path: pathlib.Path) -> None:
