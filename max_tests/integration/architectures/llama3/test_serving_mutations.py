@@ -8,13 +8,14 @@ failing check, or RAISED) is printed, for the engine's own goldens of the tiny f
 from __future__ import annotations
 
 import pytest
+import torch
 
 from goldens import compare
 from goldens.tolerances import tolerance
 from harness.llama3 import engine_runs, judge, scenarios
 from harness.llama3.variants import Variant, variants
 from max_tests.integration.architectures.llama3 import mutations
-from pipelines.llama3.serving import ServingEngine
+from pipelines.llama3.serving import Request, ServingEngine
 
 COLUMNS = scenarios.SCENARIOS  # solo first
 
@@ -90,3 +91,29 @@ def test_each_serving_bug_fails_in_its_scenario_and_only_solo_misses_it(
         assert matrix[mutation.name, mutation.scenario] != "PASS", (
             f"{mutation.name} passes its scenario {mutation.scenario}:\n" + "\n".join(lines)
         )
+
+
+def test_a_late_rope_planted_in_setup_rope_reaches_generate_and_the_served_requests() -> None:
+    """The model mutations rope_late_4096 and rope_late_8192 are planted in `setup_rope`, where
+    `generate` (through setup_caches) and the serving engine both get their tables, so the
+    bug reaches a served request as it reaches generate. Here at position 8 on a 16-token
+    prompt of the tiny float32 checkpoint, served first on a fresh engine: the served logits
+    are generate's under the plant, and both moved from the unplanted ones. Planted in
+    setup_caches (as it was), the bug vanished: the serving engine built the tables, and
+    neither the served nor generate's logits moved."""
+    variant = _variant("float32")
+    prompt = list(range(1, 17))
+
+    def logits(plant: bool) -> tuple:
+        engine = engine_runs.load_engine(variant, mode="eager")
+        if plant:
+            mutations._rope_late_from(8)(engine)
+        served = ServingEngine(engine, block_size=4).serve([Request("r", prompt, 3)])
+        return served["r"].output.logits, engine.generate(prompt, 3, stop_on_eos=False).logits
+
+    served, solo = logits(plant=True)
+    clean_served, clean_solo = logits(plant=False)
+    assert torch.allclose(served, solo, atol=1e-4, rtol=0), (served - solo).abs().max()
+    assert torch.allclose(clean_served, clean_solo, atol=1e-4, rtol=0)
+    assert (solo - clean_solo).abs().max() > 0.01, "the plant does not move generate"
+    assert (served - clean_served).abs().max() > 0.01, "the plant does not reach serving"
