@@ -9,6 +9,8 @@ import dataclasses
 import subprocess
 import sys
 
+import gguf
+import numpy as np
 import pytest
 
 from harness.llama3 import checkpoint_mutations
@@ -235,13 +237,27 @@ def test_a_checkpoint_the_family_cannot_be_built_from_is_refused_first(
     assert not cache.exists()
 
 
-def test_a_member_is_named_by_its_file_type_and_an_unknown_one_by_its_number() -> None:
+def test_a_member_is_named_by_its_file_type_and_an_unknown_one_by_its_number(
+    tmp_path, monkeypatch
+) -> None:
     """The source's member name: a file type gguf-py does not name (a newer writer's) used to
-    raise ValueError in family_of, which reported the checkpoint as "not a GGUF checkpoint"."""
+    raise ValueError in family_of, which reported the checkpoint as "not a GGUF checkpoint".
+    family_of on such a file (one F32 matrix of whole blocks; the family's writing skipped)
+    names the source file_type_9999."""
     assert checkpoints.member_name(3) == "q4_1"  # MOSTLY_Q4_1
     assert checkpoints.member_name(0) == "f32"  # ALL_F32
     assert checkpoints.member_name(None) == "source"
     assert checkpoints.member_name(9999) == "file_type_9999"
+    source = tmp_path / "newer.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_uint32("general.file_type", 9999)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((32, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setattr(eval_slice.checkpoints, "family", lambda source, folder, skip: {})
+    assert eval_slice.family_of(source, tmp_path / "cache") == {"file_type_9999": source}
 
 
 def test_an_unwritable_json_path_is_refused_before_scoring(tmp_path, monkeypatch, capsys) -> None:
