@@ -83,6 +83,9 @@ check_kinds() {
   done <<<"$kinds"
 }
 
+# The workspace's bazel-* links belong to the main output base: this check leaves them as they are.
+links_before="$(ls -l bazel-* 2>/dev/null | awk '{print $(NF-2), $NF}' || true)"
+
 began="$(now)"
 tools/remote/stack.sh start --state "$state" --port "$port" --pg-port "$pg_port" >"$work/stack.log" 2>&1 \
   || { cat "$work/stack.log"; fail "the stack did not start"; }
@@ -113,7 +116,9 @@ if [ "$full" = 1 ]; then
   say "--config=remote, warm: $wall s; $line"
 fi
 
-bazel clean >/dev/null 2>&1
+# --symlink_prefix=/: a clean removes the workspace's bazel-* links, which are the main output
+# base's, unless told the links it made have no prefix (measured: bazel-bin gone after the run).
+bazel clean --symlink_prefix=/ >/dev/null 2>&1
 bazel_run remote-cache test "${SUBSET[@]}" --config=remote-cache "${common[@]}" "$(events remote-cache)"
 line="$(processes_line "$work/remote-cache.log")"
 check_kinds remote-cache "$line" "internal,remote cache hit"
@@ -162,4 +167,7 @@ for pid in $pids; do
 done
 [ -z "${left//[$'\n ']/}" ] || fail "processes of the stack are still running:$left"
 say "stack stopped: no BuildGrid, buildbox or PostgreSQL process left"
+links_after="$(ls -l bazel-* 2>/dev/null | awk '{print $(NF-2), $NF}' || true)"
+[ "$links_after" = "$links_before" ] \
+  || fail "the workspace's bazel-* links changed: before '$links_before', after '$links_after'"
 say "PASSED"
