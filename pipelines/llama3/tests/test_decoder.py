@@ -76,6 +76,25 @@ def test_a_stop_string_stops_at_the_token_that_completes_it_and_says_why() -> No
         Decoder(4, stop_strings=("cd",))
 
 
+def test_an_end_of_sequence_or_stop_string_on_the_last_step_says_stop() -> None:
+    """The last step's choice ends the run either way; an end-of-sequence id or a completed
+    stop string there is still "stop" (an OpenAI client reads finish_reason), "length" only
+    where neither. Planted, the step count checked first: "length" for both, and the tokens
+    unchanged, so no golden lane saw it (a mutation sweep's survivor)."""
+    letters = "abcdefgh"
+    eos = Decoder(2, eos_ids={5})
+    assert _run(eos, _logits(1, 5)) == [1, None]
+    assert (eos.tokens, eos.finish_reason) == ([1, 5], "stop")
+    stopped = Decoder(
+        2, stop_strings=("bc",), detokenize=lambda ids: "".join(letters[i] for i in ids)
+    )
+    assert _run(stopped, _logits(1, 2)) == [1, None]
+    assert (stopped.tokens, stopped.finish_reason) == ([1, 2], "stop")
+    plain = Decoder(2, eos_ids={5})
+    assert _run(plain, _logits(1, 2)) == [1, None]
+    assert plain.finish_reason == "length"
+
+
 def test_equal_maxima_choose_the_first_id() -> None:
     assert Decoder(1).choose(torch.tensor([0.0, 3.0, 3.0])) == 1
 
@@ -107,6 +126,16 @@ def test_a_draw_is_keyed_by_its_position_not_by_the_step() -> None:
     u = float(sampling.uniform(5, position))
     ids, probs = sampling.processed(torch.zeros(64), decoder.sampling, [1, 2])
     assert decoder.tokens == [int(sampling.pick(ids, probs, u))]
+
+
+def test_seed_zero_is_a_seed() -> None:
+    """SamplerSettings(seed=0) is a valid seed: its draws are the same on every run. Planted,
+    `seed or system_seed()` (0 taken for no seed): the draws changed from run to run, and the
+    goldens' seeds (11 to 16) never saw it (a mutation sweep's survivor)."""
+    runs = [_sampled(0) for _ in range(3)]
+    assert {d.seed for d in runs} == {0}
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+    assert runs[0].tokens != _sampled(1).tokens
 
 
 def test_an_unseeded_request_draws_its_seed_from_the_system() -> None:

@@ -264,6 +264,19 @@ def test_top_p_at_an_exact_tie_keeps_the_prefix_that_reaches_it() -> None:
         assert sorted(reference) == list(range(kept)), (n, p, reference)
 
 
+def test_min_p_keeps_a_token_at_exactly_min_p_times_the_most_likely() -> None:
+    """min_p keeps the tokens whose probability is at least min_p times the most likely one's:
+    at exactly that ratio (logits log 2 and 0, float64: probabilities 2/3 and 1/3), both are
+    kept, and the reference agrees. Planted, a strict comparison (`>`): the second dropped,
+    and no other test saw it (a mutation sweep's survivor)."""
+    logits = np.array([np.log(2.0), 0.0])
+    probs = sampling._softmax(logits)
+    assert probs[1] == 0.5 * probs[0]  # the boundary, exactly
+    ids, _ = sampling.processed(logits, SamplerSettings(min_p=0.5))
+    assert sorted(ids.tolist()) == [0, 1]
+    assert sorted(_reference(logits.tolist(), SamplerSettings(min_p=0.5), [])) == [0, 1]
+
+
 def test_the_edges_named_by_peers_bugs() -> None:
     tie = np.log([0.4, 0.3, 0.3])
     ids, _ = sampling.processed(tie, SamplerSettings(top_k=2))
