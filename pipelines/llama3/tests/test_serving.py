@@ -395,6 +395,93 @@ def test_the_pool_counts_references_and_evicts_the_least_recently_used(served) -
     assert pool.lookup(b"b") is None and pool.lookup(b"a") == a
 
 
+@pytest.fixture(scope="module")
+def eager() -> Llama3Engine:
+    """The tiny checkpoint in the eager mode: the scheduler's rules, which no mode changes."""
+    return Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf", mode="eager")
+
+
+def test_an_admission_counts_the_cached_blocks_it_takes_from_the_evictable(eager) -> None:
+    """Room for an admission is the pool less the running sequences' reserve and less the
+    cached blocks nobody holds that its prefix takes (they leave the evictable ones). Two of a
+    finished request's blocks are cached, the same prompt wants one block more: with 8
+    available, a reserve of 6 leaves no room, 5 leaves one. Planted, the taken blocks not
+    counted: admitted at 6, then preempted in its own step or, copying its last block, no
+    free block (a mutation sweep's survivor; only the pressure lane and the fuzz caught it)."""
+    prompt = eager.tokenizer.encode("Why is the sky blue? Because the")[:9]
+    server = ServingEngine(eager, block_size=4, num_blocks=8, prefix_caching=True)
+    server.submit([Request("finished", prompt, 1)])
+    while "finished" not in server.step():
+        pass
+    assert len(server.pool.evictable) == 2 and server.pool.available() == 8
+
+    def again() -> serving_module._Sequence:
+        return serving_module._Sequence(Request("again", prompt, 1), 99, list(prompt))
+
+    assert not server._admit(again(), reserve=6)
+    assert server._admit(again(), reserve=5)
+
+
+def test_each_admission_of_a_step_reserves_its_blocks_for_the_next(eager) -> None:
+    """Two 8-token prompts, blocks of 4, a pool of 3: the first admitted takes 2 blocks this
+    step, so the second (2 more) waits, and no admission is preempted in its own step.
+    Planted, the admissions' reserve not accumulated: the second admitted, then preempted at
+    once (a mutation sweep's survivor; only the pressure lane and the fuzz caught it)."""
+    prompts = [list(range(1, 9)), list(range(11, 19))]
+    server = ServingEngine(eager, block_size=4, num_blocks=3)
+    server.submit([Request("a", prompts[0], 2), Request("b", prompts[1], 2)])
+    server.step()
+    assert [s.request.id for s in server.running] == ["a"]
+    assert [s.request.id for s in server.waiting] == ["b"]
+    assert (server.preemptions, server.preempted_on_admission) == (0, 0)
+
+
+def test_the_most_recently_admitted_sequence_is_preempted_and_waits_first(eager) -> None:
+    """A pool too small for three requests at once preempts the last admitted (the first
+    admitted is never preempted), and a preempted sequence waits at the head of the queue,
+    before the requests that never ran. Planted, the first admitted preempted, or the
+    preempted one queued last: the tokens are the same, so no golden lane saw either (a
+    mutation sweep's survivors)."""
+    texts = ("The capital of France is", "Hi", "Why is the sky blue? Because the")
+    requests = [Request(str(i), eager.tokenizer.encode(t), 6) for i, t in enumerate(texts)]
+    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    serving = ServingEngine(eager, block_size=1, num_blocks=longest + 1)
+    results = serving.serve(requests)
+    assert serving.preemptions > 0
+    assert results["0"].preemptions == 0, {k: r.preemptions for k, r in results.items()}
+
+    server = ServingEngine(eager, block_size=4, num_blocks=64)
+    server.submit([Request("a", requests[0].prompt, 4), Request("b", requests[1].prompt, 4)])
+    server.step()
+    server.submit([Request("c", requests[2].prompt, 4)])
+    assert [s.request.id for s in server.running] == ["a", "b"]
+    server._preempt(server.running[-1], server.running, server.waiting)
+    assert [s.request.id for s in server.waiting] == ["b", "c"]
+
+
+def test_a_block_is_published_when_its_last_position_is_computed(eager) -> None:
+    """An 8-token prompt in blocks of 4, one step: its 8 positions computed, both full blocks
+    are in the prefix cache, and the same prompt with two tokens more reads all 8 from it.
+    Planted, a block published only once a later position is computed: the second block
+    never published, every lane still reusing enough to pass (a mutation sweep's survivor)."""
+    prompt = eager.tokenizer.encode("Why is the sky blue? Because the")[:8]
+    server = ServingEngine(eager, block_size=4, num_blocks=16, prefix_caching=True)
+    server.serve([Request("first", prompt, 1)])
+    assert len(server.pool.cached) == 2
+    again = server.serve([Request("again", [*prompt, 7, 8], 1)])
+    assert again["again"].cached_prefix == 8
+
+
+def test_a_request_that_fills_max_context_exactly_is_served(eager) -> None:
+    """max_context bounds the prompt and the new tokens together: exactly filling it is served,
+    one token more is refused naming it. Planted, `>=` for `>`: the one that fits refused."""
+    prompt = eager.tokenizer.encode("The capital of France is")
+    server = ServingEngine(eager, block_size=4, max_context=len(prompt) + 3)
+    assert len(server.serve([Request("fits", prompt, 3)])["fits"].output.tokens) == 3
+    with pytest.raises(ValueError, match="request 'over': longer than max_context"):
+        server.serve([Request("over", prompt, 4)])
+
+
 def test_without_a_tokenizer_both_paths_stop_at_the_checkpoint_end_of_sequence() -> None:
     """One decoder: a file without a vocabulary stops at its eos_token_id in generate and in
     the serving engine alike (the serving engine once never stopped there)."""
