@@ -439,9 +439,9 @@ def test_each_admission_of_a_step_reserves_its_blocks_for_the_next(eager) -> Non
 def test_the_most_recently_admitted_sequence_is_preempted_and_waits_first(eager) -> None:
     """A pool too small for three requests at once preempts the last admitted (the first
     admitted is never preempted), and a preempted sequence waits at the head of the queue,
-    before the requests that never ran. Planted, the first admitted preempted, or the
-    preempted one queued last: the tokens are the same, so no golden lane saw either (a
-    mutation sweep's survivors)."""
+    before the requests that never ran, its steps so far still reported (`generated`).
+    Planted, the first admitted preempted, or the preempted one queued last: the tokens are
+    the same, so no golden lane saw either (a mutation sweep's survivors)."""
     texts = ("The capital of France is", "Hi", "Why is the sky blue? Because the")
     requests = [Request(str(i), eager.tokenizer.encode(t), 6) for i, t in enumerate(texts)]
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
@@ -455,8 +455,12 @@ def test_the_most_recently_admitted_sequence_is_preempted_and_waits_first(eager)
     server.step()
     server.submit([Request("c", requests[2].prompt, 4)])
     assert [s.request.id for s in server.running] == ["a", "b"]
+    tokens = list(server.generated()["b"][0])
     server._preempt(server.running[-1], server.running, server.waiting)
     assert [s.request.id for s in server.waiting] == ["b", "c"]
+    # generated(): every pending request's steps so far, a preempted one's too (the server
+    # streams from it); planted, the running ones alone: b missing
+    assert set(server.generated()) == {"a", "b", "c"} and server.generated()["b"][0] == tokens
 
 
 def test_a_block_is_published_when_its_last_position_is_computed(eager) -> None:
