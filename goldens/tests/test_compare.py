@@ -521,3 +521,100 @@ def test_the_failure_text_of_a_prompt_position_reads_in_full():
         "  at this step: KL 0.02, top-k overlap 1.00, max |Δ log-prob| 5e-05",
         "  regenerate the golden (if the change is intended): REGEN",
     ]
+
+
+# The boundaries and guards a mutation sweep found unpinned: each test below passed every
+# plant of its rule (a strict comparison at the bound, the NaN guard of a partial row, the
+# tail bucket's noise floor raised to 1e-3) before it was written, and fails each now.
+
+
+def test_a_logprob_difference_exactly_at_the_tolerance_passes():
+    """Check 1 is `|Δ| <= logprob_atol`: a step whose max |Δ| equals the tolerance passes."""
+    logits = _logits()
+    case, tokens = _case(logits)
+    moved = logits.copy()
+    moved[3, case.steps[3].topk_ids[5]] += 1e-3
+    measured = compare.compare_case(case, [1, 2, 3], tokens, moved, TOL).steps[3]
+    at_bound = dataclasses.replace(TOL, logprob_atol=measured.max_logprob_diff, kl_max=1.0)
+    report = compare.compare_case(case, [1, 2, 3], tokens, moved, at_bound)
+    assert report.steps[3].max_logprob_diff == at_bound.logprob_atol
+    assert report.status == compare.PASS
+    just_below = dataclasses.replace(
+        at_bound, logprob_atol=math.nextafter(at_bound.logprob_atol, 0)
+    )
+    report = compare.compare_case(case, [1, 2, 3], tokens, moved, just_below)
+    assert (report.first_failing.step, report.first_failing.metric) == (3, "logprob")
+
+
+def test_a_kl_exactly_at_kl_max_passes():
+    """Check 3 fails only on `KL > kl_max`: a step whose KL equals kl_max passes."""
+    logits = _logits()
+    case, tokens = _case(logits)
+    moved = logits.copy()
+    moved[3, case.steps[3].topk_ids[5]] += 1e-3
+    loose = dataclasses.replace(TOL, logprob_atol=1.0, kl_max=1.0)
+    kl = compare.compare_case(case, [1, 2, 3], tokens, moved, loose).steps[3].kl
+    assert kl > 0
+    report = compare.compare_case(
+        case, [1, 2, 3], tokens, moved, dataclasses.replace(loose, kl_max=kl)
+    )
+    assert report.status == compare.PASS
+    below = dataclasses.replace(loose, kl_max=math.nextafter(kl, 0))
+    report = compare.compare_case(case, [1, 2, 3], tokens, moved, below)
+    assert (report.first_failing.step, report.first_failing.metric) == (3, "kl")
+
+
+def test_a_run_token_exactly_the_margin_below_the_goldens_top1_is_not_a_near_tie():
+    """The golden side of the tie rule uses the same boundary as the run side (a gap equal to
+    the margin is not 'within' it: `run_gap >= margin` fails, so must `golden_gap >= margin`)."""
+    logits, case = _near_tie_golden()
+    run = logits.copy()
+    run[1, 20] = (
+        logits[1, 4] + 1e-3
+    )  # the run picks the golden's runner-up, as in the ambiguous test
+    lp = case.steps[1].topk_log_probs()
+    where = list(case.steps[1].topk_ids).index(20)
+    golden_gap = float(lp[0] - lp[where])
+    tol = dataclasses.replace(LOOSE_TIE, near_tie_margin=golden_gap)
+    report = compare.compare_case(case, [1, 2, 3], _greedy(run), run, tol)
+    assert report.steps[1].status == compare.FAIL and report.steps[1].metric == "token"
+    assert "golden ranks the run's token" in report.steps[1].detail
+    wider = dataclasses.replace(tol, near_tie_margin=math.nextafter(golden_gap, math.inf))
+    report = compare.compare_case(case, [1, 2, 3], _greedy(run), run, wider)
+    assert [s.step for s in report.ambiguous_steps] == [1] and report.status == compare.PASS
+
+
+def test_a_server_row_whose_last_log_probability_is_nan_fails_that_step():
+    """A partial row with NaN only at its k-th (the bound a missing golden id is held to): the
+    bounded |Δ| is NaN, which compares as within every bound. It must fail as nonfinite."""
+    logits = _logits()
+    case, tokens = _case(logits)
+    rows = [compare.TopLogprobs.from_logits(row, 20) for row in logits]
+    golden = list(case.steps[2].topk_ids)
+    outsider = next(i for i in range(64) if i not in golden)
+    full = dict(zip(rows[2].ids, rows[2].logprobs, strict=True))
+    ids = (*golden[:19], outsider)  # the golden's 20th is missing: bounded by the NaN
+    rows[2] = compare.TopLogprobs(ids, (*(full.get(i, -30.0) for i in golden[:19]), math.nan))
+    report = compare.compare_case(case, [1, 2, 3], tokens, rows, TOL)
+    assert report.steps[2].bounded == 1
+    assert report.status == compare.FAIL
+    assert (report.first_failing.step, report.first_failing.metric) == (2, "nonfinite")
+
+
+def test_a_run_that_drains_a_small_golden_tail_fails_on_kl():
+    """KL check 3 counts the golden's tail bucket (everything outside its top-k) unless it is
+    below float32 rounding noise (1e-6): a golden tail of ~5e-4 that the run empties fails."""
+    vocab, k = 64, 20
+    golden = np.full((1, vocab), -20.0, dtype=np.float32)
+    golden[0, :k] = np.linspace(4.0, 0.0, k, dtype=np.float32)
+    golden[0, k:] = -5.5  # 44 tail ids: a tail mass of ~6e-4
+    spec = CaseSpec("prose", "The capital of France is", 1, k)
+    case = record_case(spec, [1, 2, 3], [0], golden, lambda ids: f"<{ids[0]}>", set())
+    p = np.exp(golden[0].astype(np.float64) - np.logaddexp.reduce(golden[0].astype(np.float64)))
+    assert 1e-5 < p[k:].sum() < 1e-3
+    run = golden.copy()
+    run[0, k:] = -40.0  # the tail emptied; the top-k log-probs move by ~the tail mass only
+    loose = dataclasses.replace(TOL, logprob_atol=1e-2, kl_max=1e-3)
+    report = compare.compare_case(case, [1, 2, 3], [0], run, loose)
+    assert report.steps[0].max_logprob_diff < 1e-2
+    assert (report.steps[0].status, report.steps[0].metric) == (compare.FAIL, "kl")

@@ -642,3 +642,58 @@ def test_a_stop_inside_a_speculative_round_drops_the_later_proposals(monkeypatch
         planted.pop("served stats")
         assert planted["plain"] == want, planted
         assert planted["speculative"] != want and planted["served"] != want, (stop, planted)
+
+
+# Rules a mutation sweep found unpinned (Stats.merge's chosen counts, a uniform of exactly
+# 0.0 at the acceptance test and the inverse CDF, the n-gram draft's longest match first):
+# each plant passed every test before, and fails its test now.
+
+
+def test_merged_stats_keep_every_forwards_counts() -> None:
+    """Stats.merge (the parity tests' printed totals) keeps what each forward
+    proposed, accepted and chose: the merged summary is that of all the forwards."""
+    total, other = speculative.Stats(), speculative.Stats()
+    total.add(4, 4, 5)
+    other.add(3, 1, 2)
+    total.merge(other)
+    assert (total.proposed, total.accepted, total.chosen) == ([4, 3], [4, 1], [5, 2])
+    assert total.summary() == (
+        "2 verification forwards, 5/7 proposals accepted (0.71), 3.50 tokens per forward"
+    )
+
+
+def test_a_proposal_the_target_does_not_keep_is_never_accepted() -> None:
+    """rejection_step accepts x iff u_accept < min(1, p(x)/q(x)): with p(x) = 0 no uniform in
+    [0, 1) accepts it, u_accept = 0.0 included (sampling.uniform can return 0.0)."""
+    p = (np.array([3, 5, 7]), np.array([0.5, 0.5, 0.0]))  # 7 kept with probability 0
+    q = (np.array([3, 5, 7]), np.array([0.1, 0.1, 0.8]))
+    assert speculative.rejection_step(p, q, 7, 0.0, 0.0) != 7
+    q_outside = (np.array([3, 5, 9]), np.array([0.1, 0.1, 0.8]))  # 9 not in p at all
+    assert speculative.rejection_step(p, q_outside, 9, 0.0, 0.0) != 9
+
+
+def test_the_inverse_cdf_never_draws_a_zero_probability_token() -> None:
+    """draw: the token whose cumulative interval holds u, so an id of probability 0 (an empty
+    interval, e.g. the rejected proposal in a residual) is never drawn, u = 0.0 included."""
+    residual = (np.array([3, 5, 7]), np.array([0.0, 0.25, 0.75]))
+    assert speculative.draw(residual, 0.0) == 5
+    assert speculative.draw(residual, 0.25) == 7
+
+
+def test_the_ngram_draft_prefers_the_longest_matching_tail() -> None:
+    """NgramDraft: 'the tokens that followed the most recent earlier occurrence of the
+    history's last n tokens (n from `max_n` down to 1)': a 2-token match wins over a more
+    recent 1-token match."""
+    draft = speculative.NgramDraft(max_n=2)
+    history = [
+        1,
+        2,
+        9,
+        5,
+        2,
+        7,
+        1,
+        2,
+    ]  # [1, 2] occurred at 0 (then 9, 5); [2] last at 4 (then 7, 1)
+    assert draft.propose(history, 2) == [9, 5]
+    assert speculative.NgramDraft(max_n=1).propose(history, 2) == [7, 1]
