@@ -52,6 +52,11 @@ from goldens.tolerances import Tolerance
 PASS, FAIL, AMBIGUOUS = "PASS", "FAIL", "AMBIGUOUS"
 
 
+# A served log-probability above this is a probability above 1 by more than float32 rounding
+# of a near-certain token's (its log-probability can round to a few 1e-8 above 0).
+ABOVE_ZERO = 1e-5
+
+
 @dataclasses.dataclass(frozen=True)
 class TopLogprobs:
     """A run's next-token distribution where only its top-k is known: ids and log-probabilities,
@@ -308,9 +313,14 @@ def _partial_evidence(gstep: Step, top: TopLogprobs) -> tuple[np.ndarray, np.nda
     known_mass = float(np.exp(known_lp).sum())
     golden_ids = set(ids)
     overlap = len(set(top.ids[:k]) & golden_ids) / k
-    others = sum(
-        math.exp(lp) for i, lp in zip(top.ids, top.logprobs, strict=True) if i not in golden_ids
-    )
+    with np.errstate(over="ignore"):  # a log-probability above ~709: inf, failed (_check_step)
+        others = float(
+            sum(
+                np.exp(lp)
+                for i, lp in zip(top.ids, top.logprobs, strict=True)
+                if i not in golden_ids
+            )
+        )
     run_rest = max(1.0 - known_mass, others, known_mass * 2.0**-24)
     kl = bucket_kl(golden_lp[known], known_lp, run_rest)
     return run_lp, known, overlap, kl
@@ -340,6 +350,12 @@ def _check_step(i: int, gstep: Step, token: int, row: Row, tol: Tolerance) -> St
         detail = (
             "the run's log-probabilities hold NaN (a NaN or +inf logit): nothing it says can "
             "be compared"
+        )
+    elif isinstance(row, TopLogprobs) and max(row.logprobs) > ABOVE_ZERO:
+        metric = "nonfinite"
+        detail = (
+            f"the run's top log-probability {max(row.logprobs):.5g} is above 0 (a probability "
+            "above 1): not a distribution, nothing it says can be compared"
         )
     elif max_diff > tol.logprob_atol:
         j = int(np.argmax(diffs))

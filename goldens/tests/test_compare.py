@@ -618,3 +618,23 @@ def test_a_run_that_drains_a_small_golden_tail_fails_on_kl():
     report = compare.compare_case(case, [1, 2, 3], [0], run, loose)
     assert report.steps[0].max_logprob_diff < 1e-2
     assert (report.steps[0].status, report.steps[0].metric) == (compare.FAIL, "kl")
+
+
+def test_a_server_row_with_a_log_probability_above_zero_fails_that_step() -> None:
+    """A server's top log-probability above 0 (a probability above 1) is no distribution: the
+    step fails as nonfinite, naming it. It raised OverflowError (math.exp(800)) in the KL's
+    rest, and 0.5 failed as a log-prob difference, which names another cause. A near-certain
+    token's float32 rounding (a few 1e-8 above 0) is not refused."""
+    logits = _logits()
+    case, tokens = _case(logits)
+    golden = list(case.steps[2].topk_ids)
+    outsider = next(i for i in range(64) if i not in golden)
+    for above in (800.0, 0.5):
+        rows = [compare.TopLogprobs.from_logits(row, 20) for row in logits]
+        rows[2] = compare.TopLogprobs((outsider, *rows[2].ids[1:]), (above, *rows[2].logprobs[1:]))
+        report = compare.compare_case(case, [1, 2, 3], tokens, rows, TOL)
+        assert (report.first_failing.step, report.first_failing.metric) == (2, "nonfinite")
+        assert f"top log-probability {above:.5g} is above 0" in report.first_failing.detail
+    rows = [compare.TopLogprobs.from_logits(row, 20) for row in logits]
+    rows[2] = compare.TopLogprobs(rows[2].ids, (3e-8, *rows[2].logprobs[1:]))
+    assert compare.compare_case(case, [1, 2, 3], tokens, rows, TOL).steps[2].metric != "nonfinite"
