@@ -414,7 +414,7 @@ def unbuildable(source: Path, reader, file_type: int | None) -> str | None:
     gguf-py's reader takes 2.4 s and 8 s, its vocabulary read a string at a time);
     `file_type`: its general.file_type (None: it records none)."""
     try:
-        kind = LlamaFileType(file_type).name
+        kind = "of no recorded file type" if file_type is None else LlamaFileType(file_type).name
     except ValueError:
         kind = f"file type {file_type}"
     matrices = [t for t in reader.tensors.values() if len(t.shape) > 1]

@@ -258,6 +258,16 @@ def test_a_member_is_named_by_its_file_type_and_an_unknown_one_by_its_number(
     writer.close()
     monkeypatch.setattr(eval_slice.checkpoints, "family", lambda source, folder, skip: {})
     assert eval_slice.family_of(source, tmp_path / "cache") == {"file_type_9999": source}
+    # no general.file_type, rows of 16 values: refused, saying it records none
+    ragged = tmp_path / "ragged.gguf"
+    writer = gguf.GGUFWriter(str(ragged), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((16, 16), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(eval_slice.SliceError, match="is of no recorded file type with weight rows"):
+        eval_slice.family_of(ragged, tmp_path / "cache")
 
 
 def test_an_unwritable_json_path_is_refused_before_scoring(tmp_path, monkeypatch, capsys) -> None:
