@@ -351,10 +351,10 @@ def _check_step(i: int, gstep: Step, token: int, row: Row, tol: Tolerance) -> St
             "the run's log-probabilities hold NaN (a NaN or +inf logit): nothing it says can "
             "be compared"
         )
-    elif isinstance(row, TopLogprobs) and max(row.logprobs) > ABOVE_ZERO:
+    elif isinstance(row, TopLogprobs) and row.logprobs[0] > ABOVE_ZERO:  # best first
         metric = "nonfinite"
         detail = (
-            f"the run's top log-probability {max(row.logprobs):.5g} is above 0 (a probability "
+            f"the run's top log-probability {row.logprobs[0]:.5g} is above 0 (a probability "
             "above 1): not a distribution, nothing it says can be compared"
         )
     elif max_diff > tol.logprob_atol:

@@ -237,6 +237,20 @@ def test_a_checkpoint_the_family_cannot_be_built_from_is_refused_first(
     assert not cache.exists()
 
 
+def _one_matrix_gguf(path, width: int, file_type: int | None):
+    """A GGUF of one F32 matrix [width, width] and `file_type` as general.file_type (None:
+    none recorded): what family_of reads before it builds anything."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if file_type is not None:
+        writer.add_uint32("general.file_type", file_type)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((width, width), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def test_a_member_is_named_by_its_file_type_and_an_unknown_one_by_its_number(
     tmp_path, monkeypatch
 ) -> None:
@@ -248,24 +262,11 @@ def test_a_member_is_named_by_its_file_type_and_an_unknown_one_by_its_number(
     assert checkpoints.member_name(0) == "f32"  # ALL_F32
     assert checkpoints.member_name(None) == "source"
     assert checkpoints.member_name(9999) == "file_type_9999"
-    source = tmp_path / "newer.gguf"
-    writer = gguf.GGUFWriter(str(source), "llama")
-    writer.add_uint32("general.file_type", 9999)
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((32, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    source = _one_matrix_gguf(tmp_path / "newer.gguf", 32, file_type=9999)
     monkeypatch.setattr(eval_slice.checkpoints, "family", lambda source, folder, skip: {})
     assert eval_slice.family_of(source, tmp_path / "cache") == {"file_type_9999": source}
     # no general.file_type, rows of 16 values: refused, saying it records none
-    ragged = tmp_path / "ragged.gguf"
-    writer = gguf.GGUFWriter(str(ragged), "llama")
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((16, 16), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    ragged = _one_matrix_gguf(tmp_path / "ragged.gguf", 16, file_type=None)
     with pytest.raises(eval_slice.SliceError, match="is of no recorded file type with weight rows"):
         eval_slice.family_of(ragged, tmp_path / "cache")
 
