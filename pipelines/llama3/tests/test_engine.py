@@ -1,6 +1,7 @@
 """The model and generation API on tiny random checkpoints (milliseconds each)."""
 
 import dataclasses
+import itertools
 import os
 import pathlib
 import time
@@ -14,7 +15,7 @@ from pipelines.llama3 import Llama3Engine, load_config
 from pipelines.llama3 import engine as engine_module
 from pipelines.llama3.gguf_file import CheckpointError
 from pipelines.llama3.gguf_loader import DequantizedCache
-from pipelines.llama3.model import rope_inverse_frequencies
+from pipelines.llama3.model import causal_mask, is_causal, rope_inverse_frequencies
 from pipelines.llama3.tests.recompute import greedy_decode_without_cache
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
@@ -339,3 +340,19 @@ def test_the_dequantized_cache_holds_its_limit_and_no_float32_views(tmp_path: pa
     write_tiny_llama(f32)
     Llama3Engine.from_gguf(f32)
     assert engine_module._parsed_checkpoint(f32).dequantized.tensors == {}
+
+
+@pytest.mark.parametrize(("seqlen", "start_pos"), [(1, 0), (1, 9), (5, 0), (5, 20), (16, 3)])
+def test_is_causal_names_the_plain_mask_and_no_other(seqlen: int, start_pos: int) -> None:
+    """`is_causal` (what sends a served forward's rows to the kernels' plain causal attention
+    instead of SDPA with the mask) holds for causal_mask's own mask and for no mask that hides
+    one key it shows, shows one it hides, has another shape or is not boolean. Planted
+    `mask[:, :start_pos].all()` dropped: a window over the cached keys passes as plain."""
+    plain = causal_mask(seqlen, start_pos, torch.device("cpu"))
+    assert is_causal(plain, seqlen, start_pos)
+    assert not is_causal(plain.float(), seqlen, start_pos)
+    assert not is_causal(plain[:, 1:], seqlen, start_pos)  # one key short
+    for row, key in itertools.product(range(seqlen), range(start_pos + seqlen)):
+        flipped = plain.clone()
+        flipped[row, key] = not flipped[row, key]  # hides a key it showed, or shows a future one
+        assert not is_causal(flipped, seqlen, start_pos), (row, key)
