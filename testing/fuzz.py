@@ -4,7 +4,16 @@
 
 - derandomized (`derandomize=True`, no example database): the examples come from a seed derived
   from the test's source, so CI and every laptop see the same examples on every run, and a
-  failure does not come and go between runs;
+  failure does not come and go between runs (under the hypothesis that
+  third_party/requirements_lock.txt pins: another version draws other examples, and refuses
+  another's `@reproduce_failure`);
+- drawn without hypothesis's local constants: 5% of its draws take a literal found in the
+  source of whichever non-test modules happen to be imported (hypothesis 6.1xx), so the
+  examples depended on the process, not the test. Under Bazel the runner
+  (bazel/pytest_runner.py, imported as `__main__`) added its numbers: test_fuzz_compare's fifth
+  example had a logit scale twice plain pytest's, and an edit of any imported module could
+  move every property's examples. `_pin_constant_pool` empties that pool (hypothesis's own
+  list of boundary values stays), so a test's examples are its source's alone;
 - `print_blob=True`: on a failure hypothesis prints the falsifying example and a
   `@reproduce_failure(...)` line; paste it above the failing test to replay exactly that
   example;
@@ -46,9 +55,11 @@ from collections.abc import Callable
 from types import CodeType, FunctionType
 from typing import Any
 
+import hypothesis
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky, UnsatisfiedAssumption
+from hypothesis.internal.conjecture import providers as _providers
 
 ExceptionTypes = type[BaseException] | tuple[type[BaseException], ...]
 # What hypothesis adds to a test's source and signature to seed a derandomized run; its pytest
@@ -57,6 +68,29 @@ ADD_DIGEST = "_hypothesis_internal_add_digest"
 # Marks first_failure's own counting wrapper, so that a later call on the same monkeypatch
 # does not take it for a plant.
 _COUNTER = "_first_failure_counter"
+
+
+def _pin_constant_pool() -> None:
+    """Replace hypothesis's pool of constants collected from the imported modules' source with
+    an empty one (module docstring). Private API, so its absence (another hypothesis than the
+    lock's) fails at import instead of silently drawing from the process again."""
+    collect = getattr(_providers, "_get_local_constants", None)
+    if collect is None or not hasattr(_providers, "Constants"):
+        raise ImportError(
+            f"hypothesis {hypothesis.__version__} has no providers._get_local_constants: "
+            "testing/fuzz.py's _pin_constant_pool needs updating for it (or use the version "
+            "third_party/requirements_lock.txt pins)"
+        )
+    global _unpinned
+    _unpinned = collect
+    empty = _providers.Constants()
+    _providers._get_local_constants = lambda: empty
+
+
+_unpinned = None  # hypothesis's own collector, for the test that shows what the pin changes
+
+
+_pin_constant_pool()
 
 
 def fuzz_settings(max_examples: int) -> settings:

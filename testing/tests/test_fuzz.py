@@ -1,6 +1,10 @@
 """testing.fuzz.first_failure: a planted bug counts as caught only when the property's own
 check fails, on the same example every time."""
 
+import ast
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -93,3 +97,57 @@ def test_a_plant_whose_own_assert_fires_is_not_caught(
     # With match naming the property's message: the plant's message is not it.
     with pytest.raises(AssertionError, match="plant expected a str"):
         first_failure(monkeypatch, prop_double_is_a_sum, match="double differs")
+
+
+# Draws 300 derandomized examples in a process of its own and prints them; "extra" first
+# imports a module whose source holds numbers a draw could take, "unpinned" puts hypothesis's
+# collector of such numbers back after testing.fuzz removed it.
+_DRAWS = """
+import sys
+
+sys.path.insert(0, sys.argv[1])
+if "extra" in sys.argv:
+    import numbers_here  # noqa: F401
+
+from hypothesis import given, strategies as st
+
+from testing import fuzz
+
+if "unpinned" in sys.argv:
+    fuzz._providers._get_local_constants = fuzz._unpinned
+seen = []
+
+
+@fuzz.fuzz_settings(300)
+@given(st.floats(0.0, 100.0), st.integers(0, 10**6))
+def draws(x, n):
+    seen.append((x, n))
+
+
+draws()
+print(repr(seen))
+"""
+
+
+def _draws(folder, *flags: str) -> list:
+    script = folder / "draws.py"
+    script.write_text(_DRAWS)
+    (folder / "numbers_here.py").write_text("SCALE = 42.4242\nLIMIT = 777777\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run(
+        [sys.executable, str(script), str(folder), *flags],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_propertys_examples_do_not_depend_on_the_modules_imported(tmp_path) -> None:
+    """A fuzz test draws the same examples whatever else its process imported (the Bazel
+    runner, a conftest, a module an edit touched): hypothesis's pool of numbers from the
+    imported modules' source is emptied by testing.fuzz. Unpinned, importing one module with
+    42.4242 and 777777 in its source moves the draws, and those numbers are among them."""
+    plain, extra = _draws(tmp_path), _draws(tmp_path, "extra")
+    assert plain == extra
+    unpinned = _draws(tmp_path, "extra", "unpinned")
+    assert unpinned != plain
+    assert {42.4242, 777777} & {v for pair in unpinned for v in pair}
