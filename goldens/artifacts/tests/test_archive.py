@@ -103,3 +103,36 @@ def test_member_with_a_path_is_refused_on_unpack() -> None:
 def test_garbage_is_not_an_archive() -> None:
     with pytest.raises(archive.ArchiveError):
         archive.unpack_members(b"not gzip at all")
+
+
+@pytest.mark.parametrize("name", ["sub/a_golden.json", "../a_golden.json", "..", "a\\b.json", ""])
+def test_a_member_name_with_a_path_is_refused_on_pack(name: str) -> None:
+    """An archive is flat: pack_members (which golden_update calls with names from a pending
+    folder or an outputs.zip, not only basenames) refuses a name that is no plain file name
+    rather than publish an archive its own unpack refuses. Catches dropping the name check
+    from pack_members."""
+    with pytest.raises(archive.ArchiveError, match="must be a plain file name"):
+        archive.pack_members({**GOLDENS, name: b"{}\n"})
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.DIRTYPE],
+    ids=["symlink", "hardlink", "folder"],
+)
+def test_a_member_that_is_no_regular_file_is_refused_on_unpack(kind: bytes) -> None:
+    """Only flat regular files come out of an archive (extract joins each name to a folder): a
+    symlink, hard link or folder member is an ArchiveError naming it, not a KeyError or an
+    assert from tarfile. Catches dropping the isfile() check in unpack_members."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        data = GOLDENS["a_golden.json"]
+        info = tarfile.TarInfo("a_golden.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("b_golden.json")
+        link.type = kind
+        link.linkname = "/etc/passwd"
+        tar.addfile(link)
+    with pytest.raises(archive.ArchiveError, match=r"'b_golden\.json' is not a regular file"):
+        archive.unpack_members(buffer.getvalue())

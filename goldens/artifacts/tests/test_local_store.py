@@ -1,8 +1,10 @@
+import errno
 from pathlib import Path
 
 import pytest
 
 from goldens.artifacts import archive
+from goldens.artifacts import store as store_module
 from goldens.artifacts.publish import publish
 from goldens.artifacts.store import (
     ArchiveRef,
@@ -133,3 +135,30 @@ def test_url_template_must_end_in_the_archive_basename(tmp_path: Path) -> None:
     store = LocalStore(tmp_path, public_url_template="https://example.invalid/{sha256}")
     with pytest.raises(ValueError, match=r"must end in '/g\.tar\.gz'"):
         store.url(ArchiveRef("g", 1, "0" * 64))
+
+
+def test_a_failed_write_leaves_the_store_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails (a full disk) is a StoreError naming the archive's path, and leaves
+    no half-written archive, staging folder or empty NAME folder behind: the store is as it
+    was, the version still free. Catches dropping the removal of the folders the write
+    created (`_remove_empty(created)`), which left an empty NAME folder."""
+    root = tmp_path / "artifacts"
+    store = LocalStore(root)
+    other = publish(store, "other", 1, V1).ref
+    before = _files(root)
+
+    def disk_full(path: Path, data: bytes, **_: object) -> None:
+        path.write_bytes(data[:10])  # what a full disk leaves of a direct write
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(store_module, "write_atomically", disk_full)
+    ref = ArchiveRef("g", 1, archive.sha256_hex(V1))
+    with pytest.raises(StoreError, match=rf"cannot write {root / ref.relative_path}: .*No space"):
+        publish(store, "g", 1, V1)
+    assert sorted(p.name for p in root.iterdir()) == ["other"]
+    assert _files(root) == before == [other.relative_path]
+    assert store.versions("g") == []
+    monkeypatch.undo()
+    assert publish(store, "g", 1, V1).published

@@ -12,6 +12,7 @@ import pytest
 from botocore.awsrequest import AWSResponse
 
 from goldens.artifacts import archive
+from goldens.artifacts import store as store_module
 from goldens.artifacts.publish import publish
 from goldens.artifacts.store import ArchiveRef, PublishRefused, S3Store, StoreError
 
@@ -231,3 +232,35 @@ def test_an_unreachable_endpoint_fails_fast(
     assert config.retries == {"mode": "standard", "total_max_attempts": 4}
     with pytest.raises(StoreError, match="Could not connect"):
         publish(store, "g", 1, V1)
+
+
+def test_conditional_write_conflicts_are_retried_a_bounded_number_of_times(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    """A 409 that never clears is a StoreError naming it after _CONFLICT_ATTEMPTS PUTs of the
+    claim, not an endless loop, and the version is left unclaimed. Catches an off-by-one in
+    the retry bound (`attempt > _CONFLICT_ATTEMPTS`, one PUT more, which then succeeds)."""
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint)
+    attempts = store_module._CONFLICT_ATTEMPTS
+    conflicts = _fail_puts(store, 409, "ConditionalRequestConflict", attempts, "/claim")
+    with pytest.raises(StoreError, match=r"upload .* failed: ConditionalRequestConflict"):
+        publish(store, "g", 1, V1)
+    assert len(conflicts) == attempts
+    assert _keys(s3_endpoint, s3_bucket) == []
+
+
+def test_deleting_an_archive_that_does_not_hold_the_claim_leaves_the_claim(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    """delete releases NAME/VERSION's claim only when the deleted archive's bytes hold it: a
+    delete of other bytes under a taken version leaves the publisher's claim and archive as
+    they were. Catches releasing the claim without checking its holder."""
+    store = S3Store(s3_bucket, endpoint_url=s3_endpoint)
+    published = publish(store, "g", 1, V1).ref
+    before = _keys(s3_endpoint, s3_bucket)
+    store.delete(ArchiveRef("g", 1, archive.sha256_hex(V1_OTHER)))
+    assert _keys(s3_endpoint, s3_bucket) == before
+    claim = _body(s3_endpoint, s3_bucket, "artifacts/g/1/claim")
+    assert claim == f"{published.sha256}\n".encode()
+    store.delete(published)
+    assert _keys(s3_endpoint, s3_bucket) == []

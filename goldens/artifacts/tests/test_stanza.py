@@ -200,3 +200,59 @@ def test_distdir_fragment_has_one_sorted_folder_per_pinned_archive() -> None:
         f"common --distdir=artifacts/test_llama_golden/3/{SHA_B}\n"
         f"common --distdir=artifacts/torch_llama_golden/2/{SHA_A}\n"
     )
+
+
+def test_repinning_to_a_longer_url_written_before_the_sha256_keeps_every_other_byte() -> None:
+    """Edits are spliced from the end of the file backwards, so one that changes length (version
+    9 to 10 makes the url a byte longer; a placeholder sha256 = "" grows to 64 digits) does not
+    shift the other's offsets, whichever keyword comes first. Catches splicing in file order
+    (`sorted(edits)`), which then splices the sha256 one byte too early."""
+    url_9 = PIN_A.url.replace("/2/", "/9/")
+    hand_written = (
+        "http_archive(\n"
+        '    name = "test_llama_golden",\n'
+        f'    url = "{url_9}",\n'
+        '    sha256 = "",\n'
+        ")\n"
+    )
+    text = SAMPLE_MODULE + "\n" + hand_written + "# after\n"
+    assert stanza.parse(text)[PIN_A.name].url == url_9
+    pin = GoldenPin(PIN_B.name, SHA_B, PIN_B.url.replace("/3/", "/10/"))
+    updated = stanza.set_pin(text, pin)
+    assert updated == text.replace(url_9, pin.url).replace('sha256 = ""', f'sha256 = "{SHA_B}"')
+    assert stanza.parse(updated) == {pin.name: pin}
+
+
+def test_a_stanza_with_a_sha256_but_a_urls_list_is_replaced_whole() -> None:
+    """Only a stanza with both sha256 and url as string literals is edited in place; one that
+    pins through `urls = [...]` (or a sha256 that is no literal) becomes the rendered stanza.
+    Catches `or` weakened to `and` in that test, which splices a missing `url` and crashes."""
+    hand_written = (
+        "http_archive(\n"
+        '    name = "test_llama_golden",\n'
+        f'    sha256 = "{SHA_A}",\n'
+        f'    urls = ["{PIN_A.url}"],\n'
+        ")\n"
+    )
+    text = SAMPLE_MODULE + "\n" + hand_written + "\nx = 1\n"
+    assert stanza.parse(text) == {PIN_A.name: PIN_A}
+    assert (
+        stanza.set_pin(text, PIN_B) == SAMPLE_MODULE + "\n" + stanza.render(PIN_B) + "\n\nx = 1\n"
+    )
+
+
+def test_lone_carriage_returns_end_lines_where_ast_ends_them() -> None:
+    """`ast` ends a line at a lone \\r too, so the byte offsets of the literals count it as a
+    line break; every byte but the sha256 and url stays, \\r included. Catches line starts
+    computed by splitting on \\n only, which puts the whole file on line 1."""
+    text = (
+        "# goldens\rx = 1\r"
+        "http_archive(\r"
+        '    name = "test_llama_golden",\r'
+        f'    sha256 = "{SHA_A}",\r'
+        f'    url = "{PIN_A.url}",\r'
+        ")\r# after\r"
+    )
+    assert stanza.parse(text) == {PIN_A.name: PIN_A}
+    updated = stanza.set_pin(text, PIN_B)
+    assert updated == text.replace(PIN_A.url, PIN_B.url).replace(SHA_A, SHA_B)

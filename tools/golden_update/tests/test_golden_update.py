@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import pytest
 from goldens import schema
 from goldens.artifacts import archive, stanza
 from goldens.artifacts.sample_module import SAMPLE_MODULE
-from goldens.artifacts.store import ref_from_url
+from goldens.artifacts.store import LocalStore, StoreError, ref_from_url
 from tools.artifacts import upload_artifact
 from tools.golden_update import golden_update
 
@@ -394,3 +396,66 @@ def test_a_kept_run_of_another_mode_is_not_accepted(repo: Path, tmp_path, capsys
     assert golden_update.main(args, _regenerating({})) == 0
     assert "producer 'engine-quantized', not a golden" in capsys.readouterr().out
     assert _pins(repo)["test_llama_golden"] == 1
+
+
+def test_the_next_version_follows_the_newest_not_the_count_of_versions(
+    repo: Path, tmp_path: Path, capsys
+) -> None:
+    """With versions 1 and 5 of test_llama_golden stored (5 unpinned, other files), a changed
+    golden is published as the newest version + 1, 6, and the dry run names it too. Catches
+    counting the versions (`len(versions) + 1`, 3), which the store refuses as below 5."""
+    other = tmp_path / "v5"
+    other.mkdir()
+    schema.write(BASE[Q4_K], other / Q4_K)
+    flags = [f for f in _flags(repo)[1:] if not f.startswith("--module-file")]
+    assert (
+        upload_artifact.main(["upload", "test_llama_golden", "5", str(other / Q4_K), *flags]) == 0
+    )
+    capsys.readouterr()
+    assert golden_update.main(["--dry-run", *_flags(repo)], _regenerating(_moved())) == 0
+    assert "would publish test_llama_golden version 6 with" in capsys.readouterr().out
+    assert (
+        golden_update.main(["--accept", "--no-test", *_flags(repo)], _regenerating(_moved())) == 0
+    )
+    assert _pins(repo) == {"test_llama_golden": 6, "torch_llama_golden": 1}
+
+
+def test_a_store_that_fails_while_naming_the_version_is_one_line_exit_2(
+    repo: Path, monkeypatch, capsys
+) -> None:
+    """The pinned archives read, but listing the store's versions fails (S3 with GetObject
+    allowed and ListBucket denied): exit 2 with one line naming the failure, nothing published.
+    Catches StoreError missing from the errors main reports (a traceback, exit 1)."""
+
+    def denied(self: LocalStore, name: str) -> list[int]:
+        raise StoreError(f"listing on the {self.description} failed: AccessDenied")
+
+    monkeypatch.setattr(LocalStore, "versions", denied)
+    before = _store(repo)
+    assert golden_update.main(["--dry-run", *_flags(repo)], _regenerating(_moved())) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("golden_update: error: listing on the local store ") and err.count("\n") == 1
+    )
+    assert err.rstrip().endswith("failed: AccessDenied")
+    assert _store(repo) == before and _pins(repo)["test_llama_golden"] == 1
+
+
+@pytest.mark.parametrize(("returncode", "status"), [(0, 0), (3, 1)])
+def test_after_publishing_the_golden_tests_rerun_and_give_the_exit_status(
+    repo: Path, monkeypatch, returncode: int, status: int
+) -> None:
+    """Without --no-test, publishing is followed by `bazelw test` of the golden tests in the
+    repository; exit 0 when they pass, 1 (the documented status, whatever Bazel's code) when
+    they fail. Catches returning Bazel's own exit code (3 for failed tests)."""
+    runs = []
+
+    def run(command: list[str], cwd: Path, check: bool):
+        runs.append((command, cwd))
+        return subprocess.CompletedProcess(command, returncode)
+
+    monkeypatch.setattr(golden_update, "subprocess", SimpleNamespace(run=run))
+    assert golden_update.main(["--accept", *_flags(repo)], _regenerating(_moved())) == status
+    root = golden_update.repo_root()
+    assert runs == [([str(root / "bazelw"), "test", *golden_update.GOLDEN_TESTS], root)]
+    assert _pins(repo)["test_llama_golden"] == 2
