@@ -6,6 +6,7 @@ MODULE.bazel, a package with a BUILD.bazel), the own files are arguments, and th
 other test files are found through those symlinks.
 """
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -273,3 +274,63 @@ def test_a_shard_left_without_a_test_passes_saying_so(project):
     # a selection matching nothing still fails, sharded or not
     result = _run(project, "test_llama.py", "-k", TYPO, env=_shard_env(project, 0))
     assert result.returncode == 5
+
+
+def _runner_module():
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        import pytest_runner
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    return pytest_runner
+
+
+def test_the_weights_of_every_word_in_an_id_multiply() -> None:
+    """Module docstring: with "smollm2=10 chunked=3" a test whose id holds both words weighs
+    30, one with neither 1. The cut follows the product: [30, 1 x 30] splits after the first
+    test. Catches adding the factors (`sum(...) or 1`: 13, and the cut moves)."""
+    runner = _runner_module()
+    shard = runner._Shard(2, 0, True, {"smollm2": 10.0, "chunked": 3.0})
+    assert shard._weight("test_x[smollm2-chunked]") == 30
+    assert shard._weight("test_x[smollm2-plain]") == 10
+    assert shard._weight("test_x[tiny]") == 1
+    ids = ["test_x[smollm2-chunked]"] + [f"test_x[tiny-{i}]" for i in range(30)]
+    assert shard._shards(ids) == [0] + [1] * 30
+
+
+def test_a_light_test_after_a_very_heavy_one_still_falls_in_the_last_shard() -> None:
+    """Any positive finite weight is accepted, so the float sum can swallow a light last test
+    (1e9 + 1e-9 == 1e9): its start is then the whole total, one past the last shard, and it
+    would run in no shard. Catches dropping the clamp `min(self.total - 1, ...)`."""
+    runner = _runner_module()
+    shard = runner._Shard(2, 0, True, {"[heavy]": 1e9, "[light]": 1e-9})
+    assert shard._shards(["test_x[heavy]", "test_x[light]"]) == [0, 1]
+
+
+def _properties(package) -> list[tuple[str, str]]:
+    """(name, value) of each testsuite property of the last run's JUnit XML."""
+    xml = package.parent.parent / f"runfiles_{package.parent.name}" / "test.xml"
+    return [(p.get("name"), p.get("value")) for p in ET.parse(xml).getroot().iter("property")]
+
+
+def test_a_shard_left_without_a_test_records_the_collection_it_split(project):
+    """Module docstring: each shard's JUnit XML records what it split, an empty shard's too,
+    so CI's summary compares every shard of the target. Both shards of a one-test selection
+    record the same count and sha256 of the node id. Catches the empty shard's skipped-case
+    XML dropping `_record_collection` (no property: a differing order went unseen)."""
+    node = f"test_llama.py::{RIGHT}".encode()
+    recorded = [("shard_collection", f"1 tests, sha256 {hashlib.sha256(node).hexdigest()}")]
+    for index in (0, 1):
+        result = _run(project, "test_llama.py", "-k", RIGHT, env=_shard_env(project, index))
+        assert result.returncode == 0, result.stdout
+        assert _properties(project) == recorded, index
+
+
+def test_a_selection_matching_nothing_leaves_no_skipped_case(project):
+    """The skipped case is written only where the target passes (the selection ran in a
+    sibling): a failing selection's XML holds no case, so CI's summary says that no test of
+    the target reported a result rather than that it crashed after passing tests. Catches
+    writing the skipped case whatever the exit code."""
+    result = _run(project, "test_sample.py", "-k", TYPO)
+    assert result.returncode == 5
+    assert _cases(project) == []

@@ -281,3 +281,103 @@ def test_the_probe_passes_only_where_its_test_passed(tmp_path, capsys):
     assert test_summary.main(["--passed", "test_other", bep]) == 1
     assert test_summary.main(["--passed", PROBE, str(target)]) == 2  # a folder: no run named
     assert "--passed reads the probe run's build event file" in capsys.readouterr().out
+
+
+def test_a_retried_shard_counts_its_last_attempt_only(tmp_path, capsys):
+    """The summary "reads the test.xml of each shard's last attempt": a flaky shard's failed
+    first attempt is not counted once its retry passed (Bazel says FLAKY, which the summary
+    names). Catches keeping the first attempt (`if shard not in last`)."""
+    first = _write(tmp_path / "attempt_1" / "test.xml", FAILING)
+    last = _write(tmp_path / "attempt_2" / "test.xml", PASSING)
+    events = [
+        {
+            "id": {"testResult": {"label": "//pkg:r", "run": 1, "shard": 1, "attempt": n}},
+            "testResult": {"testActionOutput": [{"name": "test.xml", "uri": xml.as_uri()}]},
+        }
+        for n, xml in ((1, first), (2, last))
+    ]
+    events.append(
+        {"id": {"testSummary": {"label": "//pkg:r"}}, "testSummary": {"overallStatus": "FLAKY"}}
+    )
+    bep = tmp_path / "bep.json"
+    bep.write_text("".join(json.dumps(event) + "\n" for event in events))
+    assert test_summary.load(bep).reports == {"//pkg:r": [last]}
+    assert test_summary.main([str(bep)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"tests: 2 passed, 1 failed, 0 skipped, {LINE.format(0, 0)}",
+        "//pkg:r: Bazel says FLAKY, its tests' XML says none failed (see its test.log)",
+    ]
+
+
+def test_a_case_with_an_error_counts_as_failed(tmp_path, capsys):
+    """pytest reports a fixture or setup error as `<error>`, not `<failure>`: it is a failed
+    test, and the run exits 1. Catches counting only `<failure>` (the error read as a pass)."""
+    erred = SUITE.format('<testcase name="test_e"><error message="fixture broke"/></testcase>')
+    bep = _bep(tmp_path, {"//pkg:e": [_write(tmp_path / "e" / "test.xml", erred)]})
+    assert test_summary.main([bep]) == 1
+    assert capsys.readouterr().out == f"tests: 0 passed, 1 failed, 0 skipped, {LINE.format(0, 0)}\n"
+
+
+def test_an_incompatible_target_is_skipped_and_an_otherwise_aborted_one_fails(tmp_path, capsys):
+    """Bazel's `aborted` summary of a target: reason SKIPPED (incompatible with the platform)
+    is a skipped target, no problem; any other reason (the run was interrupted) is a target
+    that never ran, one failed test. Catches dropping "ABORTED (SKIPPED)" from NOT_FAILED and
+    ignoring `aborted` events."""
+    report = _write(tmp_path / "t" / "test.xml", PASSING)
+    bep = Path(_bep(tmp_path, {"//pkg:t": [report]}))
+
+    def aborted(label: str, reason: str) -> str:
+        event = {"id": {"testSummary": {"label": label}}, "aborted": {"reason": reason}}
+        return json.dumps(event) + "\n"
+
+    events = bep.read_text()
+    bep.write_text(events + aborted("//pkg:gpu_only", "SKIPPED"))
+    assert test_summary.main([str(bep)]) == 0
+    assert capsys.readouterr().out == f"tests: 2 passed, 0 failed, 0 skipped, {LINE.format(0, 0)}\n"
+    bep.write_text(events + aborted("//pkg:cut", "USER_INTERRUPTED"))
+    assert test_summary.main([str(bep)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"tests: 2 passed, 1 failed, 0 skipped, {LINE.format(0, 0)}",
+        "//pkg:cut: Bazel says ABORTED (USER_INTERRUPTED), and no test of it reported a result",
+    ]
+
+
+def test_a_remote_sharded_targets_reports_are_found_in_their_shard_folders(tmp_path, capsys):
+    """A remotely executed sharded target: Bazel downloads each shard's report into
+    TESTLOGS/PKG/NAME/shard_N_of_M/test.xml, and the summary finds each by its digest there.
+    Catches searching only the target folder's top (`glob` for `rglob`: both reports
+    "missing")."""
+    execroot = tmp_path / "execroot"
+    target = execroot / "bazel-out" / "k8-fastbuild" / "testlogs" / "pkg" / "t"
+    shards = [
+        _write(target / "shard_1_of_2" / "test.xml", PASSING),
+        _write(target / "shard_2_of_2" / "test.xml", FAILING),
+    ]
+    events = [
+        {"id": {"workspace": {}}, "workspaceInfo": {"localExecRoot": str(execroot)}},
+        {"id": {"configuration": {"id": "c1"}}, "configuration": {"mnemonic": "k8-fastbuild"}},
+    ]
+    for shard, xml in enumerate(shards, 1):
+        digest = hashlib.sha256(xml.read_bytes()).hexdigest()
+        uri = f"bytestream://127.0.0.1:1/blobs/{digest}/{xml.stat().st_size}"
+        key = {"label": "//pkg:t", "shard": shard, "configuration": {"id": "c1"}}
+        output = {"testActionOutput": [{"name": "test.xml", "uri": uri}]}
+        events.append({"id": {"testResult": key}, "testResult": output})
+    events.append(
+        {"id": {"testSummary": {"label": "//pkg:t"}}, "testSummary": {"overallStatus": "FAILED"}}
+    )
+    bep = tmp_path / "bep.json"
+    bep.write_text("".join(json.dumps(event) + "\n" for event in events))
+    assert test_summary.load(bep).reports == {"//pkg:t": shards}
+    assert test_summary.main([str(bep)]) == 1
+    assert capsys.readouterr().out == f"tests: 2 passed, 1 failed, 0 skipped, {LINE.format(0, 0)}\n"
+
+
+def test_a_run_whose_every_test_skipped_is_not_green(tmp_path, capsys):
+    """The docstring's "exit 1 when ... no test ran at all": a skipped test did not run, so a
+    run of skips only (every golden file absent, say) fails. Catches counting skips as tests
+    that ran (`passed + failed + skipped == 0`)."""
+    skipped = SUITE.format('<testcase name="test_s"><skipped message="no file"/></testcase>')
+    bep = _bep(tmp_path, {"//pkg:s": [_write(tmp_path / "s" / "test.xml", skipped)]})
+    assert test_summary.main([bep]) == 1
+    assert capsys.readouterr().out == f"tests: 0 passed, 0 failed, 1 skipped, {LINE.format(0, 0)}\n"
