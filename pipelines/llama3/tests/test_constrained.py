@@ -657,3 +657,160 @@ def test_masks_are_kept_only_when_asked(tiny) -> None:
     request = Request("r", _prompt(tiny, case), STEPS, constraint=case.constraint)
     served = ServingEngine(tiny, block_size=4).serve([request])["r"].output
     assert served.allowed is None and served.tokens == plain.tokens
+
+
+# --- the constraint's own promises, where no corpus run goes ----------------------------
+
+
+def test_a_grammar_is_not_forced_to_its_canonical_tokenization(tiny, monkeypatch) -> None:
+    """No forcing holds for every kind (the module docstring), grammars too: where a grammar
+    determines the next bytes (`{"a":` here, in Lark and in GBNF) every token that goes on
+    with them is allowed, `{` as well as the canonical `{"`, and each state's mask equals the
+    reference's. The corpus's grammars never determine bytes ahead, so no other check sees
+    it. Planted: the grammar kind compiled without the no_forcing header allowed only `{"`
+    first (llguidance's default forcing)."""
+    data = tiny.tokenizer.token_bytes()[0]
+    grammars = {
+        "lark": 'start: "{\\"a\\":" NUM "}"\nNUM: /[0-9]+/',
+        "gbnf": 'root ::= "{\\"a\\":" [0-9]+ "}"',
+    }
+    for syntax, text in grammars.items():
+        name = f"forced_{syntax}"
+        case = Case(name, Constraint.grammar(text), r'\{"a":[0-9]+\}', ('{"a":12}',))
+        monkeypatch.setitem(CASES, name, case)
+        first = constrained.matcher(case.constraint, tiny.tokenizer).allowed()
+        assert sorted(data[i] for i in first) == [b"{", b'{"'], syntax
+        assert _walk_members(tiny, [name]) == []
+
+
+def test_a_regex_may_hold_a_slash(tiny, monkeypatch) -> None:
+    """A regex is Rust regex syntax, where `/` is an ordinary character, bare or escaped
+    (`\\/`); the Lark terminal it becomes is written between slashes (_lark_regex escapes
+    them). Both forms compile, and their masks equal the reference's at every byte of a
+    member. The corpus's regexes hold no slash. Planted: the regex put between slashes as it
+    is (the bare slash ended the terminal: no compile); the escaped slash escaped again (a
+    lexer error)."""
+    for name, pattern in (("slash", "[0-9]{2}/[0-9]{2}"), ("escaped", r"[0-9]{2}\/[0-9]{2}")):
+        case = Case(name, Constraint.regex(pattern), "[0-9]{2}/[0-9]{2}", ("12/34",))
+        monkeypatch.setitem(CASES, name, case)
+        assert _walk_members(tiny, [name]) == []
+
+
+def test_a_boolean_schema_is_any_json_or_nothing(tiny) -> None:
+    """A JSON schema is an object or a boolean (Constraint's docstring; the server passes a
+    boolean `json_schema` on): `true` compiles and takes a JSON value token by token, its
+    text then complete (an end of sequence allowed), and `false` admits nothing, a
+    ConstraintError. (Its masks are not those of `{}`: a boolean schema carries no
+    x-guidance options, so `true` still has llguidance's flexible whitespace.) Planted: the
+    boolean test written with `or` (`schema is not True or schema is not False`) refused
+    `true` too."""
+    true = constrained.matcher(Constraint.json_schema(True), tiny.tokenizer)
+    for token in tiny.tokenizer.encode('{"a":[1,"b"]}', add_bos=False):
+        assert token in set(true.allowed().tolist())
+        true.consume(token)
+    assert true.accepting and set(tiny.eos_ids) <= set(true.allowed().tolist())
+    with pytest.raises(constrained.ConstraintError, match="json_schema: "):
+        constrained.matcher(Constraint.json_schema(False), tiny.tokenizer)
+
+
+def test_a_bad_constraint_is_refused_where_it_is_made(tiny) -> None:
+    """Each malformed constraint is a ConstraintError naming what is wrong, before a request
+    runs: a kind outside KINDS when the Constraint is made; a choice that is empty or holds
+    an empty string (an end of sequence at once) when it compiles; a grammar naming a token
+    the vocabulary lacks when checked against the vocabulary (the server's 400: without one,
+    before a checkpoint loads, token references are not checked); a matcher without a
+    vocabulary. Planted, each caught here: the kind not checked; an empty string allowed in
+    a choice; the check made without the vocabulary (the error came only at admission); a
+    missing tokenizer passed on (an AttributeError)."""
+    with pytest.raises(constrained.ConstraintError, match="kind 'xml' is not one of"):
+        Constraint("xml", "<a/>")
+    for options in (["yes", ""], []):
+        with pytest.raises(constrained.ConstraintError, match="list of non-empty strings"):
+            Constraint.choice(options).check()
+    vocabulary = constrained.Vocabulary.of(tiny.tokenizer)
+    for token in ("<[200000]>", "<|no_such_token|>"):
+        with pytest.raises(constrained.ConstraintError, match="grammar: "):
+            Constraint.grammar(f'start: "a" {token}').check(vocabulary)
+    assert constrained.matcher(None, None) is None
+    with pytest.raises(constrained.ConstraintError, match="needs the checkpoint's vocabulary"):
+        constrained.matcher(Constraint.choice(["yes", "no"]), None)
+
+
+def test_a_matcher_rolls_back_and_checks_proposals_in_place(tiny) -> None:
+    """A matcher's state is its consumed tokens, with the mask computed once per state:
+    rollback returns to the earlier state's mask (not one computed after the undone token);
+    viable() counts the proposals the language allows and leaves the tokens and the mask as
+    they were, whether it takes some or none; a refused token is not taken (the error counts
+    the tokens before it); mask(size) holds the allowed ids below `size`. The decoder never
+    computes a mask between a proposal's consume and its rollback, so no run sees these.
+    Planted, each caught here: rollback keeping the cached mask; rollback(0) emptying the
+    consumed tokens (`del consumed[-0:]` without the `if count` guard); viable() recording
+    every proposal, refused ones too; a refused token appended before the check; mask()
+    without its size filter (an IndexError)."""
+    yes, no, maybe = (tiny.tokenizer.encode(w, add_bos=False)[0] for w in ("yes", "no", "maybe"))
+    matcher = constrained.matcher(Constraint.choice(["yes", "yesno"]), tiny.tokenizer)
+    start = matcher.allowed().copy()
+    matcher.consume(yes)
+    after_yes = matcher.allowed().copy()
+    assert not np.array_equal(start, after_yes)
+    matcher.rollback(1)
+    assert matcher.consumed == [] and np.array_equal(matcher.allowed(), start)
+    assert matcher.viable([yes, no, maybe]) == 2
+    assert matcher.consumed == [] and np.array_equal(matcher.allowed(), start)
+    size = int(start[-1])  # the largest allowed id left out
+    mask = matcher.mask(size)
+    assert mask.shape == (size,) and mask.nonzero().flatten().tolist() == start[:-1].tolist()
+    matcher.consume(yes)
+    assert matcher.viable([maybe]) == 0
+    assert matcher.consumed == [yes] and np.array_equal(matcher.allowed(), after_yes)
+    with pytest.raises(constrained.ConstraintError, match=f"token {maybe} .* after 1 tokens"):
+        matcher.consume(maybe)
+    assert matcher.consumed == [yes]
+
+
+def test_a_sampling_draft_is_masked_where_the_text_may_end(tiny) -> None:
+    """A matcher is stopped only once an end of sequence is taken, not where the text so far
+    is a member that may go on (`7` under the expression grammar): there too a sampling
+    draft's proposals and each q's support are in the language (_draft_failures checks inside
+    an object, where the text is never a member). Planted: `stopped` read as `accepting` let
+    the draft propose from its unmasked distribution as soon as the text was a member."""
+    draft = self_draft(TESTDATA / "tiny_llama.gguf", 0, sample=True)
+    case = CASES["lark"]
+    prompt = _prompt(tiny, case)
+    seven = tiny.tokenizer.encode("7", add_bos=False)
+    for seed in range(3):
+        matcher = constrained.matcher(case.constraint, tiny.tokenizer)
+        matcher.consume(seven[0])
+        assert matcher.accepting and not matcher.stopped
+        settings = dataclasses.replace(SAMPLER, seed=seed)
+        decoder = Decoder(12, tiny.eos_ids, sampling=settings, prompt=prompt, constraint=matcher)
+        proposal, dists = draft.drafted([*prompt, *seven], 4, decoder)
+        assert matcher.consumed == seven
+        walk = constrained.matcher(case.constraint, tiny.tokenizer)
+        walk.consume(seven[0])
+        for j, (token, (ids, probs)) in enumerate(zip(proposal, dists, strict=True)):
+            allowed = set(walk.allowed().tolist())
+            assert set(ids[probs > 0].tolist()) <= allowed, f"seed {seed} proposal {j}: q"
+            assert token in allowed, f"seed {seed} proposal {j}: {token}"
+            if token in tiny.eos_ids:
+                break  # proposals after an end of sequence are never verified
+            walk.consume(token)
+
+
+def test_a_masked_step_keeps_only_allowed_ids_whatever_the_truncation(tiny) -> None:
+    """Refused ids are -inf (apply_mask), which sampling neither counts nor keeps: with no
+    truncation, and with fewer ids allowed than top_k, the processed distribution's ids are
+    exactly the allowed ones, each drawable, summing to 1 (the q a sampling draft reports and
+    the p the rejection sampler divides by). Planted: refused logits set to the dtype's
+    lowest finite value instead of -inf kept refused ids at probability 0 (all 128k of them
+    without truncation)."""
+    prompt = tiny.tokenizer.encode("Answer: ")
+    logits = tiny.generate(prompt, 1).logits[0]
+    for top_k in (0, 64):
+        matcher = constrained.matcher(Constraint.choice(["yes", "no"]), tiny.tokenizer)
+        settings = SamplerSettings(temperature=1.0, top_k=top_k, seed=0)
+        decoder = Decoder(4, tiny.eos_ids, sampling=settings, prompt=prompt, constraint=matcher)
+        ids, probs = decoder.distribution(logits)
+        ids, probs = np.asarray(ids), np.asarray(probs, dtype=np.float64)
+        assert sorted(ids.tolist()) == matcher.allowed().tolist(), top_k
+        assert probs.min() > 0 and abs(probs.sum() - 1.0) < 1e-9, top_k

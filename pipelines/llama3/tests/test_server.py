@@ -816,3 +816,232 @@ def test_a_port_in_use_exits_2_naming_the_port(checkpoint, capsys) -> None:
         code = main([f"--gguf={checkpoint}", f"--port={port}", "--kv-tokens=64"])
     assert code == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+# --- request fields at their limits, the sampler's fields, stream framing, engine faults ------
+
+
+def _small_context_server(checkpoint, context: int) -> Server:
+    """`_server`'s engine and pool with a context of `context` tokens per request."""
+    engine = Llama3Engine.from_gguf(checkpoint)
+    serving = ServingEngine(
+        engine,
+        block_size=4,
+        num_blocks=64,
+        chunk_size=16,
+        max_batch=16,
+        prefix_caching=True,
+        max_context=context,
+    )
+    return Server(serving, "tiny", max_body=65536)
+
+
+def test_each_limit_is_served_at_the_limit_and_refused_one_past_it(checkpoint, solo) -> None:
+    """Each documented limit holds exactly: a prompt plus max_tokens of exactly the context
+    (16 here), `logprobs` 20, four stop strings and the vocabulary's last id are served; one
+    more of each is a 400 naming it. JSON `true` is no number (`max_tokens`, `temperature`),
+    an empty `model` is this server's, and greedy refuses every penalty, not only presence.
+    Plants that fail it: `>=` for the context check, `<` for the logprobs range or the stop
+    count, `<=` for the vocabulary bound, `_field` taking booleans as numbers, `model: ""`
+    refused, frequency_penalty left out of greedy's refusals."""
+    from pipelines.llama3.server import MAX_LOGPROBS
+
+    vocab = solo.config.vocab_size
+    fits = {"prompt": [1, 2, 3, 4], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    served = [
+        fits,
+        {**fits, "logprobs": MAX_LOGPROBS, "return_tokens_as_token_ids": True},
+        {**fits, "stop": ["zz1", "zz2", "zz3", "zz4"]},
+        {**fits, "prompt": [1, vocab - 1]},
+        {**fits, "model": ""},
+    ]
+    refused = [
+        ({**fits, "max_tokens": 13}, "max_tokens", "17 is over this server's context of 16"),
+        ({**fits, "logprobs": MAX_LOGPROBS + 1}, "logprobs", '"logprobs" must lie in 0..20'),
+        ({**fits, "stop": ["zz1", "zz2", "zz3", "zz4", "zz5"]}, "stop", "at most 4 strings"),
+        ({**fits, "prompt": [1, vocab]}, "prompt", f"outside the vocabulary [0, {vocab})"),
+        ({**fits, "max_tokens": True}, "max_tokens", '"max_tokens" must be an integer >= 1'),
+        ({**fits, "temperature": True}, "temperature", '"temperature" must be a number >= 0'),
+        (
+            {**fits, "frequency_penalty": 0.5},
+            "frequency_penalty",
+            '"frequency_penalty" with "temperature": 0',
+        ),
+        (
+            {**fits, "repetition_penalty": 1.3},
+            "repetition_penalty",
+            '"repetition_penalty" with "temperature": 0',
+        ),
+    ]
+    with RunningServer(_small_context_server(checkpoint, 16)) as running:
+        answers = [_post(running.url, "/completions", body) for body in served]
+        refusals = [_post(running.url, "/completions", body) for body, _, _ in refused]
+    for body, (status, answer) in zip(served, answers, strict=True):
+        assert status == 200, (body, answer)
+        assert answer["usage"]["completion_tokens"] == 12, (body, answer["usage"])
+    top = answers[1][1]["choices"][0]["logprobs"]["top_logprobs"]
+    assert [len(row) for row in top] == [MAX_LOGPROBS] * 12, top[0]
+    for (body, param, message), (status, answer) in zip(refused, refusals, strict=True):
+        assert status == 400, (body, answer)
+        assert answer["error"]["param"] == param, (body, answer)
+        assert message in answer["error"]["message"], (body, answer)
+
+
+def _stops_in(text: str) -> tuple[str, str, str]:
+    """Three strings of `text` without a partial character: `early` (two characters, the
+    earliest such), `late` (two, first found after `early` starts) and `overlap` (three,
+    whose last character first occurs as its last: the token completing `overlap` completes
+    that character's one-character stop string too)."""
+    clean = [k for k in range(len(text) - 2) if "\ufffd" not in text[k : k + 3]]
+    early = text[clean[0] : clean[0] + 2]
+    late = next(p for p in (text[k : k + 2] for k in clean) if text.find(p) > text.find(early))
+    k = next(k for k in clean if text.find(text[k : k + 3]) == k == text.find(text[k + 2]) - 2)
+    return early, late, text[k : k + 3]
+
+
+def test_every_stop_string_counts_and_the_earliest_cuts(checkpoint, solo) -> None:
+    """`stop` as a list: the text is cut before whichever stop string starts first, wherever
+    it stands in the list, whole and streamed (finish_reason "stop"): four strings of which
+    the third occurs first; and a one-character string completed by the same token as a
+    three-character one ending in it, which starts earlier and so cuts. Plants that fail it:
+    only the first stop string reaching the engine, the cut at the latest match (`max` for
+    `min`), four stop strings refused."""
+    prompt = "the cap"
+    reference = solo.generate(solo.tokenizer.encode(prompt), 12, stop_on_eos=False)
+    text = solo.tokenizer.decode(reference.tokens)
+    early, late, overlap = _stops_in(text)
+    cases = [
+        (["not there", late, early, "nor here"], text[: text.find(early)]),
+        ([overlap[-1], overlap], text[: text.find(overlap)]),
+    ]
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with RunningServer(_server(checkpoint)) as running:
+        for stop, cut in cases:
+            status, whole = _post(running.url, "/completions", {**body, "stop": stop})
+            streamed = _streamed_choices(_stream(running.url, {**body, "stop": stop}))[0]
+            assert status == 200, whole
+            choice = whole["choices"][0]
+            assert (choice["text"], choice["finish_reason"]) == (cut, "stop"), (stop, text)
+            assert (streamed["text"], streamed["finish"]) == (cut, "stop"), (stop, text)
+
+
+def test_each_sampler_field_reaches_the_sampler(checkpoint, solo) -> None:
+    """Every sampler field of a request is its own SamplerSettings field: the served tokens
+    are the solo run's under the same settings and seed, with all of top_k, top_p, min_p and
+    the three penalties set; `temperature` left out is OpenAI's 1 (sampling, not greedy);
+    `top_k: -1` is vLLM's "off", top_k 0. Plants that fail it: min_p read from "top_p",
+    temperature's default 0 (greedy), -1 passed on as top_k (a 400)."""
+    from pipelines.llama3.sampling import SamplerSettings
+
+    prompt = [5, 6, 7]
+    fields = {
+        "temperature": 0.9,
+        "top_k": 40,
+        "top_p": 0.95,
+        "min_p": 0.02,
+        "repetition_penalty": 1.3,
+        "presence_penalty": 0.4,
+        "frequency_penalty": 0.2,
+    }
+    cases = [
+        (fields, SamplerSettings(**fields, seed=7)),
+        ({}, SamplerSettings(temperature=1.0, seed=7)),
+        ({"temperature": 0.9, "top_k": -1}, SamplerSettings(temperature=0.9, top_k=0, seed=7)),
+    ]
+    base = {
+        "prompt": prompt,
+        "max_tokens": 16,
+        "seed": 7,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+    }
+    with RunningServer(_server(checkpoint)) as running:
+        answers = [_post(running.url, "/completions", {**base, **f}) for f, _ in cases]
+    for (f, settings), (status, answer) in zip(cases, answers, strict=True):
+        assert status == 200, (f, answer)
+        want = solo.generate(prompt, 16, stop_on_eos=False, sampling=settings).tokens
+        assert _token_ids(answer["choices"][0]["logprobs"]) == want, (f, settings)
+
+
+def test_a_stream_ends_with_its_finish_reason_usage_and_done(checkpoint, solo) -> None:
+    """A stream without logprobs whose last step is the end-of-sequence token (no text of
+    its own): one chunk still carries finish_reason "stop"; with `stream_options:
+    {include_usage: true}` the chunk before `[DONE]` has no choices and the request's usage;
+    every chunk has the same id and object "text_completion"; on the wire (text/event-stream)
+    each event is one `data:` line ended by a blank line, as SSE clients split them. Plants
+    that fail it: a final chunk without text or logprobs not sent (no finish_reason),
+    include_usage ignored, events ended by one newline (a client joins them into one)."""
+    from pipelines.llama3.constrained import Constraint
+
+    prompt = "the answer: "
+    want = solo.generate(
+        solo.tokenizer.encode(prompt), 8, constraint=Constraint.choice(["yes", "no"])
+    ).tokens
+    assert want[-1] in solo.eos_ids, want
+    body = {
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "guided_choice": ["yes", "no"],
+        "stream_options": {"include_usage": True},
+    }
+    with RunningServer(_server(checkpoint)) as running:
+        connection, base = _connection(running.url, CLIENT_TIMEOUT_S)
+        try:
+            connection.request("POST", base + "/completions", json.dumps({**body, "stream": True}))
+            response = connection.getresponse()
+            kind, raw = response.getheader("Content-Type"), response.read().decode()
+        finally:
+            connection.close()
+    assert kind.startswith("text/event-stream"), kind
+    blocks = raw.split("\n\n")
+    assert blocks[-1] == "" and all(
+        b.startswith("data: ") and "\n" not in b for b in blocks[:-1]
+    ), raw[:300]
+    events = [b[len("data: ") :] for b in blocks[:-1]]
+    assert events[-1] == "[DONE]", events[-2:]
+    events = [*map(json.loads, events[:-1]), "[DONE]"]
+    chunks = events[:-1]
+    assert {(c["id"], c["object"]) for c in chunks} == {(chunks[0]["id"], "text_completion")}
+    usage = chunks[-1]
+    assert usage["choices"] == [], usage
+    prompt_tokens = len(solo.tokenizer.encode(prompt))
+    assert usage["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(want),
+        "total_tokens": prompt_tokens + len(want),
+    }
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks[:-1]]
+    assert reasons[-1] == "stop" and reasons.count(None) == len(reasons) - 1, reasons
+    text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+    assert text == solo.text(want, True) and text in ("yes", "no"), text
+
+
+def test_an_engine_failure_is_a_500_and_the_server_serves_on(checkpoint) -> None:
+    """The serving engine's step raises (once for a whole answer, once for a stream): the
+    whole answer is a 500 of type server_error naming the failure, the stream an error event
+    and no `[DONE]`; /metrics counts both as failed, and the next request is served. Plant
+    that fails it: the engine's error answered as a 400 (the client's fault)."""
+    server = _server(checkpoint)
+    step, failures = server.serving.step, [2]
+
+    def failing_step():
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("planted step failure")
+        return step()
+
+    server.serving.step = failing_step
+    with RunningServer(server) as running:
+        status, answer = _post(running.url, "/completions", _body([1, 2, 3], 4, False))
+        events = _stream(running.url, _body([4, 5, 6], 4, True))
+        ok, fine = _post(running.url, "/completions", _body([1, 2, 3], 4, False))
+        metrics = _get(running.url[: -len("/v1")], "/metrics")[1]
+    assert status == 500, answer
+    assert answer["error"]["type"] == "server_error", answer
+    assert "the engine failed: RuntimeError: planted step failure" in answer["error"]["message"]
+    assert "[DONE]" not in events and len(events) == 1, events
+    assert "the engine failed: RuntimeError" in events[0]["error"]["message"], events
+    assert ok == 200 and len(fine["choices"][0]["logprobs"]["tokens"]) == 4, fine
+    assert metrics["requests"] == {"failed": 2, "length": 1}, metrics
