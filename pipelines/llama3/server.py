@@ -688,7 +688,10 @@ class Server:
     ) -> dict:
         """OpenAI's legacy logprobs of `tokens`, generated after `before`, from each step's
         logits: log-softmax in float64, the top K by log-probability (equal ones by id), and
-        each token's character offset in the generated text."""
+        each token's character offset in the generated text. The top K map each token's text
+        to its log-probability: ids whose texts are equal (byte pieces of one character all
+        decode to U+FFFD) share one entry, the most likely one's, so fewer than K can come
+        back; `return_tokens_as_token_ids` names every id apart."""
         k = completion.logprobs
         names, chosen, tops, offsets = [], [], [], []
         tokenizer = self.engine.tokenizer
@@ -703,7 +706,10 @@ class Server:
                 pairs = sorted(
                     zip(values.tolist(), ids.tolist(), strict=True), key=lambda t: (-t[0], t[1])
                 )
-                tops.append({self._name(i, completion): v for v, i in pairs})
+                top: dict[str, float] = {}
+                for v, i in pairs:  # ids of one text (byte pieces: U+FFFD): the likeliest's
+                    top.setdefault(self._name(i, completion), v)
+                tops.append(top)
             else:
                 tops.append({})
         return {

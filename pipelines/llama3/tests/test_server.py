@@ -529,6 +529,29 @@ def test_top_logprobs_are_the_log_softmax_of_the_engines_logits(checkpoint, solo
         assert np.allclose(list(top.values()), want[ids].numpy(), atol=1e-5)
 
 
+def test_top_logprobs_named_by_text_keep_each_texts_most_likely_token(checkpoint, solo) -> None:
+    """Named by their text (no `return_tokens_as_token_ids`), two ids can share a key: byte
+    pieces of one character all decode to U+FFFD. Each text keeps the log-probability of its
+    most likely id, in the order of the top K; the entries are as many as the distinct texts.
+    Planted (as it was): a dict comprehension, where the least likely id of a text overwrote
+    the value, so the first entry said -13.9 for a token at -0.014."""
+    prompt = [1, 2, 3, 4]
+    with RunningServer(_server(checkpoint)) as running:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 20}
+        (top,) = _post(running.url, "/completions", body)[1]["choices"][0]["logprobs"][
+            "top_logprobs"
+        ]
+    want = torch.log_softmax(solo.generate(prompt, 1).logits[0].double(), -1)
+    values, ids = torch.topk(want, 20)
+    expected: dict[str, float] = {}
+    pairs = sorted(zip(values.tolist(), ids.tolist(), strict=True), key=lambda t: (-t[0], t[1]))
+    for value, token in pairs:
+        expected.setdefault(solo.tokenizer.decode([token]), value)
+    assert len(expected) < 20  # texts collide here: the case this test is about
+    assert list(top) == list(expected)
+    assert np.allclose(list(top.values()), list(expected.values()), atol=1e-5)
+
+
 def test_a_speculating_server_answers_the_same_tokens(checkpoint, solo) -> None:
     """--speculate: every request decodes speculatively (the n-gram draft): its solo greedy
     tokens, in fewer forwards than tokens where the text repeats."""
