@@ -76,6 +76,8 @@ class Constraint:
         """The constraint as one Lark grammar for llguidance, with the options above."""
         if self.kind == "json_schema":
             schema = _loads(self.text, "json_schema")
+            if schema is True:  # any JSON: `{}`, which can carry the options (compact JSON)
+                schema = {}
             if isinstance(schema, dict):
                 schema = copy.deepcopy(schema)
                 guidance = schema.setdefault("x-guidance", {})
@@ -127,8 +129,19 @@ def _loads(text: str, kind: str):
 
 
 def _lark_regex(pattern: str) -> str:
-    """A Lark regex terminal for `pattern`: `/.../` with its slashes escaped."""
-    return "/" + pattern.replace("\\/", "/").replace("/", "\\/") + "/"
+    """A Lark regex terminal for `pattern`: `/.../` with each slash the pattern does not
+    escape escaped. Read as Lark reads the terminal, an escape pair at a time: in `\\\\/` the
+    backslash is escaped and the slash is not (replacing `\\/` first, as this did, ate the
+    second backslash and ended the terminal at that slash)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            out.append(pattern[i : i + 2])  # an escape pair as it is, `\/` included
+            i += 2
+            continue
+        out.append("\\/" if pattern[i] == "/" else pattern[i])
+        i += 1
+    return "/" + "".join(out) + "/"
 
 
 class Vocabulary:

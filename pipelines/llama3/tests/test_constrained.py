@@ -689,21 +689,32 @@ def test_a_regex_may_hold_a_slash(tiny, monkeypatch) -> None:
     them). Both forms compile, and their masks equal the reference's at every byte of a
     member. The corpus's regexes hold no slash. Planted: the regex put between slashes as it
     is (the bare slash ended the terminal: no compile); the escaped slash escaped again (a
-    lexer error)."""
-    for name, pattern in (("slash", "[0-9]{2}/[0-9]{2}"), ("escaped", r"[0-9]{2}\/[0-9]{2}")):
-        case = Case(name, Constraint.regex(pattern), "[0-9]{2}/[0-9]{2}", ("12/34",))
+    lexer error). An escaped backslash before a slash (`\\\\/`: the text `\\/`) compiled to
+    a lexer error until _lark_regex read the pattern an escape pair at a time."""
+    slash = "[0-9]{2}/[0-9]{2}"
+    cases = (
+        ("slash", slash, slash, "12/34"),
+        ("escaped", r"[0-9]{2}\/[0-9]{2}", slash, "12/34"),
+        ("backslash", r"[0-9]\\/[0-9]", r"[0-9]\\/[0-9]", "1\\/2"),
+    )
+    for name, pattern, reference_pattern, member in cases:
+        case = Case(name, Constraint.regex(pattern), reference_pattern, (member,))
         monkeypatch.setitem(CASES, name, case)
-        assert _walk_members(tiny, [name]) == []
+        assert _walk_members(tiny, [name]) == [], name
 
 
 def test_a_boolean_schema_is_any_json_or_nothing(tiny) -> None:
     """A JSON schema is an object or a boolean (Constraint's docstring; the server passes a
     boolean `json_schema` on): `true` compiles and takes a JSON value token by token, its
     text then complete (an end of sequence allowed), and `false` admits nothing, a
-    ConstraintError. (Its masks are not those of `{}`: a boolean schema carries no
-    x-guidance options, so `true` still has llguidance's flexible whitespace.) Planted: the
-    boolean test written with `or` (`schema is not True or schema is not False`) refused
-    `true` too."""
+    ConstraintError. `true` is `{}`: the same compact JSON, the same first mask, no newline
+    after `{` (it had no x-guidance options, so llguidance's flexible whitespace let 50
+    newlines through). Planted: the boolean test written with `or` (`schema is not True or
+    schema is not False`) refused `true` too."""
+    empty = constrained.matcher(Constraint.json_schema({}), tiny.tokenizer)
+    first = constrained.matcher(Constraint.json_schema(True), tiny.tokenizer).allowed().tolist()
+    assert first == empty.allowed().tolist()
+    assert tiny.tokenizer.encode("{\n", add_bos=False)[0] not in first
     true = constrained.matcher(Constraint.json_schema(True), tiny.tokenizer)
     for token in tiny.tokenizer.encode('{"a":[1,"b"]}', add_bos=False):
         assert token in set(true.allowed().tolist())
