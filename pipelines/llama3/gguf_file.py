@@ -167,7 +167,9 @@ class GGUFFile:
         self.field_types: Mapping[str, tuple[GGUFValueType, ...]] = MappingProxyType(field_types)
 
         alignment = fields.get(ALIGNMENT_KEY, GGUF_DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        # a bool is an int to Python: True would align to 1 (the spec's type is uint32)
+        integer = isinstance(alignment, int) and not isinstance(alignment, bool)
+        if not integer or alignment <= 0 or alignment & (alignment - 1):
             raise CheckpointError(
                 self.path, f"{ALIGNMENT_KEY}={alignment!r} is not a positive power of two"
             )

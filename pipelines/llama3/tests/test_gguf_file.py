@@ -224,3 +224,150 @@ def test_private_tensor_data_is_copy_on_write(tiny_gguf: pathlib.Path) -> None:
     assert tiny_gguf.read_bytes() == before
     assert reader.tensor_data(name)[:4].tolist() != [0xFF] * 4
     assert reader.private_tensor_data()[name][:4].tolist() != [0xFF] * 4
+
+
+def test_gguf_version_1_is_refused(tiny_gguf: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """GGUF v1 used 32-bit string lengths and counts: read with v2's 64-bit layout it would
+    be garbage, so it is refused by name, not parsed. Planted: SUPPORTED_VERSIONS with 1."""
+    data = tiny_gguf.read_bytes()
+    path = tmp_path / "v1.gguf"
+    path.write_bytes(data[:4] + (1).to_bytes(4, "little") + data[8:])
+    _assert_one_line_error(path, "GGUF version 1 is not supported")
+
+
+@pytest.mark.parametrize("alignment", [0, 3, 48, 96])
+def test_alignment_that_is_not_a_power_of_two_is_refused(
+    tmp_path: pathlib.Path, alignment: int
+) -> None:
+    """general.alignment must be a positive power of two (ggml rounds offsets with a mask);
+    any other value is refused with the key and the value. Planted: the power-of-two test
+    (`alignment & (alignment - 1)`) dropped, which took 48 and 96 as alignments."""
+    path = tmp_path / "alignment.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("general.alignment", alignment)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    _assert_one_line_error(path, rf"general\.alignment={alignment} is not a positive power of two")
+
+
+def test_an_alignment_written_as_a_bool_is_refused(tmp_path: pathlib.Path) -> None:
+    """general.alignment is a uint32; a BOOL true is not an alignment of 1 (Python's True is
+    an int, which the check took as one). Found by the GGUF parser's mutation sweep."""
+    path = tmp_path / "alignment.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_bool("general.alignment", True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    _assert_one_line_error(path, r"general\.alignment=True is not a positive power of two")
+
+
+@pytest.mark.parametrize("last", ["uint32", "strings"])
+def test_a_file_without_tensors_ending_at_its_last_value_parses(
+    tmp_path: pathlib.Path, last: str
+) -> None:
+    """A metadata-only GGUF (llama.cpp's vocab-only files hold no tensors) whose last value
+    ends on the file's last byte is whole: a read that ends exactly at the end of the file is
+    in bounds. Cut anywhere it is truncated, also where no tensor index follows to run into
+    the end. Planted: `_advance` refusing `start + n_bytes >= file_size` (a scalar last); the
+    vectorized string array's check of its last string against the end dropped."""
+    path = tmp_path / "metadata_only.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    if last == "strings":
+        writer.add_uint32("llama.block_count", 7)
+        writer.add_array("tokenizer.ggml.tokens", ["abc", "def"])
+    else:
+        writer.add_array("tokenizer.ggml.tokens", ["abc", "def"])
+        writer.add_uint32("llama.block_count", 7)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    ours = GGUFFile(path)
+    assert ours.fields["llama.block_count"] == 7
+    assert ours.fields["tokenizer.ggml.tokens"] == ("abc", "def")
+    assert ours.tensors == {}
+    data = path.read_bytes()
+    for cut in range(1, len(data)):
+        cut_path = tmp_path / f"cut_{cut}.gguf"
+        cut_path.write_bytes(data[:cut])
+        _assert_one_line_error(cut_path, "truncated|empty")
+
+
+def test_rows_that_split_a_quantization_block_are_refused(tmp_path: pathlib.Path) -> None:
+    """A tensor's row must hold whole blocks of its type: 16 values per row labelled Q8_0
+    (blocks of 32) would be read as half a block, so the index is refused with the tensor,
+    its row length and the block. Planted: the row-length check dropped (the tensor then
+    "loaded" as 34 bytes, the size of one block)."""
+    path = tmp_path / "split_block.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("w", np.zeros((2, 16), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(path)
+    tensor = reader.tensors[0]
+    # tensor info: name, n_dims, dims, type (uint32), offset (uint64)
+    type_offset = tensor.field.offset + sum(int(p.nbytes) for p in tensor.field.parts[:-2])
+    del reader
+    data = bytearray(path.read_bytes())
+    data[type_offset : type_offset + 4] = int(gguf.GGMLQuantizationType.Q8_0).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    _assert_one_line_error(
+        path, r"tensor 'w' has 16 values per row, not a multiple of Q8_0's block of 32"
+    )
+
+
+def _write_tensors(path: pathlib.Path, names: list[str]) -> None:
+    writer = gguf.GGUFWriter(path, "llama")
+    for name in names:
+        writer.add_tensor(name, np.zeros(4, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tensor_names_stay_under_ggml_max_name(tmp_path: pathlib.Path) -> None:
+    """ggml keeps a name and its NUL in GGML_MAX_NAME (64) bytes: 63 bytes are read, 64 are
+    a damaged length, refused with where the name starts. Planted: `>` for `>=`."""
+    path = tmp_path / "name_63.gguf"
+    _write_tensors(path, ["x" * 63])
+    assert list(GGUFFile(path).tensors) == ["x" * 63]
+    path = tmp_path / "name_64.gguf"
+    _write_tensors(path, ["x" * 64])
+    _assert_one_line_error(path, r"tensor name at byte \d+ is 64 bytes long, ggml allows under 64")
+
+
+def test_a_tensor_named_twice_in_the_index_is_refused(tmp_path: pathlib.Path) -> None:
+    """Two index entries with one name would leave one tensor's data unreachable (the second
+    silently wins): refused with the name. Planted: the duplicate check dropped."""
+    path = tmp_path / "twice.gguf"
+    _write_tensors(path, ["wa", "wb"])
+    data = path.read_bytes()
+    assert data.count(b"wb") == 1
+    path.write_bytes(data.replace(b"wb", b"wa"))
+    _assert_one_line_error(path, r"tensor 'wa' appears twice in the index")
+
+
+@pytest.mark.parametrize("count", [3, 2**40, 2**63])
+def test_a_string_array_count_past_the_end_is_truncation(
+    tmp_path: pathlib.Path, count: int
+) -> None:
+    """A string array whose count claims more strings than the rest of the file can hold (each
+    takes at least its 8-byte length) is a truncated file, said in one line, however large the
+    count: never a MemoryError or OverflowError from making room for them. Planted: the check
+    of the count against the bytes left dropped."""
+    path = tmp_path / "count.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("test.strings", ["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"test.strings") + len(b"test.strings") + 8  # past array and item types
+    assert int.from_bytes(data[at : at + 8], "little") == 2
+    data[at : at + 8] = count.to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    _assert_one_line_error(path, "truncated inside the metadata")

@@ -9,6 +9,7 @@ import torch
 
 from pipelines.llama3 import CheckpointError, Llama3Engine, load_config
 from pipelines.llama3.gguf_loader import (
+    DequantizedCache,
     load_weights,
     open_gguf,
     permute_qk,
@@ -183,3 +184,154 @@ def test_nan_scale_in_packed_weights_is_reported(tmp_path: pathlib.Path, mode: s
 def test_missing_file_is_checkpoint_error(tmp_path: pathlib.Path) -> None:
     with pytest.raises(CheckpointError, match="no such file"):
         load_config(tmp_path / "absent.gguf")
+
+
+def _write_llama_metadata(path: pathlib.Path, **fields: object) -> None:
+    """A llama GGUF holding `fields` (None: key left out) and one block's tensors, zeros:
+    enough for read_config, which never reads the weights' values."""
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if isinstance(value, str):
+            writer.add_string(f"llama.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"llama.{key}", value)
+        else:
+            writer.add_uint32(f"llama.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((40, 8), np.float32))
+    for name in ["output_norm.weight", *(f"blk.0.{n}.weight" for n in "abcdefghi")]:
+        writer.add_tensor(name, np.zeros(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+REQUIRED_METADATA = {
+    "embedding_length": 64,
+    "attention.head_count": 8,
+    "block_count": 1,
+    "feed_forward_length": 128,
+    "attention.layer_norm_rms_epsilon": 1e-5,
+}
+
+
+def test_config_defaults_apply_only_where_the_file_is_silent(tmp_path: pathlib.Path) -> None:
+    """Keys a file may leave out take llama.cpp's defaults (head_count_kv = head_count,
+    head_dim = dim / heads, freq_base 1e4, context 2048, vocabulary = the embedding's rows, no
+    scaling); keys it holds are read, never replaced by a default. The tiny checkpoints write
+    every key, so no other test reaches either side. Planted: head_count_kv defaulting to 1,
+    head_dim to dim // n_kv_heads, freq_base to 5e5, the vocabulary to the embedding's width."""
+    silent = tmp_path / "silent.gguf"
+    _write_llama_metadata(silent, **REQUIRED_METADATA)
+    config = load_config(silent)
+    assert (config.n_heads, config.n_kv_heads, config.head_dim) == (8, 8, 8)
+    assert (config.vocab_size, config.context_length, config.rope_theta) == (40, 2048, 10000.0)
+    assert (config.rope_scaling_type, config.rope_scaling_factor) == (None, 1.0)
+    assert (config.rope_original_context_length, config.rope_freq_factors) == (8192, None)
+
+    grouped = tmp_path / "grouped.gguf"  # head_dim from dim / query heads, not key/value heads
+    _write_llama_metadata(grouped, **REQUIRED_METADATA, **{"attention.head_count_kv": 2})
+    config = load_config(grouped)
+    assert (config.n_heads, config.n_kv_heads, config.head_dim) == (8, 2, 8)
+
+    explicit = tmp_path / "explicit.gguf"
+    _write_llama_metadata(
+        explicit,
+        **REQUIRED_METADATA,
+        **{
+            "attention.head_count_kv": 2,
+            "rope.dimension_count": 4,
+            "rope.freq_base": 500000.0,
+            "context_length": 4096,
+            "vocab_size": 32,
+        },
+    )
+    config = load_config(explicit)
+    assert (config.n_heads, config.n_kv_heads, config.head_dim) == (8, 2, 4)
+    assert (config.vocab_size, config.context_length, config.rope_theta) == (32, 4096, 500000.0)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "expected"),
+    [
+        ({"type": "linear", "factor": 4.0}, ("linear", 4.0, 8192)),
+        ({"type": "none", "factor": 4.0}, (None, 4.0, 8192)),
+        (
+            {"type": "llama3", "factor": 8.0, "original_context_length": 4096},
+            ("llama3", 8.0, 4096),
+        ),
+    ],
+)
+def test_rope_scaling_fields_are_read_from_the_metadata(
+    tmp_path: pathlib.Path, scaling: dict, expected: tuple
+) -> None:
+    """llama.rope.scaling.type, .factor and .original_context_length reach the config as
+    written ("none" means no scaling), where a file without the rope_freqs tensor has them.
+    Planted: original_context_length read from llama.context_length; "none" kept as a type."""
+    path = tmp_path / "scaling.gguf"
+    metadata = {f"rope.scaling.{key}": value for key, value in scaling.items()}
+    _write_llama_metadata(path, **REQUIRED_METADATA, context_length=131072, **metadata)
+    config = load_config(path)
+    assert (
+        config.rope_scaling_type,
+        config.rope_scaling_factor,
+        config.rope_original_context_length,
+    ) == expected
+
+
+def test_dequantized_cache_keys_on_dtype_and_owns_its_copies(tmp_path: pathlib.Path) -> None:
+    """load_weights' DequantizedCache hands a later load only what that load would compute:
+    a bfloat16 load after a float32 one of the same file gets bfloat16 weights (the key holds
+    the dtype), and writing into one load's weight in place changes no later load's (the
+    cache keeps a copy, not the tensor it returned). Planted: the key without dtype; keep()
+    storing the returned tensor itself."""
+    path = tmp_path / "q8.gguf"
+    write_tiny_llama(path, weight_type=gguf.GGMLQuantizationType.Q8_0)
+    reader = open_gguf(path)
+    config = read_config(reader, path)
+    cache = DequantizedCache()
+    name = "layers.0.feed_forward.w1.weight"
+    first = load_weights(reader, config, path, dequantized=cache)
+    assert cache.tensors, "nothing dequantized was kept"
+    expected = first[name].clone()
+    with torch.no_grad():
+        first[name].add_(1.0)  # as the mutation proofs edit an engine's weights
+    second = load_weights(reader, config, path, dequantized=cache)
+    assert torch.equal(second[name], expected)
+    as_bf16 = load_weights(reader, config, path, dtype=torch.bfloat16, dequantized=cache)
+    assert as_bf16[name].dtype == torch.bfloat16
+    assert torch.equal(as_bf16[name], expected.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        *(
+            ({key: 0}, rf"metadata llama\.{key} = 0 is not a positive integer")
+            for key in [
+                "embedding_length",
+                "attention.head_count",
+                "attention.head_count_kv",
+                "block_count",
+                "feed_forward_length",
+                "rope.dimension_count",
+            ]
+        ),
+        ({"attention.head_count_kv": 3}, "head_count 8 is not a multiple of head_count_kv 3"),
+        ({"block_count": 2}, "block_count 2 needs 9 tensors per layer; the file holds 11"),
+    ],
+)
+def test_metadata_sizes_the_model_cannot_use_are_refused(
+    tmp_path: pathlib.Path, changes: dict, message: str
+) -> None:
+    """A size of 0 (a division by zero later), query heads that do not share key/value heads
+    evenly, and more blocks than the file has tensors for are refused by read_config, in one
+    line naming the file and the value. Planted: `value < 0` for `value < 1` in _positive;
+    the head_count % head_count_kv check dropped; the block_count bound dropped."""
+    path = tmp_path / "sizes.gguf"
+    _write_llama_metadata(path, **(REQUIRED_METADATA | changes))
+    with pytest.raises(CheckpointError, match=message) as error:
+        load_config(path)
+    assert str(error.value).startswith(f"{path}: ") and "\n" not in str(error.value)
