@@ -386,3 +386,36 @@ def test_the_trace_parses_in_a_browser(checkpoints, tmp_path) -> None:
     planted_text = json.dumps({"traceEvents": planted})
     assert len(json.loads(planted_text)["traceEvents"]) == len(events)  # Python's json takes it
     assert _browser_verdict(chromium, planted_text, tmp_path).startswith("error: ")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--max-new-tokens=0"], "--max-new-tokens=0 must be at least 1"),
+        (["--seed=3"], "--seed sample: give --temperature too"),
+        (["--draft-layers=0"], "--draft-layers drafts for speculative decoding: give --speculate"),
+    ],
+)
+def test_bad_generate_options_exit_2_naming_the_option_before_loading(
+    options, message, capsys
+) -> None:
+    """Options the command cannot honour are refused by the parser (exit 2, the option named)
+    before the checkpoint is read. Planted: --max-new-tokens checked as `< 0`, --seed dropped
+    from the sampler flags that need --temperature, the --draft-layers-without---speculate
+    check removed: each reached the load (here a missing file: a returned 2, no SystemExit;
+    with a real checkpoint a silently ignored seed, or a TypeError traceback, exit 1)."""
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(["--gguf=/nonexistent.gguf", "--prompt=x", *options])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and "loading" not in error, error
+
+
+def test_a_checkpoint_that_cannot_be_read_exits_2_naming_it(tmp_path, capsys) -> None:
+    """A --gguf that is not there is bad input: exit 2 and one error line naming the file
+    (exit 1 would read as a crash). Planted: the CheckpointError branch returning 1."""
+    missing = tmp_path / "missing.gguf"
+    assert generate.main([f"--gguf={missing}", "--prompt=x"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"error: {missing}: no such file" in captured.err

@@ -638,3 +638,25 @@ def test_constrained_draws_follow_the_masked_target(monkeypatch, plant, capsys) 
     else:
         assert power >= 0.999, power
         assert failed, rows
+
+
+def test_generate_refuses_a_draft_it_cannot_use_with_exit_2_naming_the_option(
+    tmp_path, capsys
+) -> None:
+    """--draft-layers takes 0 to n_layers - 1 of the checkpoint's layers (tiny_llama has 1), and
+    a --draft file that is no GGUF checkpoint is an error naming --draft, both exit 2.
+    Planted: the range check as `<= n_layers` (the full-depth "draft" ran, exit 0), and the
+    draft's error printed without its `--draft=` (the option no longer named)."""
+    common = ["--gguf", str(TESTDATA / "tiny_llama.gguf"), "--prompt", "x", "--speculate", "4"]
+    with pytest.raises(SystemExit) as refused:
+        generate.main([*common, "--draft-layers", "1", "--max-new-tokens", "2"])
+    assert refused.value.code == 2
+    assert "--draft-layers=1: the draft takes 0 to 0 of the checkpoint's 1 layers" in (
+        capsys.readouterr().err
+    )
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    assert generate.main([*common, f"--draft={empty}", "--max-new-tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"error: --draft={empty}: {empty}: not a readable GGUF file" in captured.err

@@ -297,3 +297,24 @@ def test_write_hf_config_writes_json_and_a_failed_write_exits_2(tmp_path, capsys
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith(f"write_hf_config: error: --output={tmp_path / 'other.json'}: cannot ")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_an_output_that_is_a_folder_exits_2_before_the_tokenizer_is_built(
+    tmp_path, capsys, monkeypatch
+):
+    """--output names the file to write: an existing folder there is refused in one line, exit
+    2, before the tokenizer is built and with the folder untouched. Planted: the is_dir check
+    dropped (the tokenizer was built, then the write failed renaming over the folder)."""
+    (tmp_path / "keep.txt").write_text("kept")
+
+    def built(*args, **kwargs):
+        raise AssertionError("the tokenizer was built for a command that must be refused")
+
+    monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "build_tokenizer", built)
+    assert main([f"--output={tmp_path}", *VALID]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"gen_tiny_model: error: --output={tmp_path} is a directory; name the file to write\n"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]

@@ -144,3 +144,75 @@ def test_list_names_every_checkpoint(capsys):
     assert golden_check.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert "tinyllama-float32" in out and "tiny_llama.gguf" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
+          "--timeout=0"], "argument --timeout: 0: give a number of seconds above 0"),
+        (["--engine=llama_cpp", "--checkpoint=tinyllama-float32", "--sampling", "--draws=0"],
+         "--draws=0: give at least 1"),
+        (["--engine=llama_cpp", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
+          "--mutations"], "--mutations needs an engine this command starts"),
+        (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
+          "--report-dir=REPORT_FILE"], "exists and is not a directory; name a folder"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_before_any_engine_is_started(
+    argv, message, tmp_path, monkeypatch, capsys
+):
+    """Each of these is refused (exit 2, naming the option) before an engine is built or a
+    llama-server started: the engine is replaced by one that fails the test. Planted: --timeout
+    checked as `>= 0`, --draws as `< 0`, --mutations refused for openai only (a --url server
+    cannot be restarted on each mutated copy), --report-dir not checked before the judging (it
+    failed after every case had run)."""
+    report_file = tmp_path / "report_file"
+    report_file.write_text("")
+    argv = [a.replace("REPORT_FILE", str(report_file)) for a in argv]
+
+    def started(*args, **kwargs):
+        raise AssertionError("an engine was started for a command that must be refused")
+
+    monkeypatch.setattr(golden_check, "_target", started)
+    monkeypatch.setattr(golden_check, "_judge", started)
+    with pytest.raises(SystemExit) as exit_info:
+        code = golden_check.main(argv)
+        raise SystemExit(code)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unavailable_checkpoint_and_an_unpinned_golden_exit_2_with_one_line(monkeypatch, capsys):
+    """A checkpoint whose file is not on this machine, and a golden that is not pinned, are bad
+    input: exit 2 and one line naming them (exit 1 means a verdict failed). Planted: either
+    branch returning 1."""
+    table = golden_check.checkpoints()
+    absent = dataclasses.replace(
+        table["tinyllama-float32"], path=None, unavailable_reason="not downloaded here"
+    )
+    monkeypatch.setattr(golden_check, "checkpoints", lambda: {**table, "tinyllama-float32": absent})
+    argv = ["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32"]
+    assert golden_check.main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "golden_check: tinyllama-float32: not downloaded here"
+    ]
+    monkeypatch.setattr(golden_check, "checkpoints", lambda: table)
+    monkeypatch.setattr(golden_check.golden_files, "find_golden", lambda *args: None)
+    assert golden_check.main([*argv, "--golden=own"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("golden_check: no own golden "), err
+    assert err[0].endswith(" is pinned"), err
+
+
+def test_sampling_with_nothing_listening_exits_2_with_one_line_naming_the_url(capsys):
+    """--sampling's engine failure is bad input too (exit 2), not a FAIL (exit 1). Planted: its
+    EngineError branch returning 1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    argv = ["--engine=llama_cpp", f"--url={url}", "--checkpoint=tinyllama-float32", "--sampling"]
+    assert golden_check.main([*argv, "--lane=short", "--draws=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing answers at http://127.0.0.1:" in err[0], err

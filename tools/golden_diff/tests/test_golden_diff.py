@@ -747,3 +747,56 @@ def test_an_html_report_that_cannot_be_written_exits_2_not_different(
     assert code == 2
     assert err.startswith(f"golden_diff: error: cannot write {tmp_path / 'out' / 'diff.html'}")
     assert len(err.splitlines()) == 1
+
+
+def test_a_usage_error_exits_2_naming_the_option(capsys, base: Path) -> None:
+    """A command line argparse refuses is bad input, exit 2 like the rest (exit 1 is the
+    verdict "different"). Planted: main returning `int(bool(stop.code))` for usage errors."""
+    code, out, err = _run(capsys, OWN, f"--from={base}", f"--to={base}", "--format=yaml")
+    assert (code, out) == (2, "")
+    assert "argument --format: invalid choice: 'yaml'" in err
+
+
+def test_a_zip_that_is_no_zip_is_refused_naming_the_flag_and_file(
+    capsys, base: Path, tmp_path: Path
+) -> None:
+    """A damaged outputs.zip is one line, exit 2, naming the flag and the file (it was a
+    BadZipFile traceback). Planted: only OSError caught around ZipFile, or the message
+    without its `--to: test outputs PATH` prefix."""
+    (tmp_path / "broken.zip").write_bytes(b"not a zip")
+    err = _error(capsys, OWN, f"--from={base}", "--to=broken.zip")
+    assert f"--to: test outputs {tmp_path / 'broken.zip'}: " in err
+    assert "give a test's outputs.zip" in err
+
+
+def test_an_input_that_is_none_of_the_spellings_names_the_flag_and_path(
+    capsys, repo: Path, base: Path, tmp_path: Path
+) -> None:
+    """An input that is no version, sha256, folder or archive is refused naming the flag, what
+    the user typed and the path it resolved to, then the stored versions. Planted: the message
+    without `--to=SPEC (resolved to PATH)`."""
+    err = _error(capsys, OWN, f"--from={base}", "--to=no/such", *_store_flags(repo))
+    assert f"--to=no/such (resolved to {tmp_path / 'no' / 'such'}) is none of: " in err
+    assert f"versions of {OWN} in the local store" in err and ": 1, 2" in err
+
+
+def test_a_cache_it_cannot_extract_into_exits_2_naming_the_input(
+    capsys, repo: Path, base: Path, tmp_path: Path
+) -> None:
+    """A stored archive is extracted into the cache (locate.cache_root): a cache that cannot be
+    created (here a file where its folder goes) is bad input naming the flag and the version,
+    one line, exit 2, not a traceback. Planted: OSError dropped from `checked`'s catch."""
+    (tmp_path / "cache").write_text("a file where the cache folder goes")
+    err = _error(capsys, OWN, "--from=1", f"--to={base}", *_store_flags(repo))
+    assert err.startswith(f"golden_diff: error: --from: {OWN} version 1 (sha256 {_sha(repo, 1)}): ")
+
+
+def test_a_pin_without_a_sha256_is_not_pinned(capsys, repo: Path, base: Path) -> None:
+    """A stanza whose sha256 is empty (a placeholder before the first publish) is no pin:
+    'pinned' is refused naming MODULE.bazel and the stored versions to give instead. Planted:
+    load_pinned checking `pin is None` only (it fetched the archive with an empty sha256)."""
+    module = repo / "MODULE.bazel"
+    pin = stanza.parse(module.read_text(encoding="utf-8"))[OWN]
+    module.write_text(stanza.set_pin("", dataclasses.replace(pin, sha256="")), encoding="utf-8")
+    err = _error(capsys, OWN, f"--to={base}", *_store_flags(repo))
+    assert f"--from: {OWN} is not pinned in {module}; give a version (1, 2), a sha256" in err
