@@ -6,7 +6,9 @@ under every tolerance entry."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import types
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +17,13 @@ import pytest
 from goldens import compare, record, schema
 from goldens.record import CaseSpec, file_sha256
 from goldens.sanity import degeneracy_problems
-from goldens.tolerances import entries, tolerance
-from harness.llama3 import judge
+from goldens.tolerances import Tolerance, entries, tolerance
+from harness.llama3 import failure_report, judge, sampler_check
 from harness.llama3.engine_runs import Run
+from harness.llama3.golden_files import GoldenSource
+from harness.llama3.sampling_goldens import check_drawn, check_forced
 from harness.llama3.variants import GGML_ENCODINGS, Variant, variants
+from pipelines.llama3 import sampling
 from pipelines.llama3.tokenizer import Tokenizer
 
 VARIANTS = [v for v in variants() if v.path is not None]
@@ -289,3 +294,374 @@ def test_a_shipped_checkpoint_missing_fails_where_goldens_are_required(monkeypat
     monkeypatch.delenv("GOLDENS_REQUIRED")
     with pytest.raises(pytest.skip.Exception):
         skip_unavailable(shipped)
+
+
+# --- The judging harness itself (harness/llama3: judge, sampling_goldens, sampler_check,
+# failure_report) on made-up numbers and the published tiny float32 golden, without an engine.
+
+
+def _tiny_float32(goldens) -> tuple[Variant, schema.Golden, object]:
+    (variant,) = [v for v in VARIANTS if v.size == "tiny" and v.encoding == "float32"]
+    golden, name = goldens.load("own", variant)
+    return variant, golden, name
+
+
+def _constant_runs(golden: schema.Golden, cases: list[schema.Case]) -> list[Run]:
+    return [
+        Run(CaseSpec(c.id, c.prompt, len(c.steps), 20), c.input_ids, *_constant_run(golden, c), 0.0)
+        for c in cases
+    ]
+
+
+def test_a_case_cases_yaml_does_not_list_stays_in_every_lane_and_fails_the_case_list(
+    goldens,
+) -> None:
+    """judge.in_lane keeps each lane's cases of cases.yaml, in its order, and a case that
+    cases.yaml does not list in every lane, where compare_runs judges it and fails the case
+    list naming it. Catches an in_lane that keeps only the lane's listed ids (the unlisted
+    case then vanishes, and with it the case-list failure) and a lane filter that mixes the
+    lanes up."""
+    variant, golden, name = _tiny_float32(goldens)
+    specs = record.case_specs(variant.model)
+    extra = dataclasses.replace(golden.cases[0], id="unlisted")
+    with_extra = dataclasses.replace(golden, cases=[*golden.cases, extra])
+    for lane, listed in (
+        ("all", [s.id for s in specs]),
+        ("short", [s.id for s in specs if not s.long]),
+        ("long", [s.id for s in specs if s.long]),
+    ):
+        kept = [c.id for c in judge.in_lane(with_extra, variant.model, lane).cases]
+        assert kept == [*listed, "unlisted"], f"lane {lane}"
+    entry = tolerance("own", "float32", "cpu")
+    runs = _constant_runs(with_extra, with_extra.cases)
+    verdict = judge.compare_runs(runs, with_extra, name, "own", entry, variant, str)
+    assert verdict.failures[0].startswith(f"golden {name} has cases ")
+    assert "'unlisted'" in verdict.failures[0] and "cases.yaml lists" in verdict.failures[0]
+    assert [r.case_id for r in verdict.reports] == [c.id for c in with_extra.cases]
+
+
+def test_the_case_list_check_compares_prompts_and_order_not_only_ids(goldens) -> None:
+    """A golden whose cases have cases.yaml's ids but another prompt (cases.yaml edited, the
+    golden not regenerated), or cases.yaml's cases in another order, fails the case list;
+    the published golden does not. Catches a check that compares the ids alone or as sets."""
+    variant, golden, name = _tiny_float32(goldens)
+    entry = tolerance("own", "float32", "cpu")
+    first = golden.cases[0]
+    edited = dataclasses.replace(golden.cases[0], prompt=first.prompt + " Then?")
+    for changed in (
+        dataclasses.replace(golden, cases=[edited, *golden.cases[1:]]),
+        dataclasses.replace(golden, cases=[*golden.cases[1:], first]),
+        golden,
+    ):
+        runs = _constant_runs(changed, changed.cases)
+        verdict = judge.compare_runs(runs, changed, name, "own", entry, variant, str)
+        listed = [f for f in verdict.failures if "cases.yaml lists" in f]
+        assert len(listed) == (changed is not golden), f"{listed}"
+        assert len(verdict.reports) == len(golden.cases)
+
+
+def test_a_case_without_a_run_fails_naming_it(goldens) -> None:
+    """compare_runs fails a golden case that no run answers ("no run of case ..."), and
+    judges the others. Catches a missing run skipped in silence (a lane that lost a case,
+    green)."""
+    variant, golden, name = _tiny_float32(goldens)
+    entry = tolerance("own", "float32", "cpu")
+    runs = _constant_runs(golden, golden.cases[1:])
+    verdict = judge.compare_runs(runs, golden, name, "own", entry, variant, str)
+    assert f"no run of case {golden.cases[0].id!r} of golden {name}" in verdict.failures
+    assert [r.case_id for r in verdict.reports] == [c.id for c in golden.cases[1:]]
+
+
+def _step_check(step, logprob, kl, position, tokens=(7, 7), **fields) -> compare.StepCheck:
+    return compare.StepCheck(
+        step=step,
+        status=fields.pop("status", compare.PASS),
+        metric="",
+        detail="",
+        expected_token=tokens[0],
+        actual_token=tokens[1],
+        golden_gap=1.0,
+        max_logprob_diff=logprob,
+        kl=kl,
+        topk_overlap=1.0,
+        worst=[],
+        position=position,
+        **fields,
+    )
+
+
+def _made_up_verdict(failures: list[str]) -> judge.Verdict:
+    """Two made-up case reports under an entry whose long thresholds are wider: `short`
+    (two steps, the second's greedy token another), `long` (one prompt position and one
+    ambiguous step, judged by the long thresholds as compare_runs gives them)."""
+    long = Tolerance("made/up/cpu/long", 0.12, 1e-3, 0.9, 0.01, "made up")
+    entry = Tolerance("made/up/cpu", 0.05, 1e-3, 0.9, 0.01, "made up", long=long)
+    short_report = compare.CaseReport(
+        "short",
+        "a short prompt",
+        compare.PASS,
+        [_step_check(0, 0.04, 0.0, 5), _step_check(1, 0.01, 0.9e-3, 6, tokens=(7, 8))],
+        True,
+        entry,
+    )
+    long_report = compare.CaseReport(
+        "long",
+        "a long prompt",
+        compare.PASS,
+        [_step_check(0, 0.03, 0.0, 4000, status=compare.AMBIGUOUS)],
+        True,
+        long,
+        prompt_checks=[_step_check(0, 0.06, 0.0, 100, in_prompt=True)],
+    )
+    source = GoldenSource("made_up.json")
+    return judge.Verdict(source, "own", entry, [short_report, long_report], failures)
+
+
+def test_verdict_headroom_takes_each_cases_own_thresholds_and_the_summary_counts() -> None:
+    """Verdict.headroom divides each check by its case's thresholds (a long case's own where
+    the entry has them): the long prompt position's 0.06 is 0.5 of its 0.12, under the short
+    case's KL at 0.9 of its limit; the summary counts generated steps apart from prompt
+    positions, greedy agreement over the steps, the ambiguous steps, and says FAIL exactly
+    when the verdict has failures. Catches headroom against the entry's thresholds for every
+    case (the long position would read 1.2) and steps counted with the prompt positions."""
+    verdict = _made_up_verdict([])
+    assert verdict.headroom() == (pytest.approx(0.9), "kl", "short, step 1 (position 6)")
+    assert (verdict.steps, verdict.prompt_positions, verdict.ambiguous_steps) == (3, 1, 1)
+    assert verdict.last_position == 4000
+    assert verdict.max_logprob_diff == 0.06
+    assert verdict.summary() == (
+        "own made_up.json [made/up/cpu]: PASS, 3 steps teacher-forced and 1 prompt positions, "
+        "up to position 4000, max |Δ log-prob| 0.06, max KL 0.0009, greedy agreement 2/3, "
+        "ambiguous steps 1 (long step 0)"
+    )
+    assert (
+        _made_up_verdict(["the case list"])
+        .summary()
+        .startswith("own made_up.json [made/up/cpu]: FAIL, 3 steps")
+    )
+
+
+def test_the_failure_report_counts_failing_cases_not_failure_lines(goldens, tmp_path) -> None:
+    """The HTML report's summary says how many of the verdict's cases fail: a golden case
+    without a run is a failure line but no case report, so 'cases: N of N fail' for the N
+    cases judged. Catches a count of the failure lines instead."""
+    variant, golden, name = _tiny_float32(goldens)
+    entry = tolerance("own", "float32", "cpu")
+    runs = _constant_runs(golden, golden.cases[1:])
+    verdict = judge.compare_runs(runs, golden, name, "own", entry, variant, str)
+    judged = len(golden.cases) - 1
+    assert len(verdict.failures) == judged + 1
+    path = failure_report.write_failure_report(
+        verdict, golden, lambda ids: f"<{ids[0]}>", tmp_path, "sweep"
+    )
+    assert path.name == "golden_report_sweep_tinyllama_float32_all_golden.html"
+    assert f"cases: {judged} of {judged} fail" in path.read_text(encoding="utf-8")
+
+
+# Made-up sampling goldens: a vocabulary of 24, a 3-token prompt, rows of N(0, 2) logits.
+SWEEP_TOL = Tolerance("made/up/cpu", 0.05, 1e-3, 0.9, 0.01, "made up")
+VOCAB = 24
+PROMPT = [3, 1, 4]
+PENALIZED = {"temperature": 0.8, "top_k": 8, "repetition_penalty": 1.5, "presence_penalty": 1.0}
+
+
+def _rows(seed: int, steps: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0.0, 2.0, (steps, VOCAB)).astype(np.float32)
+
+
+def _processed(rows, settings, history_of) -> list[schema.Kept]:
+    return [
+        schema.kept_from(*sampling.processed(row, settings, history_of(i)))
+        for i, row in enumerate(rows)
+    ]
+
+
+def _draws(rows: np.ndarray, settings: sampling.SamplerSettings) -> tuple[list, list]:
+    """A seeded continuation as the engine draws it: token i from row i processed with the
+    prompt and the tokens drawn before as history, at the uniform of its position."""
+    history, tokens = list(PROMPT), []
+    for row in rows:
+        ids, probs = sampling.processed(row, settings, history)
+        tokens.append(int(sampling.pick(ids, probs, sampling.uniform(settings.seed, len(history)))))
+        history.append(tokens[-1])
+    return tokens, _processed(rows, settings, lambda i: [*PROMPT, *tokens[:i]])
+
+
+def _made_up_case(rows: np.ndarray, sampler: str, settings: dict, drawn_rows=None) -> schema.Case:
+    """A case whose greedy tokens are the rows' argmax, with one sampler's goldens: the
+    teacher-forced distributions of `rows`, and the seeded continuation drawn from
+    `drawn_rows` (none without)."""
+    tokens = [int(row.argmax()) for row in rows]
+    s = sampling.SamplerSettings(**settings)
+    forced = _processed(rows, s, lambda i: [*PROMPT, *tokens[:i]])
+    drawn_tokens, drawn = ([], []) if drawn_rows is None else _draws(drawn_rows, s)
+    return schema.Case(
+        id="made_up",
+        prompt="made up",
+        input_ids=PROMPT,
+        steps=[
+            schema.step_from_logits(r, t, f"<{t}>", 8) for r, t in zip(rows, tokens, strict=True)
+        ],
+        sampling=[schema.Sampled(sampler, settings, forced, drawn_tokens, drawn)],
+    )
+
+
+def _forced_run(case: schema.Case, rows: np.ndarray) -> Run:
+    spec = CaseSpec(case.id, case.prompt, len(case.steps), 8)
+    return Run(spec, PROMPT, case.token_ids, rows, 0.0)
+
+
+def test_check_forced_holds_each_step_to_its_own_history_and_kept_set() -> None:
+    """sampling_goldens.check_forced: the run of the golden's own logits passes every step
+    (its history is the prompt and the golden's tokens before the step: with penalties the
+    step's own token is not yet penalized); a run whose step 2 no longer keeps a token the
+    golden keeps fails that step and only it, naming the case, sampler and step 2; one whose
+    step 4 moves the kept probabilities past the draw margin fails step 4. Catches a history
+    off by one, kept-set failures (TV infinite) let through, and a message naming step 3."""
+    rows = _rows(1, 6)
+    case = _made_up_case(rows, "penalized", {**PENALIZED, "seed": 5})
+    report = check_forced(case, _forced_run(case, rows), SWEEP_TOL, "made-up")
+    assert (report.forced_steps, report.boundary_steps, report.failures) == (6, 0, [])
+    kept = case.sampling[0].forced
+    dropped = rows.copy()
+    dropped[2, kept[2].ids[0]] -= 30.0  # the top kept token falls out of the top 8
+    report = check_forced(case, _forced_run(case, dropped), SWEEP_TOL, "made-up")
+    assert len(report.failures) == 1, report.failures
+    assert report.failures[0].startswith(
+        "made-up: case 'made_up', sampler 'penalized', teacher-forced step 2: the reference's "
+        "kept tokens lie outside what the run's logits allow within the tolerance: it "
+    )
+    assert f"keeps [{kept[2].ids[0]}], which the chain cannot keep" in report.failures[0]
+    moved = rows.copy()
+    moved[4, kept[4].ids[1]] += 1.0  # still kept, with far more of the mass
+    report = check_forced(case, _forced_run(case, moved), SWEEP_TOL, "made-up")
+    assert len(report.failures) == 1 and "teacher-forced step 4: TV " in report.failures[0]
+
+
+def test_check_drawn_follows_the_golden_until_it_differs_and_to_its_end() -> None:
+    """sampling_goldens.check_drawn on a made-up continuation: its own draws pass every step
+    (the uniform of token i at position len(prompt) + i); a run that goes on past the
+    golden's last token fails, one that stops early fails at the step it lacks; a draw that
+    differs where the uniform lies within the TV of a boundary is AMBIGUOUS and ends the
+    comparison there (the histories differ). Catches the uniform taken at another position,
+    a run past the golden's end let through, and the comparison going on after an AMBIGUOUS
+    draw (which then fails on the diverged tokens)."""
+    rows = _rows(2, 6)
+    drawn_rows = _rows(3, 6)
+    case = _made_up_case(rows, "hot", {"temperature": 1.5, "top_k": 8, "seed": 9}, drawn_rows)
+    sampled = case.sampling[0]
+    tokens = sampled.tokens
+    report = check_drawn(case, sampled, PROMPT, tokens, drawn_rows, SWEEP_TOL, "solo")
+    assert (report.draws, report.ambiguous_draws, report.failures) == (6, 0, [])
+    longer = np.concatenate([drawn_rows, _rows(4, 1)])
+    report = check_drawn(case, sampled, PROMPT, [*tokens, 0], longer, SWEEP_TOL, "solo")
+    assert report.failures == [
+        "solo: case 'made_up', sampler 'hot', seeded draw: the run went on past the golden's 6 "
+        "tokens (stopped on an end-of-sequence id there) to 7"
+    ]
+    report = check_drawn(case, sampled, PROMPT, tokens[:3], drawn_rows[:3], SWEEP_TOL, "solo")
+    assert len(report.failures) == 1 and report.failures[0].startswith(
+        "solo: case 'made_up', sampler 'hot', seeded draw 3: the run stopped after 3 tokens"
+    )
+
+    # Two tokens kept at every step; at step 2 the golden's P(5) lies 0.002 above the
+    # step's uniform (it draws 5), the run's 0.002 below it (it draws 6): TV 0.004.
+    settings = {"top_k": 2, "seed": 9}
+    u = float(sampling.uniform(9, len(PROMPT) + 2))
+    assert 0.01 < u < 0.99
+
+    def two_way(p: float) -> np.ndarray:
+        row = np.full(VOCAB, -10.0, dtype=np.float32)
+        row[5], row[6] = np.log(p / (1 - p)), 0.0
+        return row
+
+    golden_rows = _rows(5, 6)
+    golden_rows[2] = two_way(u + 0.002)
+    case = _made_up_case(rows, "two_way", settings, golden_rows)
+    sampled = case.sampling[0]
+    assert sampled.tokens[2] == 5
+    run_rows = golden_rows.copy()
+    run_rows[2] = two_way(u - 0.002)
+    run_tokens = [*sampled.tokens[:2], 6, *sampled.tokens[3:]]
+    report = check_drawn(case, sampled, PROMPT, run_tokens, run_rows, SWEEP_TOL, "solo")
+    assert (report.draws, report.ambiguous_draws, report.failures) == (3, 1, [])
+
+
+def _sampler_case(step_logits: list[float]) -> schema.Case:
+    ids = list(range(100, 100 + len(step_logits)))
+    row = np.full(200, -30.0)
+    row[ids] = step_logits
+    step = schema.step_from_logits(row, ids[0], "<100>", len(step_logits))
+    return schema.Case(id="made_up", prompt="made up", input_ids=PROMPT, steps=[step])
+
+
+class _StratifiedSampler:
+    """An engine whose sampler draws the golden's first step processed in `order`, exactly:
+    draw j of n at the uniform (j + 0.5) / n; its own top-k log-probabilities are the
+    golden's."""
+
+    def __init__(self, case: schema.Case, order: str) -> None:
+        self.step, self.order = case.steps[0], order
+
+    def sampled_tokens(self, input_ids, sampler, seeds):
+        want = sampler_check.expected(
+            self.step.topk_ids, self.step.topk_logits, sampler, self.order
+        )
+        ids, probs = np.array(list(want)), np.array(list(want.values()))
+        seeds = list(seeds)
+        return [int(sampling.pick(ids, probs, (s + 0.5) / len(seeds))) for s in seeds], ["x"]
+
+    def next_token_rows(self, input_ids, positions, k):
+        lp = self.step.topk_log_probs()[:k]
+        return [types.SimpleNamespace(ids=self.step.topk_ids[:k], logprobs=list(lp))]
+
+
+def test_check_sampler_passes_its_order_and_tells_the_other_apart() -> None:
+    """sampler_check.check_sampler against an engine that draws exactly the judged order's
+    distribution (its own logits the golden's): PASS, with the other order's p-value at most
+    alpha and the power against it near 1; the same draws judged in the other order FAIL
+    with the judged order's p-value (p_other) high. Catches p_other computed against the
+    judged order's distribution."""
+    case = _sampler_case([4.0 - 0.3 * i for i in range(20)])
+    for order, other in (("llama_cpp", "transformers"), ("transformers", "llama_cpp")):
+        engine = _StratifiedSampler(case, order)
+        verdict = sampler_check.check_sampler(engine, case, order=order)
+        assert verdict.verdict == "PASS", verdict.summary()
+        assert verdict.p_value > 0.5 and verdict.p_other <= verdict.alpha, verdict.summary()
+        assert verdict.power >= 0.999 and verdict.kl_noise == pytest.approx(0.0, abs=1e-12)
+        judged_wrong = sampler_check.check_sampler(engine, case, order=other)
+        assert judged_wrong.verdict == "FAIL", judged_wrong.summary()
+        assert judged_wrong.p_other > 0.5, judged_wrong.summary()
+
+
+def test_a_sampler_verdict_is_inconclusive_only_past_ten_times_alpha() -> None:
+    """SamplerVerdict.verdict: INCONCLUSIVE where the false-alarm rate exceeds 10 x alpha
+    (the module docstring), else PASS or FAIL by the p-value at alpha. Catches the rate held
+    to alpha itself (a 5 x alpha rate: INCONCLUSIVE)."""
+    alpha = sampler_check.ALPHA
+    passing = sampler_check.SamplerVerdict("c", "llama_cpp", [], 5, 0.5, 0.0, 1.0, 0.0, 0.0)
+    for false_alarm, p_value, expected in (
+        (0.0, 0.5, "PASS"),
+        (0.0, alpha / 2, "FAIL"),
+        (5 * alpha, 0.5, "PASS"),
+        (5 * alpha, alpha / 2, "FAIL"),
+        (11 * alpha, 0.5, "INCONCLUSIVE"),
+        (11 * alpha, alpha / 2, "INCONCLUSIVE"),
+    ):
+        verdict = dataclasses.replace(passing, false_alarm=false_alarm, p_value=p_value)
+        assert verdict.verdict == expected, (false_alarm, p_value)
+
+
+def test_a_sampler_is_usable_only_with_a_top_k_the_golden_stores() -> None:
+    """sampler_check.usable: a top_k from 1 to the golden's stored top-k gives an exact
+    expected distribution; top_k 0 (off: any token may be kept), none, or more than stored
+    does not. Catches top_k 0 accepted."""
+    step = _sampler_case([4.0 - 0.3 * i for i in range(20)]).steps[0]
+    for sampler, ok in (
+        ({"top_k": 1}, True),
+        ({"top_k": 20}, True),
+        ({"top_k": 0}, False),
+        ({}, False),
+        ({"top_k": 21}, False),
+    ):
+        assert (sampler_check.usable(step, sampler) is None) == ok, sampler
