@@ -235,32 +235,25 @@ def test_gguf_version_1_is_refused(tiny_gguf: pathlib.Path, tmp_path: pathlib.Pa
     _assert_one_line_error(path, "GGUF version 1 is not supported")
 
 
-@pytest.mark.parametrize("alignment", [0, 3, 48, 96])
+@pytest.mark.parametrize(
+    ("kind", "alignment"),
+    [("uint32", 0), ("uint32", 3), ("uint32", 48), ("uint32", 96), ("bool", True)],
+)
 def test_alignment_that_is_not_a_power_of_two_is_refused(
-    tmp_path: pathlib.Path, alignment: int
+    tmp_path: pathlib.Path, kind: str, alignment: int
 ) -> None:
     """general.alignment must be a positive power of two (ggml rounds offsets with a mask);
     any other value is refused with the key and the value. Planted: the power-of-two test
-    (`alignment & (alignment - 1)`) dropped, which took 48 and 96 as alignments."""
+    (`alignment & (alignment - 1)`) dropped, which took 48 and 96 as alignments. Its type is
+    uint32: a BOOL true is no alignment of 1 (Python's True is an int, which the check took
+    as one until the GGUF parser's mutation sweep found it)."""
     path = tmp_path / "alignment.gguf"
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_uint32("general.alignment", alignment)
+    getattr(writer, f"add_{kind}")("general.alignment", alignment)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
     _assert_one_line_error(path, rf"general\.alignment={alignment} is not a positive power of two")
-
-
-def test_an_alignment_written_as_a_bool_is_refused(tmp_path: pathlib.Path) -> None:
-    """general.alignment is a uint32; a BOOL true is not an alignment of 1 (Python's True is
-    an int, which the check took as one). Found by the GGUF parser's mutation sweep."""
-    path = tmp_path / "alignment.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_bool("general.alignment", True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
-    _assert_one_line_error(path, r"general\.alignment=True is not a positive power of two")
 
 
 @pytest.mark.parametrize("last", ["uint32", "strings"])
