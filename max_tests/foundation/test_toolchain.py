@@ -1,7 +1,10 @@
 """The chain Bazel -> pip hub -> pytest works: the pinned libraries import and compute."""
 
+import os
+
 import gguf
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -30,3 +33,21 @@ def test_transformers_builds_a_llama_config():
     config = transformers.LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
     assert config.head_dim == 8
     assert config.model_type == "llama"
+
+
+def test_certifi_bundle_is_no_action_input():
+    """certifi's CA bundle is kept out of the runfiles (MODULE.bazel, pip_data_exclude).
+
+    A machine may append its own CA to that file after pip writes it; as an input it gave
+    every test that imports requests a new cache key on such a machine. Under Bazel the file
+    must be absent (a dropped exclusion fails here) while requests and certifi still import.
+    """
+    import certifi
+    import requests
+
+    if "TEST_SRCDIR" not in os.environ:
+        pytest.skip("plain pytest: certifi comes from the pip hub's folder, not runfiles")
+    assert requests.__version__
+    bundle = certifi.where()
+    assert "runfiles" in bundle, bundle
+    assert not os.path.exists(bundle), f"{bundle} is an input of this test again"
