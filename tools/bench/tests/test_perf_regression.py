@@ -519,3 +519,87 @@ def test_a_baseline_missing_a_band_is_bad_input_not_a_regression(baseline, tmp_p
     broken = _write(tmp_path / "banded.json", data)
     assert main(["--baseline", str(broken), str(NORMAL_RUNS[0])]) == 2  # a KeyError, exit 1
     assert "has no band for eager/load, eager/prefill, eager/decode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("change", "band", "lower"),
+    [(0.25, 0.25, True), (-0.25 / 1.25, 0.25, False), (-0.5, 1.0, False), (1.0, 1.0, True)],
+)
+def test_a_change_exactly_at_the_band_edge_is_ok(change, band, lower):
+    """Only a change beyond the band is a REGRESSION or "improved" (module docstring): a
+    slowdown of exactly the band's width, in either direction of metric, stays "ok", as does
+    the speedup of the same size (planted: `slower >= band`)."""
+    assert perf_regression.verdict(change, band, lower) == "ok"
+    faster = 1 / (1 + change) - 1
+    assert perf_regression.verdict(faster, band, lower) == "ok"
+
+
+def test_a_hot_ops_record_lacking_one_op_is_bad_input(hot_baseline, tmp_path, capsys):
+    """A record that lacks one metric of a baseline group is an InputError, exit 2 (compare's
+    docstring): hot-ops groups hold their own metrics, so only compare can notice that one op
+    is missing (planted: that check dropped, a KeyError and a traceback)."""
+    data = _read(HOT_OPS_NORMAL)
+    del data["ratios"]["smollm2/ggml/avx2"]["qkv@1"]
+    path = _write(tmp_path / "no_qkv.json", data)
+    assert main(["--baseline", str(hot_baseline), str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        f"perf_regression: error: record {path} has no smollm2/ggml/avx2 ratio 'qkv@1'; rerun "
+        "`./bazelw run //tools:bench_hot_ops -- --json FILE` (eager among --modes) with the "
+        "baseline's settings"
+    )
+
+
+def test_a_record_under_less_load_than_the_baseline_also_warns(baseline, tmp_path, capsys):
+    """Loads more than one core's worth apart warn in both directions: a record measured on a
+    quieter machine than the baseline's runs is as much another experiment as a busier one
+    (planted: only a busier record warned)."""
+    good = _read(NORMAL_RUNS[0])
+    quiet_load = _read(baseline)["conditions"]["load_average_start"] - 2
+    quiet = _write(
+        tmp_path / "quiet.json", good | {"conditions": {"load_average_start": quiet_load}}
+    )
+    assert main(["--baseline", str(baseline), str(quiet)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: other load on the machine (1-minute load average {quiet_load}" in err
+    near = _write(tmp_path / "near.json", good | {"conditions": {"load_average_start": 3.0}})
+    assert main(["--baseline", str(baseline), str(near)]) == 0  # 3.27 vs 3.0: alike
+    assert "other load" not in capsys.readouterr().err
+
+
+def test_a_record_from_another_cpu_model_is_refused(baseline, tmp_path, capsys):
+    """The CPU model is part of the machine class (module docstring), as the core count is: a
+    record from another model is refused, exit 2, unless --allow-other-machine (planted: only
+    the core count compared)."""
+    good = _read(NORMAL_RUNS[0])
+    machine = good["machine"] | {"cpu_model": "Intel(R) Xeon(R) Processor"}
+    other = _write(tmp_path / "xeon.json", good | {"machine": machine})
+    assert main(["--baseline", str(baseline), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "another machine class than the baseline (cpu_model 'AMD EPYC' vs 'Intel(R)" in err
+    assert main(["--baseline", str(baseline), "--allow-other-machine", str(other)]) == 0
+    assert "warning: other machine class (cpu_model 'AMD EPYC' vs" in capsys.readouterr().err
+
+
+def test_a_setting_the_baseline_does_not_record_is_another_setup(baseline, tmp_path, capsys):
+    """A record whose setup has a key the baseline lacks (a setting a newer bench records)
+    was measured with another setup: refused, exit 2, naming the key (planted: only the
+    baseline's setup keys compared)."""
+    good = _read(NORMAL_RUNS[0])
+    newer = _write(tmp_path / "kv.json", good | {"setup": good["setup"] | {"kv_cache": "q8"}})
+    assert main(["--baseline", str(baseline), str(newer)]) == 2
+    assert "another setup than the baseline (kv_cache None vs 'q8')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_non_finite_ratio_is_bad_input(baseline, tmp_path, capsys, value):
+    """Ratios must be positive finite numbers (_check_ratios): JSON as Python writes it can
+    hold Infinity and NaN, which would read as "improved" or "ok" (planted: the finiteness
+    check dropped)."""
+    good = _read(NORMAL_RUNS[0])
+    ratios = {"eager": good["ratios"]["eager"] | {"decode": value}}
+    path = _write(tmp_path / "inf.json", good | {"ratios": ratios})
+    assert main(["--baseline", str(baseline), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"record {path}: ratio eager/decode is {value!r}, not a positive number" in err

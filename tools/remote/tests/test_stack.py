@@ -7,14 +7,17 @@ a `sleep` stands in for a recorded process.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tools.remote import processes, stack
+from tools.remote import deps, processes, stack
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
@@ -147,4 +150,129 @@ def test_a_second_start_reports_the_running_stack(capsys, tmp_path, sleeper):
         assert run(capsys, "stop", f"--state={tmp_path}")[0] == 0
     time.sleep(0.1)
     assert sleeper.poll() is not None
+    assert not (tmp_path / "stack.json").exists()
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has exited (no process, or a zombie nobody reaped yet)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def test_stop_kills_what_is_left_of_the_process_group(tmp_path):
+    """stop ends the recorded process and its process group (a worker's running action): a
+    child left behind when its parent died of the first signal gets SIGKILL (planted: no
+    SIGKILL to the group, the child ran on)."""
+    proc = processes.spawn(tmp_path, "worker-1", ["sh", "-c", "sleep 60 & echo $!; wait"])
+    log = processes.log_file(tmp_path, "worker-1")
+    deadline = time.monotonic() + 5
+    while len(log.read_text().splitlines()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child = int(log.read_text().splitlines()[1])
+    try:
+        assert processes.running_pid(tmp_path, "worker-1") == proc.pid
+        assert processes.stop(tmp_path, "worker-1", grace_s=5) is True
+        proc.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _gone(child), f"the group's child {child} outlived stop"
+        assert not processes.pid_file(tmp_path, "worker-1").exists()
+    finally:
+        if not _gone(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_script_run_by_its_interpreter_counts_as_running(tmp_path):
+    """bgd is a script: it runs as `python3.13 .../bgd ...`, so the program's name may be the
+    second word of the command line (processes._is_running; planted: argv[0] alone, and a
+    running BuildGrid read as stopped)."""
+    script = tmp_path / "bgd"
+    script.write_text("import time\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    try:
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        deadline = time.monotonic() + 5
+        while str(script).encode() not in cmdline.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        record(tmp_path, "buildgrid", proc.pid, "bgd")
+        assert processes.running_pid(tmp_path, "buildgrid") == proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_port_in_time_wait_is_free_and_a_listening_one_is_not():
+    """port_is_free: a port a server listens on is taken; one whose server closed, with a
+    connection of its left in TIME_WAIT, is free, since a server (which sets SO_REUSEADDR)
+    could listen on it again (planted: the probe without SO_REUSEADDR, and a restart right
+    after a stop refused as "port taken")."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert processes.port_is_free(port) is False
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+        assert processes.port_answers(port) is True
+        served.close()  # the server closes first: its side waits in TIME_WAIT
+        client.close()
+    assert processes.port_answers(port) is False
+    assert processes.port_is_free(port) is True
+
+
+def test_wait_for_polls_while_the_process_lives_and_stops_when_it_dies():
+    """wait_for polls `check` until it is true while `still_alive` holds, and gives up at once
+    when the process has died (planted: the still_alive test inverted, giving up on a live
+    process whose server is not up yet on the first poll)."""
+    calls = []
+
+    def ready_on_third_poll() -> bool:
+        calls.append(1)
+        return len(calls) >= 3
+
+    assert processes.wait_for(ready_on_third_poll, 10, lambda: True) is True
+    assert len(calls) == 3
+    began = time.monotonic()
+    assert processes.wait_for(lambda: False, 30, lambda: False) is False
+    assert time.monotonic() - began < 5
+
+
+def test_a_missing_program_that_cannot_be_installed_says_how_to(monkeypatch):
+    """Off Debian (or not root) a missing program is a MissingDependency whose message is the
+    command that installs it: buildbox from the unstable suite, postgresql from stable
+    (deps.py's docstring; planted: the hint without `-t unstable`)."""
+    monkeypatch.setattr(deps.shutil, "which", lambda name: None)
+    monkeypatch.setattr(deps, "_can_install", lambda: "this machine is not Debian")
+    with pytest.raises(deps.MissingDependency) as buildbox:
+        deps.buildbox(Path("/nonexistent/install.log"))
+    assert str(buildbox.value) == (
+        "missing buildbox and cannot install it (this machine is not Debian); on Debian, as "
+        "root: apt-get install -t unstable --no-install-recommends buildbox (with the unstable "
+        "suite in apt's sources, pinned low; see bazelw)"
+    )
+    monkeypatch.setattr(deps, "_postgres_bin_dir", lambda: None)
+    with pytest.raises(deps.MissingDependency) as postgres:
+        deps.postgres(Path("/nonexistent/install.log"))
+    assert str(postgres.value) == (
+        "missing postgresql and cannot install it (this machine is not Debian); on Debian, as "
+        "root: apt-get install --no-install-recommends postgresql"
+    )
+
+
+def test_a_dependency_that_cannot_be_installed_exits_2(capsys, tmp_path, monkeypatch):
+    """`start` exits 2 (bad input, not 1 for a failed start) when a program is missing and
+    cannot be installed, with the one line that says how to install it (stack.py's
+    docstring; planted: exit 1)."""
+
+    def missing(state, args):
+        raise deps.MissingDependency("missing buildbox and cannot install it (not root)")
+
+    monkeypatch.setattr(stack, "_start", missing)
+    code, out = run(capsys, "start", f"--state={tmp_path}")
+    assert (code, out) == (2, "stack: missing buildbox and cannot install it (not root)\n")
     assert not (tmp_path / "stack.json").exists()
