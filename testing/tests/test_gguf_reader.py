@@ -12,7 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from testing import gguf_reader
+from testing import gguf_files, gguf_reader
 
 
 def _write(path: Path) -> None:
@@ -29,10 +29,7 @@ def _write(path: Path) -> None:
     rng = np.random.default_rng(0)
     writer.add_tensor("token_embd.weight", rng.standard_normal((8, 16)).astype(np.float32))
     writer.add_tensor("output_norm.weight", rng.standard_normal(16).astype(np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
 
 
 def _snapshot(path: Path) -> dict:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipelines.llama3.gguf_file import CheckpointError, GGUFFile
-from testing import gguf_reader, required
+from testing import gguf_files, gguf_reader, required
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 # gguf-py's reader, the reference here, opened 4x faster (same parsing: testing/gguf_reader.py)
@@ -133,10 +133,7 @@ def test_unusual_strings_and_every_value_type(tmp_path: pathlib.Path) -> None:
     writer.add_string("test.string", "")
     writer.add_tensor("a", np.arange(3, dtype=np.float32))
     writer.add_tensor("b", np.arange(12, dtype=np.float16).reshape(3, 4))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     assert_same_as_gguf_py(path)
     ours = GGUFFile(path)
     assert ours.alignment == 64 and ours.tensors["b"].offset % 64 == 0
@@ -250,9 +247,7 @@ def test_alignment_that_is_not_a_power_of_two_is_refused(
     path = tmp_path / "alignment.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     getattr(writer, f"add_{kind}")("general.alignment", alignment)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     _assert_one_line_error(path, rf"general\.alignment={alignment} is not a positive power of two")
 
 
@@ -273,9 +268,7 @@ def test_a_file_without_tensors_ending_at_its_last_value_parses(
     else:
         writer.add_array("tokenizer.ggml.tokens", ["abc", "def"])
         writer.add_uint32("llama.block_count", 7)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     ours = GGUFFile(path)
     assert ours.fields["llama.block_count"] == 7
     assert ours.fields["tokenizer.ggml.tokens"] == ("abc", "def")
@@ -295,10 +288,7 @@ def test_rows_that_split_a_quantization_block_are_refused(tmp_path: pathlib.Path
     path = tmp_path / "split_block.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tensor("w", np.zeros((2, 16), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     reader = gguf.GGUFReader(path)
     tensor = reader.tensors[0]
     # tensor info: name, n_dims, dims, type (uint32), offset (uint64)
@@ -316,10 +306,7 @@ def _write_tensors(path: pathlib.Path, names: list[str]) -> None:
     writer = gguf.GGUFWriter(path, "llama")
     for name in names:
         writer.add_tensor(name, np.zeros(4, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
 
 
 def test_tensor_names_stay_under_ggml_max_name(tmp_path: pathlib.Path) -> None:
@@ -355,9 +342,7 @@ def test_a_string_array_count_past_the_end_is_truncation(
     path = tmp_path / "count.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_array("test.strings", ["a", "b"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     data = bytearray(path.read_bytes())
     at = data.index(b"test.strings") + len(b"test.strings") + 8  # past array and item types
     assert int.from_bytes(data[at : at + 8], "little") == 2

@@ -16,7 +16,7 @@ from pipelines.llama3.gguf_loader import (
     read_config,
     unpermute_qk,
 )
-from testing import gguf_reader
+from testing import gguf_files, gguf_reader
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
 # gguf-py's reader, the reference here, opened 4x faster (same parsing: testing/gguf_reader.py)
@@ -119,10 +119,7 @@ def test_non_llama_architecture_is_refused(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "gpt2.gguf"
     writer = gguf.GGUFWriter(path, "gpt2")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     with pytest.raises(CheckpointError, match=r"gpt2\.gguf: architecture 'gpt2' is not supported"):
         Llama3Engine.from_gguf(path)
 
@@ -202,10 +199,7 @@ def _write_llama_metadata(path: pathlib.Path, **fields: object) -> None:
     writer.add_tensor("token_embd.weight", np.zeros((40, 8), np.float32))
     for name in ["output_norm.weight", *(f"blk.0.{n}.weight" for n in "abcdefghi")]:
         writer.add_tensor(name, np.zeros(8, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
 
 
 REQUIRED_METADATA = {
