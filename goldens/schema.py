@@ -339,6 +339,14 @@ def step_from_logits(
     logits = np.asarray(logits, dtype=np.float64)
     if logits.ndim != 1:
         raise ValueError(f"expected 1-D logits, got shape {logits.shape}")
+    # -inf is a constraint's refused id; NaN and +inf are a broken run, and would be recorded
+    # as a NaN logsumexp (not JSON) with statistics that silently skip them.
+    broken = np.flatnonzero(np.isnan(logits) | (logits == np.inf))
+    if broken.size:
+        raise ValueError(
+            f"non-finite logit {logits[broken[0]]} at id {int(broken[0])} ({broken.size} ids): "
+            "a golden holds no NaN or +inf"
+        )
     # A constrained row: -inf outside its language; the top-k and the statistics are the
     # allowed ids' (their log-probabilities renormalized to the language by the logsumexp).
     finite = logits[np.isfinite(logits)]
