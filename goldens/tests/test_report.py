@@ -354,3 +354,146 @@ def test_a_position_chart_draws_each_position_at_its_value_and_the_tolerance():
     assert float(kl.one("line", "tolerance").attrs["y1"]) == 121.5
     assert [c.attrs["data-position"] for c in kl.select("circle", "above")] == ["255"]
     assert _page(PASSING).select("svg", data_axis="position") == []
+
+
+def _check(
+    step: int, status: str, metric: str = "", detail: str = "", position: int = 0, **kw
+) -> compare.StepCheck:
+    return compare.StepCheck(
+        step=step,
+        status=status,
+        metric=metric,
+        detail=detail,
+        expected_token=7,
+        actual_token=7,
+        golden_gap=1.0,
+        max_logprob_diff=0.0,
+        kl=0.0,
+        topk_overlap=1.0,
+        worst=[],
+        position=position,
+        **kw,
+    )
+
+
+def test_the_notes_count_only_failing_prompt_positions_name_the_first_and_every_ambiguous_check():
+    """The derived notes of a case view: 'N of M prompt positions fail' counts FAIL positions
+    only (an AMBIGUOUS one is not a failure) and names the first failing one in sequence order;
+    every ambiguous check, prompt positions and steps alike, gets its own note. Catches a note
+    naming the last failing position (prompt_failing[-1]), counting AMBIGUOUS positions as
+    failing (status != "PASS"), and dropping the ambiguous notes."""
+    prompt_checks = [
+        _check(0, "PASS", position=0, in_prompt=True),
+        _check(1, "FAIL", "logprob", "d10", position=10, in_prompt=True),
+        _check(2, "FAIL", "kl", "d20", position=20, in_prompt=True),
+        _check(3, "AMBIGUOUS", "token", "tie30", position=30, in_prompt=True),
+    ]
+    steps = [
+        _check(0, "PASS", position=40),
+        _check(1, "AMBIGUOUS", "token", "tie1", position=41),
+        _check(2, "FAIL", "logprob", "d2", position=42),
+    ]
+    case_report = compare.CaseReport(
+        "prose", "p", "FAIL", steps, True, TOL, prompt_checks=prompt_checks
+    )
+    view = case_view(case_report, "t", ["a", "b", "c"], ["a", "b", "c"], notes=["mine"])
+    assert view.notes == (
+        "first failing step 2 (logprob): d2",
+        "2 of 4 prompt positions fail; the first, prompt position 10 (logprob): d10",
+        "ambiguous prompt position 30: tie30",
+        "ambiguous step 1 (position 41): tie1",
+        "mine",
+    )
+
+
+def test_a_failure_at_step_0_is_marked_like_any_other_step():
+    """Step 0 is a step: when it is the first failing one, the overview row, the section's
+    data-first-failing-step, the token strip and both curves mark it. Catches a truthiness
+    test (`if not step`) in place of `is None` in _first_failing or _first_failing_line."""
+    view = dataclasses.replace(
+        FAILING, first_failing_step=0, step_status=("FAIL", "PASS", "PASS", "FAIL", "PASS")
+    )
+    page = _page(view)
+    row = page.one("section", "summary").one("tbody").one("tr")
+    assert [td.text for td in row.select("td")][:3] == ["tiny float32 · prose", "FAIL", "0"]
+    assert page.one("section", "case").attrs["data-first-failing-step"] == "0"
+    strip = page.one("table", "token-strip")
+    first = strip.select(cls="first-failing")
+    assert [(e.tag, e.attrs["data-step"]) for e in first] == [("th", "0"), ("td", "0"), ("td", "0")]
+    for metric in ("kl", "logprob_delta"):
+        line = _chart(page, 0, metric).one("line", "first-failing")
+        assert (line.attrs["data-step"], line.attrs["x1"]) == ("0", "54.0")
+
+
+def test_an_ambiguous_step_is_marked_ambiguous_in_the_step_row():
+    """Per-step status shows in the strip's step row: th.step-fail for FAIL and
+    th.step-ambiguous for AMBIGUOUS (its own CSS colour), nothing for PASS. Catches marking
+    only FAIL steps (`== "FAIL"` in place of `!= "PASS"`)."""
+    view = dataclasses.replace(FAILING, step_status=("PASS", "FAIL", "AMBIGUOUS", "FAIL", "PASS"))
+    strip = _page(view).one("table", "token-strip")
+    assert [th.attrs["data-step"] for th in strip.select("th", "step-ambiguous")] == ["2"]
+    assert [th.attrs["data-step"] for th in strip.select("th", "step-fail")] == ["1", "3"]
+    assert [th.attrs.get("class") for th in strip.select("th", data_step="4")] == [None]
+
+
+def test_a_whitespace_only_change_of_a_token_is_marked_changed():
+    """A run token with another text is changed, whitespace included (' Paris' against
+    'Paris', '\\n' against '\\n\\n'): whitespace is what the strip makes visible. Catches a
+    comparison of stripped texts."""
+    view = dataclasses.replace(
+        PASSING,
+        golden_tokens=[" Paris", "\n", "a"],
+        run_tokens=["Paris", "\n\n", "a"],
+        logprob_delta=[0.0] * 3,
+        kl=[0.0] * 3,
+        status="FAIL",
+    )
+    changed = _page(view).one("tr", "run").select("td", "changed")
+    assert [td.attrs["data-step"] for td in changed] == ["0", "1"]
+
+
+def test_user_text_is_escaped_in_titles_notes_labels_and_attributes():
+    """Every piece of user text (case title, notes, tolerance label, token texts in the title
+    attribute) reaches the page as text: no markup of its own, and quotes in attributes do not
+    end them. Catches an unescaped case title in the overview, unescaped notes, and escaping
+    without quote=True."""
+    text = 'a <b>bold</b> & "quoted"'
+    view = dataclasses.replace(
+        FAILING,
+        title=text,
+        notes=(f"token <|eot_id|> {text}",),
+        tolerance_label=text,
+        golden_tokens=['"', "'", "\"'", " city", "\n"],
+    )
+    page = _page(view)
+    assert page.select("b") == []
+    assert page.one("section", "summary").one("a").text == text
+    case = page.one("section", id="case-0")
+    assert case.one("h2").text == f"FAIL {text}"
+    assert [li.text for li in case.one("ul", "notes").select("li")] == [f"token <|eot_id|> {text}"]
+    assert case.one("p", "tolerance").attrs["data-tolerance"] == text
+    assert [title for title, _ in _row(page, "golden")][:3] == [repr('"'), repr("'"), repr("\"'")]
+
+
+def test_a_value_at_the_tolerance_is_not_above_it():
+    """A step passes at its tolerance (compare fails only past it: |Δ| > atol, KL > kl_max),
+    so a point exactly on the tolerance line is not `.above`. Catches `>=` in _points."""
+    view = dataclasses.replace(
+        PASSING, logprob_delta=[1e-4, 2e-4], kl=[1e-6, 2e-6], status="FAIL", first_failing_step=1
+    )
+    page = _page(view)
+    for metric in ("kl", "logprob_delta"):
+        chart = _chart(page, 0, metric)
+        assert [c.attrs["data-step"] for c in chart.select("circle", "above")] == ["1"]
+
+
+def test_a_prompt_is_shown_whole_up_to_240_characters_and_cut_past_them():
+    """PROMPT_SHOWN (240) characters of a prompt are shown; a longer one is cut there and
+    says its length. Catches an off-by-one (`<` in place of `<=`) that cuts a 240-character
+    prompt."""
+
+    def shown(prompt: str) -> str:
+        return _page(dataclasses.replace(PASSING, prompt=prompt)).one("p", "prompt").text
+
+    assert shown("x" * 240) == "prompt " + "x" * 240
+    assert shown("y" * 241) == "prompt " + "y" * 240 + "·…·(241·characters)"
