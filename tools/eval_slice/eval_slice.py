@@ -462,7 +462,11 @@ def _golden(value: str, parser: argparse.ArgumentParser) -> dict:
         golden = json.loads(user_path(value).read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         parser.error(f"--check={value}: {error}")
-    if not isinstance(golden, dict) or "rows" not in golden:
+    if not (
+        isinstance(golden, dict)
+        and isinstance(golden.get("rows"), dict)
+        and isinstance(golden.get("setup"), dict)
+    ):
         parser.error(f"--check={value}: not an eval-slice golden (eval_slice --write-golden)")
     return golden
 

@@ -300,3 +300,163 @@ def test_a_write_that_fails_after_scoring_exits_2(tmp_path, monkeypatch, capsys)
         f"eval_slice: error: cannot write {out} (No space left on device)"
         in capsys.readouterr().err
     )
+
+
+# --- the statistics, the chunking and the family on made-up values (no forwards) ---------------
+
+
+def test_percentiles_interpolate_at_fraction_times_n_minus_1_even_for_one_value() -> None:
+    """slice_stats' docstring: percentiles by linear interpolation on the sorted values at
+    fraction * (N - 1). One value is every percentile (a one-token slice, --n-ctx=4
+    --chunks=1: the top index is clamped, not read past the end). Catches `high = low + 1`
+    without the clamp (IndexError at N = 1), interpolation at fraction * N, and the two
+    weights swapped (0.01 s)."""
+    tens = np.arange(11, dtype=np.float64) * 10  # 0, 10, ..., 100
+    assert slice_stats.percentile(tens, 0.99) == pytest.approx(99.0)
+    assert slice_stats.percentile(tens, 0.999) == pytest.approx(99.9)
+    assert slice_stats.percentile(tens, 0.5) == 50.0
+    assert slice_stats.percentile(np.array([1.0, 3.0]), 0.99) == pytest.approx(2.98)
+    assert slice_stats.percentile(np.array([0.25]), 0.99) == 0.25
+    assert slice_stats.percentile(np.array([0.25]), 0.999) == 0.25
+
+
+def test_the_standard_error_is_0_up_to_ten_values_and_over_n_minus_1_above() -> None:
+    """mean_and_error's docstring: llama-perplexity's standard error, 0 when N <= 10, else
+    sqrt(variance / (N - 1)). Ten values of variance 0.25 have none; 0..10 (variance 10) have
+    exactly 1. Catches `n < 10` (ten values: 0.1667) (0.01 s)."""
+    assert slice_stats.mean_and_error(np.array([0.0, 1.0] * 5)) == (0.5, 0.0)
+    mean, error = slice_stats.mean_and_error(np.arange(11, dtype=np.float64))
+    assert mean == 5.0 and error == pytest.approx(1.0)
+
+
+def test_chunks_are_whole_and_at_most_max_chunks_each_starting_with_bos() -> None:
+    """chunks' docstring: whole `n_ctx` pieces (the remainder dropped), at most `max_chunks`,
+    all when it is 0, each piece's first token replaced by BOS. A --chunks above what the text
+    holds gives the whole chunks there are, never a short one. Catches `count = max_chunks`
+    without the min (a short and two empty chunks) (0.01 s)."""
+    tokens = list(range(10))
+    assert slice_stats.chunks(tokens, 4, 5, bos=-1) == [[-1, 1, 2, 3], [-1, 5, 6, 7]]
+    assert slice_stats.chunks(tokens, 4, 0, bos=None) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert slice_stats.chunks(tokens, 4, 1, bos=-1) == [[-1, 1, 2, 3]]
+    assert slice_stats.chunks(tokens, 11, 0, bos=-1) == []
+
+
+def test_a_figure_missing_from_a_row_fails_the_golden(golden) -> None:
+    """row_failures: a figure the golden has and the row lacks is compared as NaN and fails
+    (a member scored without the base has no KLD figures). Catches the comparison written
+    `abs(value - golden) > bound`, which NaN passes (0.01 s)."""
+    rows = {key: dict(row) for key, row in golden["rows"].items()}
+    del rows["q4_0/ggml"]["kld_mean"]
+    (failure,) = eval_slice.row_failures(golden, rows)
+    assert failure.startswith("q4_0/ggml kld_mean: nan, golden 0.282756")
+
+
+@pytest.mark.parametrize(
+    ("option", "content", "says"),
+    [
+        ("--modes=,", None, "choose from eager, quantized, ggml"),
+        ("--check", '{"schema": 1}', "not an eval-slice golden (eval_slice --write-golden)"),
+        ("--check", "[1, 2]", "not an eval-slice golden (eval_slice --write-golden)"),
+        # rows without the setup: a KeyError after the scoring, exit 1, before it was refused
+        ("--check", '{"schema": 1, "rows": {}}', "not an eval-slice golden (eval_slice"),
+        ("--text", "folder", "no such file"),
+    ],
+)
+def test_more_bad_input_is_refused_before_the_family_is_built(
+    option, content, says, tmp_path, monkeypatch, capsys
+) -> None:
+    """Exit 2 naming the option, before the family's files and the scoring: --modes naming no
+    mode, a --check file that is JSON but not a golden (it used to be read as one after the
+    minutes of scoring: KeyError, exit 1, the status of a failed golden), a --text that is a
+    folder. Catches the `not modes` test dropped, the golden's "rows" or "setup" test dropped, and
+    --text checked with exists() instead of is_file() (0.01 s each)."""
+    if content is None:
+        given = option
+    elif content == "folder":
+        given = f"{option}={tmp_path}"
+    else:
+        path = tmp_path / "golden.json"
+        path.write_text(content, encoding="utf-8")
+        given = f"{option}={path}"
+    err = _refused_before_work(
+        [f"--cache={tmp_path}", "--no-llama-cpp", given], monkeypatch, capsys
+    )
+    assert f"{given}: {says}" in err
+
+
+def test_n_ctx_4_the_least_accepted_is_scored(tmp_path, monkeypatch, capsys) -> None:
+    """--n-ctx: "give at least 4" means 4 itself is taken (one scored token a chunk) and
+    reaches the scoring with it. The family and the scoring are replaced by one made-up row.
+    Catches the refusal written `<= 4` (0.01 s)."""
+    seen = []
+    row = {"ppl": 2.0, "ppl_err": 0.0, "tokens": 1.0}
+
+    def scoring(family, text, n_ctx, max_chunks, modes):
+        seen.append((n_ctx, max_chunks, modes))
+        return {"f32/eager": row}, 1
+
+    monkeypatch.setattr(eval_slice, "family_of", lambda source, cache: {})
+    monkeypatch.setattr(eval_slice, "engine_rows", scoring)
+    argv = [f"--cache={tmp_path}", "--no-llama-cpp", "--n-ctx=4", "--chunks=1", "--modes=ggml"]
+    assert eval_slice.main(argv) == 0
+    assert seen == [(4, 1, ["ggml"])]
+    assert "1 chunks of 4 tokens, 1 tokens scored" in capsys.readouterr().out
+
+
+def test_the_family_is_written_once_per_folder_without_the_sources_own_type(
+    tmp_path, monkeypatch
+) -> None:
+    """checkpoints' docstring: the files are written once per folder and reused; no member of
+    the source's own type (`skip`). write_member replaced by one that writes a marker. Catches
+    family() writing every member on every call (0.01 s)."""
+    written = []
+
+    def write(source, name, out):
+        written.append(name)
+        out.write_text(name)
+        return out
+
+    monkeypatch.setattr(checkpoints, "write_member", write)
+    source = tmp_path / "Model.Q8_0.gguf"
+    first = checkpoints.family(source, tmp_path / "family", skip="q8_0")
+    assert first == {name: tmp_path / "family" / f"Model.{name}.gguf" for name in ("f32", "q4_0")}
+    assert checkpoints.family(source, tmp_path / "family", skip="q8_0") == first
+    assert written == ["f32", "q4_0"]
+
+
+def test_a_member_records_its_file_type_and_keeps_norms_and_the_embeddings_type(tmp_path) -> None:
+    """checkpoints' docstring, on a made-up source (Q8_0 embedding and matrix, an F32 norm,
+    general.file_type MOSTLY_Q8_0): the Q4_0 member records MOSTLY_Q4_0, its matrix is Q4_0,
+    its embedding keeps the source's Q8_0, its norm stays F32; the base records ALL_F32 and
+    holds every value the source holds, dequantized exactly. Catches the source's
+    general.file_type copied into every member (the Bazel family's bytes, and so the golden's
+    file digests, move only in the slow lanes) (0.1 s)."""
+    Q8_0, Q4_0, F32 = (getattr(gguf.GGMLQuantizationType, t) for t in ("Q8_0", "Q4_0", "F32"))
+    rng = np.random.default_rng(0)
+    matrix, embedding = rng.standard_normal((2, 32, 64), dtype=np.float32)
+    source = tmp_path / "tiny.q8_0.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_tensor(checkpoints.EMBEDDING, gguf.quants.quantize(embedding, Q8_0), raw_dtype=Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(matrix, Q8_0), raw_dtype=Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def read(name):
+        reader = gguf.GGUFReader(checkpoints.write_member(source, name, tmp_path / f"{name}.gguf"))
+        file_type = int(reader.fields["general.file_type"].contents())
+        return file_type, {t.name: t for t in reader.tensors}
+
+    file_type, tensors = read("q4_0")
+    assert file_type == gguf.LlamaFileType.MOSTLY_Q4_0
+    assert tensors["blk.0.attn_q.weight"].tensor_type == Q4_0
+    assert tensors[checkpoints.EMBEDDING].tensor_type == Q8_0
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == F32
+    file_type, tensors = read("f32")
+    assert file_type == gguf.LlamaFileType.ALL_F32
+    assert {t.tensor_type for t in tensors.values()} == {F32}
+    exact = gguf.quants.dequantize(gguf.quants.quantize(matrix, Q8_0), Q8_0)
+    assert np.array_equal(np.asarray(tensors["blk.0.attn_q.weight"].data), exact)
