@@ -410,14 +410,14 @@ class Server:
         if len(given) > 1:
             raise BadRequest(f"give one constraint, not {', '.join(given)}", given[1])
         name, value = given[0], body[given[0]]
-        if name == "response_format":
+        if name == "response_format":  # the errors below still name the field the client sent
             kind = value.get("type") if isinstance(value, dict) else None
             if kind == "text":
                 return None
             if kind == "json_object":
-                value, name = {"type": "object"}, "json_schema"
+                value = {"type": "object"}
             elif kind == "json_schema" and isinstance(value.get("json_schema"), dict):
-                value, name = value["json_schema"].get("schema", {}), "json_schema"
+                value = value["json_schema"].get("schema", {})
             else:
                 raise BadRequest(
                     '"response_format" must be {"type": "text"}, {"type": "json_object"} or '

@@ -142,3 +142,37 @@ def test_a_slow_server_times_out_with_the_url():
 def test_a_url_that_is_not_http_is_refused():
     with pytest.raises(EngineError, match="not an http"):
         OpenAIEngine("localhost:8080")
+
+
+def test_every_request_is_the_documented_completion_of_token_ids():
+    """What the adapter sends (its docstring; README "Judge your own engine"): one completion
+    of each prefix as token ids, `max_tokens` 1 and `logprobs` the golden's k, greedy, ids in
+    the answer (`return_tokens_as_token_ids`: vLLM names top tokens by text without it), the
+    prefix cache on, `ignore_eos` (llama.cpp answers an end-of-generation choice without
+    log-probabilities), and the `model` the user named (--model).
+    The fake server answers whatever is sent, so only the body shows these. Planted, each
+    caught here: the model, return_tokens_as_token_ids, ignore_eos or temperature left out."""
+    with FakeServer("token_ids") as server:
+        OpenAIEngine(server.url, "tiny", batch=2).next_token_rows(PROMPT, [1, 2, 4], 8)
+    assert server.requests == [
+        {
+            "logprobs": 8,
+            "temperature": 0,
+            "return_tokens_as_token_ids": True,
+            "cache_prompt": True,
+            "ignore_eos": True,
+            "model": "tiny",
+            "prompt": [PROMPT[:2], PROMPT[:3]],
+            "max_tokens": 1,
+        },
+        {
+            "logprobs": 8,
+            "temperature": 0,
+            "return_tokens_as_token_ids": True,
+            "cache_prompt": True,
+            "ignore_eos": True,
+            "model": "tiny",
+            "prompt": PROMPT,  # a lone prefix is sent as one prompt, not a list of one
+            "max_tokens": 1,
+        },
+    ]

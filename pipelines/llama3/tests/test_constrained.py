@@ -825,3 +825,82 @@ def test_a_masked_step_keeps_only_allowed_ids_whatever_the_truncation(tiny) -> N
         ids, probs = np.asarray(ids), np.asarray(probs, dtype=np.float64)
         assert sorted(ids.tolist()) == matcher.allowed().tolist(), top_k
         assert probs.min() > 0 and abs(probs.sum() - 1.0) < 1e-9, top_k
+
+
+def test_the_generate_command_reads_a_constraint_file_and_names_a_late_refusal(
+    tiny, tmp_path, capsys
+) -> None:
+    """docs/constrained_decoding.md: `--grammar=@FILE` (any constraint option) reads its text
+    from the file, and a constraint that does not compile exits 2 naming its option, also
+    where only the checkpoint's vocabulary refuses it (a token id past the vocabulary passes
+    the check made before the checkpoint loads; the matcher refuses it). Planted, each
+    caught here: the `@` kept in the path (`user_path(value)`: every existing file "is not
+    a file", the missing one still is); generate's ConstraintError not caught (a traceback,
+    not exit 2)."""
+    from pipelines.llama3 import generate
+
+    gguf = str(TESTDATA / "tiny_llama.gguf")
+    base = ["--gguf", gguf, "--prompt", "Answer: ", "--max-new-tokens", "6"]
+    grammar, schema = tmp_path / "yes_no.gbnf", tmp_path / "yes_no.json"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    schema.write_text('{"enum": ["yes", "no"]}')
+    for option, path, answers in (
+        ("--grammar", grammar, ("yes", "no")),
+        ("--json-schema", schema, ('"yes"', '"no"')),
+    ):
+        assert generate.main([*base, f"{option}=@{path}"]) == 0, capsys.readouterr().err
+        first_line = capsys.readouterr().out.splitlines()[0]
+        assert first_line in [f"Answer: {a}" for a in answers], (option, first_line)
+    assert generate.main([*base, "--grammar", 'start: "a" <[200000]>']) == 2
+    error = capsys.readouterr().err
+    assert "error: --grammar: grammar: " in error and "200000" in error, error
+
+
+def test_every_http_constraint_field_is_its_constraint(tiny) -> None:
+    """docs/constrained_decoding.md: over HTTP a constraint is one of OpenAI's
+    `response_format` (json_object: any JSON object; json_schema: its schema), llama-server's
+    `json_schema` and `grammar`, or vLLM's `guided_json`, `guided_regex`, `guided_choice`,
+    `guided_grammar`; `{"type": "text"}` is none. The server's parse of each is the
+    Constraint generate takes (test_server runs five of them end to end; json_object,
+    guided_json and guided_grammar only here). Planted, each caught here: guided_json left
+    out of CONSTRAINT_FIELDS (the request ran unconstrained, 200); json_object as `{}` (any
+    JSON value: a bare number too); guided_grammar read as a regex."""
+    from pipelines.llama3 import server
+
+    parse = server.build(tiny, "tiny", kv_tokens=256).parse
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    grammar = 'root ::= "(" [0-9]+ ")"'
+    forms = [
+        ({"response_format": {"type": "json_object"}}, Constraint.json_schema({"type": "object"})),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+            Constraint.json_schema(schema),
+        ),
+        ({"response_format": {"type": "text"}}, None),
+        ({"json_schema": schema}, Constraint.json_schema(schema)),
+        ({"guided_json": schema}, Constraint.json_schema(schema)),
+        ({"grammar": grammar}, Constraint.grammar(grammar)),
+        ({"guided_grammar": grammar}, Constraint.grammar(grammar)),
+        ({"guided_regex": "[a-c]{2}x"}, Constraint.regex("[a-c]{2}x")),
+        ({"guided_choice": ["yes", "no"]}, Constraint.choice(["yes", "no"])),
+    ]
+    for fields, constraint in forms:
+        assert parse({"prompt": "x", "max_tokens": 4, **fields}).constraint == constraint, fields
+
+
+def test_greedy_takes_the_best_allowed_token(tiny) -> None:
+    """docs/constrained_decoding.md, "What a mask is": greedy picks the best allowed token,
+    the argmax of the step's logits over its allowed ids, also where the unconstrained
+    argmax is refused. The mask comparisons check which ids are allowed and that the token
+    taken is one of them, not which one; the serving paths are compared with generate,
+    which shares the decoder. Planted: greedy taking the unmasked argmax and, where the
+    language refuses it, the lowest allowed id (a token of the language, not the best)."""
+    refused = 0
+    for name in ("regex_email", "array_of_enums", "lark"):
+        out = _run(tiny, CASES[name], False)
+        for step, (token, ids) in enumerate(zip(out.tokens, out.allowed, strict=True)):
+            row = out.logits[step]
+            best = int(ids[int(torch.argmax(row[torch.from_numpy(ids)]))])
+            assert token == best, (name, step, token, best)
+            refused += int(torch.argmax(row)) not in set(ids.tolist())
+    assert refused > 0  # the unconstrained choice was refused somewhere: the case is tested

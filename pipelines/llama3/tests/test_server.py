@@ -579,10 +579,7 @@ def test_constrained_completions_in_every_request_form(checkpoint, solo) -> None
         "additionalProperties": False,
     }
     forms = [
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
-            Constraint.json_schema(schema),
-        ),
+        (_json_schema_format(schema), Constraint.json_schema(schema)),
         ({"json_schema": schema}, Constraint.json_schema(schema)),
         ({"grammar": 'root ::= "(" [0-9]+ ")"'}, Constraint.grammar('root ::= "(" [0-9]+ ")"')),
         ({"guided_regex": "[a-c]{2}x"}, Constraint.regex("[a-c]{2}x")),
@@ -611,6 +608,9 @@ def test_constrained_completions_in_every_request_form(checkpoint, solo) -> None
             ({"guided_regex": "[0-9"}, "guided_regex"),
             ({"json_schema": "not a schema"}, "json_schema"),
             ({"response_format": {"type": "xml"}}, "response_format"),
+            # a bad schema inside response_format names the field sent, not llama-server's
+            # top-level json_schema (planted: the field renamed before the checks)
+            *((_json_schema_format(bad), "response_format") for bad in (False, "x")),
             ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
             ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
         ):
@@ -618,6 +618,11 @@ def test_constrained_completions_in_every_request_form(checkpoint, solo) -> None
             status, answer = _post(running.url, "/completions", body)
             assert status == 400, (fields, answer)
             assert answer["error"]["param"] == field, answer
+
+
+def _json_schema_format(schema: object) -> dict:
+    """A request's OpenAI response_format holding `schema` as its JSON schema."""
+    return {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
 
 
 # --- what one answer holds: several prompts, stop strings, logprobs, a server that stops ----

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -216,3 +218,171 @@ def test_sampling_with_nothing_listening_exits_2_with_one_line_naming_the_url(ca
     assert golden_check.main([*argv, "--lane=short", "--draws=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing answers at http://127.0.0.1:" in err[0], err
+
+
+def _against_a_random_model(tmp_path, *extra: str) -> tuple[int, list[dict]]:
+    """golden_check on the short cases of tinyllama-float32's own golden, against a fake
+    server whose model is random numbers (fake_server.logits_of, 64 ids: cheap, every check
+    fails): the exit status and the requests the server got."""
+    argv = ["--engine=openai", "--checkpoint=tinyllama-float32", "--lane=short", "--golden=own"]
+    with FakeServer("token_ids") as server:
+        code = golden_check.main([*argv, f"--url={server.url}", f"--report-dir={tmp_path}", *extra])
+    return code, server.requests
+
+
+def test_model_batch_and_echo_reach_the_server(tmp_path, capsys):
+    """README "Judge your own engine": --model is the name the server is sent (this engine's
+    server answers 404 to another name), --batch the prefixes per request, --echo one
+    request per case with prompt log-probabilities. Planted, each caught here: _target
+    building the adapter without args.model, or without echo (the options dict), or without
+    batch (the adapter's default 16)."""
+    code, requests = _against_a_random_model(tmp_path, "--model=tiny", "--batch=4")
+    assert code == 1  # random numbers fail: the point is what was sent
+    assert {r.get("model") for r in requests} == {"tiny"}
+    sizes = [len(r["prompt"]) if isinstance(r["prompt"][0], list) else 1 for r in requests]
+    assert max(sizes) == 4 and all("echo" not in r for r in requests), sizes
+    code, requests = _against_a_random_model(tmp_path, "--echo")
+    assert code == 1
+    assert [r["echo"] for r in requests] == [True] * 4  # the short lane's four cases
+    assert all(isinstance(r["prompt"][0], int) for r in requests)  # one sequence each
+    capsys.readouterr()
+
+
+def test_a_failure_reads_as_the_readmes_example(tmp_path, capsys):
+    """README "Reading a golden failure": the failing case's text names the tolerance, how
+    many steps and prompt positions fail and the first of them, the golden's greedy choice
+    there and the regeneration command; the last line is the verdict. The short lane's
+    'prose' case against a model of random numbers fails every step and every recorded
+    prompt position, so the first failing position is 0 (recorded up to 4), as the README's
+    example reads. Planted: the prompt-position line naming the last failing position
+    instead of the first (prompt_failing[-1]; goldens/tests' texts have one failing
+    position, so they pass on it)."""
+    code, _ = _against_a_random_model(tmp_path)
+    out = capsys.readouterr().out
+    assert code == 1 and out.strip().endswith("verdict: FAIL")
+    text = out[out.index("golden mismatch in case 'prose'") :]
+    lines = [line.rstrip() for line in text.splitlines()]
+    assert lines[0].startswith(
+        "golden mismatch in case 'prose' ('The capital of France is', 6 prompt tokens) "
+        "against tinyllama_float32_all_golden.json"
+    ), lines[0]
+    assert lines[1].startswith("  tolerance own/float32/external: |Δ log-prob| 0.001, KL 1e-06")
+    assert lines[2].startswith("  teacher-forced: 10 of 10 steps fail (logprob), 0 ambiguous")
+    assert lines[3:6] == [
+        "  free-running greedy agreement: 0 of 10 steps",
+        "  prompt positions: 5 of 5 fail, the first at position 0 (recorded up to position 4)",
+        "  first failing check: prompt position 0 of 6 (metric logprob); the next prompt token "
+        "is 791",
+    ]
+    assert lines[6].startswith(
+        "  golden greedy choice there 123496 '●●●●●●●●●●●●●●●●' (golden top-1/top-2 gap 0.7742)"
+    ), lines[6]
+    assert (
+        "  regenerate the golden (if the change is intended): ./bazelw run "
+        "//max_tests/integration/architectures/llama3:evaluate_llama -- --model=tinyllama "
+        "--encoding=float32 --device=cpu"
+    ) in lines
+
+
+@pytest.mark.parametrize(
+    ("argv", "column"),
+    [
+        (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32"], "external"),
+        (["--engine=llama_cpp", "--url=http://x/v1", "--checkpoint=tinyllama-float32"],
+         "llama_cpp"),
+        (["--engine=this", "--checkpoint=tinyllama-float32"], "cpu"),
+        # not judged under llama_cpp (exit 2, test_bad_input_exits_2_naming_it); the message
+        # says --tolerance=external judges it anyway, and so it does
+        (["--engine=llama_cpp", "--url=http://x/v1", "--checkpoint=tinyllama-q4_k",
+          "--tolerance=external"], "external"),
+        (["--engine=openai", "--url=http://x/v1", "--checkpoint=tinyllama-float32",
+          "--tolerance=cpu"], "cpu"),
+    ],
+)  # fmt: skip
+def test_the_tolerance_column_is_the_engines_unless_tolerance_names_another(
+    argv, column, tmp_path, monkeypatch, capsys
+):
+    """README: tolerances per engine are columns of tolerances.yaml (llama_cpp for llama.cpp,
+    external for any other server, cpu for this engine and transformers); --tolerance= picks
+    another. The column the judging gets is recorded (the judging itself replaced by an
+    engine error: exit 2). Planted: --tolerance ignored (the engine's column always): the
+    not-judged q4_k file then exits 2 before any judging, and --tolerance=cpu judged a
+    server under the looser external column (test_serve passes --tolerance=cpu; its server
+    would pass under external too, so it cannot notice)."""
+    judged = []
+
+    def judge(args, variant, gguf, goldens, column, report_dir=None):
+        judged.append(column)
+        raise golden_check.EngineError("stopped after the column was chosen")
+
+    monkeypatch.setattr(golden_check, "_judge", judge)
+    argv = [*argv, "--golden=own", "--lane=short", f"--report-dir={tmp_path}"]
+    assert golden_check.main(argv) == 2
+    assert judged == [column], capsys.readouterr().err
+
+
+def test_a_checkpoint_mutation_that_passes_fails_the_check(tmp_path, monkeypatch, capsys):
+    """README: with --mutations each edited copy must FAIL; one that passes is a failed
+    verdict (exit 1), its line saying PASS (missed), whatever the mutations after it do; and
+    every mutation failing does not excuse a failing checkpoint. The judging is replaced:
+    first the checkpoint passes and norm_weight's copy passes (missed), the other copies
+    fail; then the checkpoint fails and every copy fails. Planted, each caught here:
+    `caught = fails` (the last mutation's verdict alone: rope_theta fails, so exit 0); the
+    mutations' result replacing the checkpoint's (`failed = not _mutations(...)`) instead of
+    joining it."""
+    missed = {"checkpoint": False, "mutation": "norm_weight"}
+
+    def verdict(fails: bool):
+        return SimpleNamespace(
+            failures=["planted failure"] if fails else [], max_logprob_diff=1.0, max_kl=0.1,
+            reference="own", source="golden.json",
+        )  # fmt: skip
+
+    def judge(args, variant, gguf, goldens, column, report_dir=None):
+        if report_dir is not None:  # the checkpoint itself
+            return [verdict(missed["checkpoint"])], ("fake", True), [tmp_path / "report.html"]
+        return [verdict(missed["mutation"] not in Path(gguf).name)], ("fake", True), []
+
+    monkeypatch.setattr(golden_check, "_judge", judge)
+    monkeypatch.setattr(golden_check, "_row", lambda verdict: "row")
+    monkeypatch.setattr(
+        golden_check.checkpoint_mutations,
+        "mutated_copy",
+        lambda source, mutation, folder: Path(folder) / f"copy.{mutation.name}.gguf",
+    )
+    argv = ["--engine=this", "--checkpoint=tinyllama-float32", "--golden=own", "--mutations"]
+    argv += ["--lane=short", f"--report-dir={tmp_path}"]
+    assert golden_check.main(argv) == 1
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert "PASS (missed)" in lines["norm_weight"], lines
+    assert " FAIL: " in lines["weight_scaled"] and " FAIL: " in lines["rope_theta"], lines
+    assert out.strip().endswith("verdict: FAIL")
+    missed.update(checkpoint=True, mutation="none")  # every copy fails, and so does the file
+    assert golden_check.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "planted failure" in out and out.strip().endswith("verdict: FAIL")
+
+
+def test_the_sampling_check_runs_with_the_readmes_defaults(monkeypatch, capsys):
+    """README "Judge your own engine", --sampling: 2000 draws per case (one seed each), held
+    to the llama_cpp order by default, by a G-test at alpha 1e-6, under the default sampler
+    temperature=1.5,top_k=20,top_p=0.8,min_p=0.05. The engine and the draws are replaced:
+    what check_sampler is asked, and the header, are recorded. Planted, each caught here:
+    --order defaulting to transformers; DEFAULT_SAMPLER's top_p 0.9; DRAWS 1000."""
+    asked = []
+
+    def check_sampler(engine, case, sampler, draws, order):
+        asked.append((case.id, sampler, draws, order))
+        return SimpleNamespace(case_id=case.id, verdict="PASS", summary=lambda: case.id)
+
+    engine = SimpleNamespace(name="fake llama.cpp", close=lambda: None)
+    monkeypatch.setattr(golden_check, "_target", lambda *args: golden_check.Target(engine))
+    monkeypatch.setattr(golden_check.sampler_check, "check_sampler", check_sampler)
+    argv = ["--engine=llama_cpp", "--checkpoint=tinyllama-float32", "--sampling", "--lane=short"]
+    assert golden_check.main(argv) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    sampler = {"temperature": 1.5, "top_k": 20, "top_p": 0.8, "min_p": 0.05}
+    assert len(asked) == 4, asked  # the short lane's four cases
+    assert all((s, d, o) == (sampler, 2000, "llama_cpp") for _, s, d, o in asked), asked
+    assert "in the llama_cpp order, 2000 draws per case, G-test at alpha 1e-06" in header, header
