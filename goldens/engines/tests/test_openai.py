@@ -154,25 +154,16 @@ def test_every_request_is_the_documented_completion_of_token_ids():
     caught here: the model, return_tokens_as_token_ids, ignore_eos or temperature left out."""
     with FakeServer("token_ids") as server:
         OpenAIEngine(server.url, "tiny", batch=2).next_token_rows(PROMPT, [1, 2, 4], 8)
+    every = {
+        "logprobs": 8,
+        "temperature": 0,
+        "return_tokens_as_token_ids": True,
+        "cache_prompt": True,
+        "ignore_eos": True,
+        "model": "tiny",
+        "max_tokens": 1,
+    }
     assert server.requests == [
-        {
-            "logprobs": 8,
-            "temperature": 0,
-            "return_tokens_as_token_ids": True,
-            "cache_prompt": True,
-            "ignore_eos": True,
-            "model": "tiny",
-            "prompt": [PROMPT[:2], PROMPT[:3]],
-            "max_tokens": 1,
-        },
-        {
-            "logprobs": 8,
-            "temperature": 0,
-            "return_tokens_as_token_ids": True,
-            "cache_prompt": True,
-            "ignore_eos": True,
-            "model": "tiny",
-            "prompt": PROMPT,  # a lone prefix is sent as one prompt, not a list of one
-            "max_tokens": 1,
-        },
+        {**every, "prompt": [PROMPT[:2], PROMPT[:3]]},
+        {**every, "prompt": PROMPT},  # a lone prefix is sent as one prompt, not a list of one
     ]
