@@ -15,7 +15,7 @@ from pipelines.llama3 import Llama3Engine, load_config
 from pipelines.llama3 import engine as engine_module
 from pipelines.llama3.gguf_file import CheckpointError
 from pipelines.llama3.gguf_loader import DequantizedCache
-from pipelines.llama3.model import causal_mask, is_causal, rope_inverse_frequencies
+from pipelines.llama3.model import RMSNorm, causal_mask, is_causal, rope_inverse_frequencies
 from pipelines.llama3.tests.recompute import greedy_decode_without_cache
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
@@ -101,6 +101,25 @@ def test_generation_stops_at_eos(engine: Llama3Engine) -> None:
     assert stopped.tokens == out.tokens[: out.tokens.index(eos) + 1]
 
 
+def test_stop_on_eos_false_runs_past_an_end_of_sequence_choice(engine: Llama3Engine) -> None:
+    """docs/architecture.md:56 (`generate(input_ids, max_new_tokens, stop_on_eos, ...)`):
+    with stop_on_eos=False a choice among the end-of-sequence ids does not end the run; all
+    max_new_tokens steps are taken (the tools and many tests take such a run as the
+    reference). Planted, the end-of-sequence ids handed to the decoder whatever stop_on_eos
+    says: the run stopped at the third token, and test_engine.py and test_decoder.py passed
+    (they ran stop_on_eos=False only before an id it chose was made an end-of-sequence id)."""
+    out = engine.generate(PROMPT, 16, stop_on_eos=False)
+    eos = out.tokens[2]
+    engine.tokenizer.eos_ids.add(eos)
+    try:
+        ignoring = engine.generate(PROMPT, 16, stop_on_eos=False)
+    finally:
+        engine.tokenizer.eos_ids.discard(eos)
+    assert len(ignoring.tokens) == 16
+    assert ignoring.tokens == out.tokens
+    assert torch.equal(ignoring.logits, out.logits)
+
+
 def test_bfloat16_runs_and_mostly_agrees(tmp_path: pathlib.Path, engine: Llama3Engine) -> None:
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path)
@@ -110,6 +129,47 @@ def test_bfloat16_runs_and_mostly_agrees(tmp_path: pathlib.Path, engine: Llama3E
     logits = bf16.forward_logits(PROMPT)
     assert logits.dtype == torch.float32
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.75
+
+
+def test_a_bfloat16_engine_keeps_its_lm_head_in_float32(tmp_path: pathlib.Path) -> None:
+    """docs/architecture.md:56 (engine.py: "keeps the LM head in float32 for bfloat16
+    engines") and :54 (model.py: the final norm and LM head run in the head's dtype): the
+    layers compute in bfloat16, the head is a float32 matrix, so the logits are float32
+    products, not bfloat16 values (on a grid of 0.25 at ~40, where exact ties hide real
+    differences). Planted, the engine's float32 copy of the head dropped: the logits all
+    bfloat16 values cast up, which test_bfloat16_runs_and_mostly_agrees (float32 dtype,
+    top-1 agreement) passed."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, tied=True)  # the committed checkpoints' tied head
+    bf16 = Llama3Engine.from_gguf(path, dtype=torch.bfloat16)
+    assert bf16.model.layers[0].attention.wq.weight.dtype == torch.bfloat16
+    assert bf16.model.tok_embeddings.weight.dtype == torch.bfloat16
+    assert bf16.model.output.weight.dtype == torch.float32
+    logits = bf16.forward_logits(PROMPT)
+    off_grid = (logits != logits.to(torch.bfloat16).float()).float().mean()
+    assert off_grid > 0.9, f"{off_grid:.2f} of the logits are not bfloat16 values"
+
+
+def test_rmsnorm_normalizes_a_bfloat16_input_in_float32() -> None:
+    """docs/architecture.md:54 (model.py: "RMSNorm (normalizes in float32)"): a bfloat16
+    input's mean square and scaling are computed in float32 and rounded to bfloat16 once,
+    then scaled by the weight. Planted, the normalization in the input's dtype (`h = x`, no
+    `.float()`): the outputs differ, and test_engine.py and test_gguf_loader.py passed (the
+    bfloat16 engine test checks top-1 agreement only)."""
+    generator = torch.Generator().manual_seed(3)
+    dim = 64
+    norm = RMSNorm(dim, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(dim, generator=generator))
+    x = (torch.randn(6, dim, generator=generator) * 3).to(torch.bfloat16)
+    h = x.float()
+    expected = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(
+        torch.bfloat16
+    )
+    with torch.no_grad():
+        got = norm(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expected)
 
 
 def test_llama3_rope_factors_match_meta_formula(tmp_path: pathlib.Path) -> None:

@@ -277,6 +277,24 @@ def test_a_write_that_fails_late_exits_2_naming_output(tmp_path, capsys, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_default_seed_is_2_and_seed_reaches_the_writer(tmp_path, monkeypatch):
+    """docs/architecture.md:85 ("Default seed 2"): without --seed the command writes the
+    weights of seed 2 (tiny_llama.gguf's README command gives none), with --seed=N those of
+    N. Planted, DEFAULT_SEED 3: only the slow regenerate_testdata_test saw the other bytes."""
+    seeds = []
+
+    def write(path, config, encoding, seed, vocab):
+        seeds.append(seed)
+        pathlib.Path(path).write_bytes(b"gguf")
+
+    monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "build_tokenizer", lambda: None)
+    monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "gguf_vocab", lambda tokenizer: None)
+    monkeypatch.setattr(gen_tiny_model, "write_gguf", write)
+    assert main(_with(f"--output={tmp_path / 'default.gguf'}")) == 0
+    assert main(_with(f"--output={tmp_path / 'seven.gguf'}", "--seed=7")) == 0
+    assert seeds == [2, 7]
+
+
 def test_write_hf_config_help_shows_its_own_example_and_output(capsys):
     with pytest.raises(SystemExit) as exit_info:
         write_hf_config.build_parser().parse_args(["--help"])
