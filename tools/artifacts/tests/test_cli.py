@@ -548,3 +548,26 @@ def test_a_folder_given_as_file_is_called_a_folder(
         f"it, e.g. {folder}/*_golden.json\n"
     )
     assert _store_files(scratch_repo) == []
+
+
+def test_add_publishes_after_the_newest_stored_version_not_the_pinned_one(
+    scratch_repo: Path, goldens: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/goldens.md:962, 973-975: `add` puts the pinned files plus the new ones in the
+    store as the next version: the newest stored version + 1, also when that newest one is
+    unpinned (version 3 here, pinned 1: 4, which the store takes). Planted: the pinned version
+    + 1 (2, which the store refuses as below 3: exit 1)."""
+    flags = _repo_flags(scratch_repo)
+    assert _run(capsys, "g", "1", str(goldens[0]), *flags, "--update-module")[0] == 0
+    assert _run(capsys, "g", "3", str(goldens[1]), *flags)[0] == 0  # published, never pinned
+    new = tmp_path / "torch_llama3_1_bfloat16_golden.json"
+    new.write_text("{}\n")
+    code, _, err = _run(capsys, "add", "g", str(new), *flags, "--update-module")
+    assert code == 0, err
+    pin = stanza.parse((scratch_repo / "MODULE.bazel").read_text())["g"]
+    assert f"/g/4/{pin.sha256}/g.tar.gz" in pin.url
+    (v4,) = [p for p in _store_files(scratch_repo) if "/g/4/" in p.as_posix()]
+    assert archive.unpack_members(v4.read_bytes()) == {
+        goldens[0].name: goldens[0].read_bytes(),
+        new.name: new.read_bytes(),
+    }

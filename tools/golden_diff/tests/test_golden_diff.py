@@ -800,3 +800,53 @@ def test_a_pin_without_a_sha256_is_not_pinned(capsys, repo: Path, base: Path) ->
     module.write_text(stanza.set_pin("", dataclasses.replace(pin, sha256="")), encoding="utf-8")
     err = _error(capsys, OWN, f"--to={base}", *_store_flags(repo))
     assert f"--from: {OWN} is not pinned in {module}; give a version (1, 2), a sha256" in err
+
+
+def test_a_move_above_the_noise_within_the_tolerance_is_different_and_exits_1(
+    capsys, base: Path, tmp_path: Path
+) -> None:
+    """README.md:446-447: exit 0 identical, 1 different; only identical and noise exit 0
+    (golden_diff's docstring). A nudge between own/float32/cpu's noise floor (~5e-5) and its
+    tolerance (1e-4) is `moved`: a change worth publishing, so exit 1 (planted: `moved` among
+    the exit-0 classes)."""
+    moved = {"prose": BASE["prose"].copy(), "code": BASE["code"]}
+    moved["prose"][2, 12] += 8e-5
+    _write(tmp_path / "new", {FLOAT32: _golden(moved), Q4_K: _golden(BASE)})
+    code, out, _ = _run(capsys, OWN, f"--from={base}", "--to=new")
+    assert out.splitlines()[3] == f"{FLOAT32}: changed [moved]"
+    assert out.splitlines()[-1].startswith(f"worst: moved ({FLOAT32}: case prose: ")
+    assert code == 1
+
+
+def test_the_verdict_counts_added_and_removed_files_apart(capsys, base: Path, tmp_path) -> None:
+    """README.md:446-447: the review names the files added or removed; its last lines count
+    them ("different: 4 of 4 files changed, 0 added, 0 removed", README.md:457). The other
+    test adds one file and removes one, so swapped counts passed it (planted: added and
+    removed swapped in the verdict)."""
+    smollm2 = "smollm2_q4_1_all_golden.json"
+    _write(tmp_path / "more", {FLOAT32: _golden(BASE), Q4_K: _golden(BASE), smollm2: _golden(BASE)})
+    code, out, _ = _run(capsys, OWN, f"--from={base}", "--to=more")
+    assert code == 1
+    assert out.splitlines()[-2] == "different: 0 of 2 files changed, 1 added, 0 removed"
+    code, out, _ = _run(capsys, OWN, "--from=more", f"--to={base}")
+    assert code == 1
+    assert out.splitlines()[-2] == "different: 0 of 2 files changed, 0 added, 1 removed"
+
+
+def test_the_html_report_holds_every_line_of_the_printed_review(
+    capsys, base: Path, tmp_path: Path
+) -> None:
+    """README.md:447: `--html FILE` writes the same report: its summary lists every line the
+    review printed, the worst class too (planted: the page given the summary without its
+    last line)."""
+    import html
+
+    moved = {"prose": BASE["prose"].copy(), "code": BASE["code"]}
+    moved["prose"][1, 12] += 0.5
+    _write(tmp_path / "new", {FLOAT32: _golden(moved), Q4_K: _golden(BASE)})
+    code, out, _ = _run(capsys, OWN, f"--from={base}", "--to=new", "--html=diff.html")
+    assert code == 1
+    page = (tmp_path / "diff.html").read_text(encoding="utf-8")
+    (summary,) = re.findall(r'<section class="summary" id="summary"><ul>(.*?)</ul>', page)
+    items = [html.unescape(item) for item in re.findall(r"<li>(.*?)</li>", summary)]
+    assert items == out.splitlines()

@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -459,3 +460,154 @@ def test_after_publishing_the_golden_tests_rerun_and_give_the_exit_status(
     root = golden_update.repo_root()
     assert runs == [([str(root / "bazelw"), "test", *golden_update.GOLDEN_TESTS], root)]
     assert _pins(repo)["test_llama_golden"] == 2
+
+
+def test_after_publishing_the_three_golden_tests_the_guide_names_rerun() -> None:
+    """docs/goldens.md:918: with --accept, `test_llama`, `test_llama_long` and
+    `test_golden_sanity` run again. The rerun test above compares with GOLDEN_TESTS itself, so
+    a target dropped from that list passed it (planted: test_llama_long removed)."""
+    package = "//max_tests/integration/architectures/llama3"
+    rerun = list(golden_update.GOLDEN_TESTS)
+    assert rerun == [
+        f"{package}:test_llama",
+        f"{package}:test_llama_long",
+        f"{package}:test_golden_sanity",
+    ]
+
+
+def test_torch_regenerates_transformers_goldens_whose_inputs_did_not_change(repo: Path) -> None:
+    """docs/goldens.md:909: transformers' goldens are regenerated with --torch, not only
+    when their inputs changed (planted: --torch ignored, `with_torch = bool(reasons)`)."""
+    regenerate = _regenerating(BASE)
+    assert golden_update.main(["--dry-run", "--torch", *_flags(repo)], regenerate) == 0
+    assert regenerate.calls == [True]
+
+
+def test_torch_goldens_are_due_when_transformers_the_checkpoint_or_the_cases_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/goldens.md:909-911: transformers' goldens are regenerated on their own when their
+    inputs changed: the transformers version, a checkpoint's sha256, the cases. Every other
+    test replaces _torch_inputs_changed, so a dropped check passed them (planted: the
+    checkpoint check, or the version check, made `False`)."""
+    from goldens import diff, record
+    from harness.llama3 import variants
+
+    checkpoint = tmp_path / "tiny_llama.gguf"
+    checkpoint.write_bytes(b"weights")
+    monkeypatch.setitem(sys.modules, "transformers", SimpleNamespace(__version__="5.0.0"))
+    tiny = SimpleNamespace(model="tinyllama", encoding="float32", path=checkpoint)
+    monkeypatch.setattr(variants, "variants", lambda: [tiny])
+    prompt = BASE[TORCH].cases[0].prompt
+    monkeypatch.setattr(
+        record, "case_specs", lambda model: [SimpleNamespace(id="prose", prompt=prompt)]
+    )
+
+    def reasons(**changed: str) -> list[str]:
+        made = {
+            "producer_version": "transformers/5.0.0",
+            "checkpoint_sha256": record.file_sha256(checkpoint),
+        }
+        golden = BASE[TORCH]
+        provenance = schema.Provenance(**(golden.provenance.__dict__ | made | changed))
+        data = schema.to_json(schema.Golden(provenance, golden.cases)).encode()
+        pinned = diff.GoldenSet("pinned", {TORCH: diff.parse_golden(data, TORCH)})
+        return golden_update._torch_inputs_changed(pinned)
+
+    assert reasons() == []
+    assert reasons(producer_version="transformers/4.57.1") == [
+        f"{TORCH} was made by transformers/4.57.1, this is transformers/5.0.0"
+    ]
+    assert reasons(checkpoint_sha256="b" * 64) == [f"{TORCH}: checkpoint tiny_llama.gguf changed"]
+    monkeypatch.setattr(
+        record, "case_specs", lambda model: [SimpleNamespace(id="prose", prompt="Paris is")]
+    )
+    assert reasons() == [f"{TORCH}: its cases are not cases.yaml's"]
+
+
+def _tokens_changed(producer: str, encoding: str, seed: int) -> schema.Golden:
+    logits = _logits(seed)
+    logits[1] = -logits[1]  # another greedy token from step 1: publishable, "tokens changed"
+    return _golden(producer, encoding, logits)
+
+
+def test_in_a_terminal_each_file_is_accepted_rejected_skipped_or_diffed(
+    repo: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """docs/goldens.md:914: without --accept, in a terminal, file by file: accept, reject,
+    skip, diff; only the accepted files are published (the rest stay the pinned ones), and
+    diff asks again. Planted: 'r' read as accept; 'd' printing the diff and moving on."""
+    changed = _moved() | {
+        Q4_K: _tokens_changed("engine", "q4_k", 1),
+        GGML: _tokens_changed("engine-ggml", "q4_k", 2),
+    }
+    answers = {FLOAT32: ["d", "x", "a"], Q4_K: ["r"], GGML: ["s"]}
+    asked = []
+
+    def answer(prompt: str) -> str:
+        (file_name,) = [name for name in answers if f": {name} [" in prompt]
+        asked.append(file_name)
+        return answers[file_name].pop(0)
+
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(isatty=lambda: True))
+    monkeypatch.setattr("builtins.input", answer)
+    assert golden_update.main(["--no-test", *_flags(repo)], _regenerating(changed)) == 0
+    assert sorted(asked) == sorted([FLOAT32] * 3 + [Q4_K, GGML])
+    assert capsys.readouterr().out.count(f"{FLOAT32}: changed [over tolerance]") == 2  # + diff
+    assert _pins(repo) == {"test_llama_golden": 2, "torch_llama_golden": 1}
+    (published,) = (repo / "artifacts" / "test_llama_golden" / "2").rglob("*.tar.gz")
+    members = archive.unpack_members(published.read_bytes())
+    assert members == {
+        FLOAT32: schema.to_json(changed[FLOAT32]).encode(),
+        Q4_K: schema.to_json(BASE[Q4_K]).encode(),
+        GGML: schema.to_json(BASE[GGML]).encode(),
+    }
+
+
+def test_under_ci_a_terminal_is_never_asked_and_nothing_is_published(
+    repo: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """docs/goldens.md:920: under CI=true it never publishes, even in a terminal without
+    --accept: exit 1 (changes pending), nobody asked (planted: the CI check before the
+    questions removed, so an 'a' published version 2)."""
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(isatty=lambda: True))
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt: asked.append(prompt) or "a")
+    before = _store(repo)
+    assert golden_update.main(["--no-test", *_flags(repo)], _regenerating(_moved())) == 1
+    assert "CI=true: nothing is published under CI" in capsys.readouterr().err
+    assert asked == []
+    assert _store(repo) == before and _pins(repo)["test_llama_golden"] == 1
+
+
+def test_a_failing_tests_extracted_outputs_folder_is_accepted_like_its_zip(
+    repo: Path, tmp_path: Path
+) -> None:
+    """docs/goldens.md:925: `golden_update --from=` takes the outputs.zip or its
+    extracted folder; the folder's run is published as the next version (planted: the
+    folder branch of _new_bytes dropped, so the folder was opened as a zip)."""
+    folder = tmp_path / "extracted"
+    with zipfile.ZipFile(_outputs(tmp_path, _moved()[FLOAT32])) as zipped:
+        zipped.extractall(folder)
+    args = ["--accept", "--no-test", f"--from={folder}", *_flags(repo)]
+    assert golden_update.main(args, _regenerating({})) == 0
+    assert _pins(repo) == {"test_llama_golden": 2, "torch_llama_golden": 1}
+    (published,) = (repo / "artifacts" / "test_llama_golden" / "2").rglob("*.tar.gz")
+    members = archive.unpack_members(published.read_bytes())
+    assert members[FLOAT32] == (folder / FLOAT32).read_bytes()
+
+
+def test_every_archive_with_an_accepted_file_gets_its_next_version(repo: Path) -> None:
+    """docs/goldens.md:914-915: each archive with an accepted file is published as its next
+    version and pinned: with --torch, an engine and a transformers change pin version 2 of
+    both (planted: publishing stops after the first archive)."""
+    logits = _logits(0)
+    logits[2, 12] += 0.5
+    changed = _moved() | {TORCH: _golden("torch", "float32", logits)}
+    args = ["--accept", "--torch", "--no-test", *_flags(repo)]
+    assert golden_update.main(args, _regenerating(changed)) == 0
+    assert _pins(repo) == {"test_llama_golden": 2, "torch_llama_golden": 2}
+    (published,) = (repo / "artifacts" / "torch_llama_golden" / "2").rglob("*.tar.gz")
+    members = archive.unpack_members(published.read_bytes())
+    assert members == {TORCH: schema.to_json(changed[TORCH]).encode()}
