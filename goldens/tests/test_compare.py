@@ -638,3 +638,145 @@ def test_a_server_row_with_a_log_probability_above_zero_fails_that_step() -> Non
     rows = [compare.TopLogprobs.from_logits(row, 20) for row in logits]
     rows[2] = compare.TopLogprobs(rows[2].ids, (3e-8, *rows[2].logprobs[1:]))
     assert compare.compare_case(case, [1, 2, 3], tokens, rows, TOL).steps[2].metric != "nonfinite"
+
+
+# docs/goldens.md's claims about the comparison that no test held (a claims audit): each test
+# below passed its plant before it was written, and fails with it now.
+
+
+def test_topk_overlap_is_checked_and_named_before_kl():
+    """docs/goldens.md:117-123: the checks run in the order logprob, topk_overlap, kl, token,
+    and the first that fails names the step's metric. Two tail ids raised just above the
+    golden's 19th move no golden log-prob past 1e-3 but leave 18 of its top-20 in the run's
+    top-20 (overlap 0.90 < 0.95); the KL also exceeds a tight kl_max, and the step is still
+    named topk_overlap. Plants caught: the overlap check dropped; kl checked before overlap."""
+    logits = _logits()
+    case, tokens = _case(logits)
+    step = case.steps[3]
+    tail = [i for i in range(VOCAB) if i not in step.topk_ids]
+    risers = sorted(tail, key=lambda i: -logits[3, i])[:2]
+    run = logits.copy()
+    run[3, risers] = logits[3, step.topk_ids[-2]] + 0.01
+    wide = dataclasses.replace(TOL, logprob_atol=1e-3)
+    for kl_max in (1.0, TOL.kl_max):
+        report = compare.compare_case(
+            case, [1, 2, 3], tokens, run, dataclasses.replace(wide, kl_max=kl_max)
+        )
+        assert [s.step for s in report.steps if s.status == compare.FAIL] == [3]
+        checked = report.steps[3]
+        assert checked.max_logprob_diff < wide.logprob_atol
+        assert checked.topk_overlap == pytest.approx(0.9)
+        assert (checked.metric, checked.detail) == ("topk_overlap", "top-20 overlap 0.90 < 0.95")
+    assert checked.kl > TOL.kl_max  # the KL fails too, and does not name the step
+
+
+def test_a_prompt_positions_greedy_token_is_the_runs_argmax():
+    """docs/goldens.md:105-107: each recorded prompt position is checked by the step rules,
+    its greedy token being the run's argmax there. A run whose argmax at position 255 is
+    another id, beyond any near-tie, fails that position on `token` even when every numeric
+    check is loosened away. Plant caught: the prompt position's token taken as the golden's
+    (the token check can then never fail at a prompt position)."""
+    logits, prompt_rows = _logits(), _logits(steps=3, seed=1)
+    positions = [0, 255, 4097]
+    case, tokens, input_ids = _case_with_positions(logits, prompt_rows, positions)
+    rows = dict(zip(positions, prompt_rows, strict=True))
+    golden = case.position_steps[1]
+    other = next(i for i in range(VOCAB) if i not in golden.topk_ids)
+    moved = rows[255].copy()
+    moved[other] = moved.max() + 1.0
+    loose = Tolerance("t", 10.0, 10.0, 0.0, 2e-4, "")
+    report = compare.compare_case(case, input_ids, tokens, logits, loose, {**rows, 255: moved})
+    assert report.first_failing is None
+    check = report.first_failing_check
+    assert (check.position, check.metric, check.actual_token) == (255, "token", other)
+    assert check.expected_token == golden.token_id
+    assert check.detail == (
+        f"greedy token differs: the run's token {other} is not in the golden's top-20"
+    )
+
+
+def test_the_token_failure_texts_name_the_tie_rules_reason():
+    """docs/goldens.md:145-150: a token that fails the tie rule with checks 1-3 passing fails
+    on `token` with the reason ("not in the golden's top-20"); a numeric failure at a step
+    whose greedy token differs adds "and the greedy token differs" to its detail. Plants
+    caught: the reason's text changed; the numeric failure's suffix dropped."""
+    logits, case = _near_tie_golden()
+    outside = logits.copy()
+    outside[1, 50] = logits[1, 4] + 1e-3  # id 50 is not in the golden's top-20 at step 1
+    loose = dataclasses.replace(LOOSE_TIE, logprob_atol=10.0, kl_max=10.0)
+    report = compare.compare_case(case, [1, 2, 3], _greedy(outside), outside, loose)
+    assert (report.steps[1].metric, report.steps[1].detail) == (
+        "token",
+        "greedy token differs: the run's token 50 is not in the golden's top-20",
+    )
+    tie_and_drift = logits.copy()
+    tie_and_drift[1, 20] = logits[1, 4] + 1e-3  # a near-tie swap ...
+    tie_and_drift[1, case.steps[1].topk_ids[3]] += 0.5  # ... beside a log-prob failure
+    report = compare.compare_case(case, [1, 2, 3], _greedy(tie_and_drift), tie_and_drift, LOOSE_TIE)
+    assert report.steps[1].metric == "logprob"
+    assert report.steps[1].detail.endswith("; and the greedy token differs: at a near-tie")
+    plain = _logits()
+    plain_case, _ = _case(plain)
+    far = plain.copy()
+    far[2, 40] = 9.0  # id 40 is not in the golden's top-20 at step 2
+    report = compare.compare_case(plain_case, [1, 2, 3], _greedy(far), far, TOL)
+    assert report.steps[2].metric == "logprob"
+    assert report.steps[2].detail.endswith(
+        "; and the greedy token differs: the run's token 40 is not in the golden's top-20"
+    )
+
+
+def test_a_changed_tokenization_fails_on_the_input_ids_metric():
+    """docs/goldens.md:345-346: a case whose run tokenizes the prompt otherwise fails with
+    metric `input_ids` (how a BOS or tokenizer change shows), even when every step passes.
+    Plant caught: failing_metrics without "input_ids" (the failure text then says "input
+    ids" by its fallback, and the report's metric list is empty)."""
+    logits = _logits()
+    case, tokens = _case(logits)
+    report = compare.compare_case(case, [1, 2, 4], tokens, logits, TOL)
+    assert report.status == compare.FAIL and report.first_failing_check is None
+    assert report.failing_metrics == ["input_ids"]
+    drifted = logits.copy()
+    drifted[3, case.steps[3].topk_ids[5]] += 1e-3
+    both = compare.compare_case(case, [1, 2, 4], tokens, drifted, TOL)
+    assert both.failing_metrics == ["input_ids", "logprob"]
+    text = compare.format_failure(report, case, "g", str, "R", [1, 2, 4])
+    assert "teacher-forced: 0 of 6 steps fail (input_ids), 0 ambiguous" in text
+
+
+def test_every_judged_entry_has_a_near_tie_margin_of_twice_its_logprob_atol():
+    """docs/goldens.md:152: `near_tie_margin` is 2 x logprob_atol in every entry, the long
+    cases' thresholds and the ggml mode's, llama_cpp and external columns included (the test
+    above enumerates only the cpu/cuda columns of four encodings). Plant caught: an nvfp4,
+    external or llama_cpp entry with another margin."""
+    from goldens.tolerances import MODE_REFERENCES, entries
+
+    judged = entries() + [t for ref in MODE_REFERENCES for t in entries(ref)]
+    judged += [t.long for t in judged if t.long is not None]
+    assert {t.key.split("/")[2] for t in judged} >= {"cpu", "cuda", "llama_cpp", "external"}
+    for tol in judged:
+        assert tol.near_tie_margin == pytest.approx(2 * tol.logprob_atol, rel=1e-12), tol.key
+
+
+def test_a_server_top_k_whose_mass_rounds_above_one_keeps_a_float32_rest():
+    """docs/goldens.md:366: with a top-k run, the run's mass outside the known ids is the
+    largest of 1 - Σ known, its other top-k ids' mass and float32 rounding of Σ known, so
+    a server whose float32 log-probabilities sum a hair above 1 (here 1 + 8e-8, each 2.1e-6
+    above the golden's) against a golden tail of 2e-6 gets a KL of ~5e-6, not an invented
+    failure: without the rounding term its rest is 0 and the tail term alone is ~1.4e-3.
+    Plant caught: the rest without float32 rounding (max of the first two only)."""
+    vocab, k = 64, 20
+    top = np.linspace(4.0, 0.0, k)
+    golden = np.full((1, vocab), math.log(2e-6 * np.exp(top).sum() / (vocab - k)), np.float32)
+    golden[0, :k] = top
+    spec = CaseSpec("prose", "The capital of France is", 1, k)
+    case = record_case(spec, [1, 2, 3], [0], golden, lambda ids: f"<{ids[0]}>", set())
+    step = case.steps[0]
+    assert 1e-6 < 1.0 - np.exp(step.topk_log_probs()).sum() < 3e-6  # the tail term counts
+    served = (step.topk_log_probs() + 2.1e-6).astype(np.float32)
+    row = compare.TopLogprobs(tuple(step.topk_ids), tuple(float(x) for x in served))
+    assert sum(math.exp(x) for x in row.logprobs) > 1.0
+    tol = dataclasses.replace(TOL, kl_max=1e-4)
+    report = compare.compare_case(case, [1, 2, 3], [0], [row], tol)
+    assert report.status == compare.PASS, report.steps[0].detail
+    assert 0 < report.steps[0].kl < 1e-5

@@ -665,3 +665,155 @@ def test_a_sampler_is_usable_only_with_a_top_k_the_golden_stores() -> None:
         ({"top_k": 21}, False),
     ):
         assert (sampler_check.usable(step, sampler) is None) == ok, sampler
+
+
+# docs/goldens.md's claims about the sampling, sampler and constrained checks that no fast
+# test held (a claims audit): each test below passed its plant before it was written, and
+# fails with it now.
+
+
+def test_the_draw_margin_is_the_documented_bound() -> None:
+    """docs/goldens.md:168-170: draw_margin(atol, settings) = expm1(delta) / 2 with delta =
+    2 atol max(r, 1/r) / T (r the repetition penalty, T the temperature), checked at a
+    penalty below 1, above 1 and none, and at three temperatures. Plants caught: the halving
+    dropped, r taken for max(r, 1/r) (a penalty below 1 then narrows the margin), and the
+    temperature left out (the draw-rule proofs in test_sampling pass all three)."""
+    for atol, t, r in ((0.01, 1.0, 1.0), (0.01, 0.5, 0.8), (0.05, 2.0, 1.3), (1e-4, 0.7, 1.0)):
+        settings = sampling.SamplerSettings(temperature=t, repetition_penalty=r)
+        delta = 2.0 * atol * max(r, 1.0 / r) / t
+        assert sampling.draw_margin(atol, settings) == pytest.approx(
+            np.expm1(delta) / 2.0, rel=1e-12
+        ), (atol, t, r)
+    assert sampling.draw_margin(0.01, sampling.SamplerSettings(repetition_penalty=0.8)) == (
+        sampling.draw_margin(0.01, sampling.SamplerSettings(repetition_penalty=1.25))
+    )
+
+
+def test_compare_continuations_stops_at_the_first_draw_that_is_not_equal() -> None:
+    """docs/goldens.md:184-186: compare_continuations walks two seeded continuations and stops
+    at the first step that is not equal (after an AMBIGUOUS draw the histories differ). Step
+    0 keeps tokens 5 and 6, the reference's P(5) 0.002 above the step's uniform and the
+    run's 0.002 below it (an AMBIGUOUS draw); the continuations then go on with other tokens.
+    One verdict comes back. Plant caught: the walk stopping only on FAIL (it then judges
+    step 1 on the reference's history, where the run's token is not its draw)."""
+    settings = sampling.SamplerSettings(top_k=2, seed=9)
+    u = float(sampling.uniform(9, len(PROMPT)))
+    assert 0.01 < u < 0.99
+
+    def two_way(p: float) -> np.ndarray:
+        row = np.full(VOCAB, -10.0)
+        row[5], row[6] = np.log(p / (1 - p)), 0.0
+        return row
+
+    later = _rows(6, 3).astype(np.float64)
+    reference = np.stack([two_way(u + 0.002), *later])
+    run = np.stack([two_way(u - 0.002), *later])
+    margin = sampling.draw_margin(SWEEP_TOL.logprob_atol, settings)
+    ref_tokens = [5, 0, 1, 2]
+    run_tokens = [6, 3, 4, 7]
+    verdicts = sampling.compare_continuations(
+        (ref_tokens, reference), (run_tokens, run), settings, 9, PROMPT, margin
+    )
+    assert [(v.verdict, v.reference_token, v.run_token) for v in verdicts] == [("AMBIGUOUS", 5, 6)]
+
+
+def test_a_sampler_whose_own_logits_keep_other_tokens_is_inconclusive() -> None:
+    """docs/goldens.md:336-339 (sampler_check's docstring): where the engine's own logits,
+    processed, keep other tokens than the golden's, its draws cannot be judged against the
+    golden: the false-alarm rate is 1, the KL infinite, the verdict INCONCLUSIVE, even for
+    draws that are exactly the judged order's. Plant caught: that branch's rate set to 0
+    (the verdict then reads PASS)."""
+    case = _sampler_case([4.0 - 0.3 * i for i in range(20)])
+
+    class _OtherTopK(_StratifiedSampler):
+        def next_token_rows(self, input_ids, positions, k):
+            lp = self.step.topk_log_probs()[:k]
+            return [
+                types.SimpleNamespace(
+                    ids=[i + 50 for i in self.step.topk_ids[:k]], logprobs=list(lp)
+                )
+            ]
+
+    verdict = sampler_check.check_sampler(_OtherTopK(case, "llama_cpp"), case)
+    assert verdict.p_value > 0.5, verdict.summary()  # the draws themselves are right
+    assert (verdict.false_alarm, verdict.kl_noise) == (1.0, np.inf)
+    assert verdict.verdict == "INCONCLUSIVE", verdict.summary()
+
+
+def test_a_constrained_mask_must_hold_the_goldens_ids_not_only_their_count() -> None:
+    """docs/goldens.md:275-276: each teacher-forced step's allowed ids must equal the golden's
+    exactly. constrained_goldens._mask_failure: the same ids pass; as many other ids fail,
+    listed (up to 64 ids, the golden lists them) or by count and sha256 alone (over 64).
+    Plant caught: a mask compared by its count only."""
+    from harness.llama3 import constrained_goldens
+
+    for golden_ids, run_ids, detail in (
+        ([1, 2, 3], [1, 2, 3], None),
+        (
+            [1, 2, 3],
+            [1, 2, 4],
+            "the run allows 3 ids, the golden 3 (the run's extra [4], missing [3])",
+        ),
+        ([1, 2, 3], [1, 2], "the run allows 2 ids, the golden 3 (the run's extra [], missing [3])"),
+        (list(range(100)), list(range(100)), None),
+        (list(range(100)), list(range(1, 101)), "the run allows 100 ids, the golden 100"),
+    ):
+        golden = schema.allowed_from(golden_ids)
+        got = constrained_goldens._mask_failure(golden, np.array(run_ids))
+        assert got == detail, (golden_ids[:4], run_ids[:4])
+
+
+def test_a_constrained_greedy_continuation_differs_only_at_a_near_tie_of_both_rows() -> None:
+    """docs/goldens.md:281-282: the greedy constrained continuation must equal the golden's up
+    to a step where both restricted rows make the two choices a near-tie (AMBIGUOUS, counted,
+    the comparison ending there); a choice the golden's row or the run's prefers by the
+    margin or more fails. Plant caught: a near-tie of either row accepted (`or`)."""
+    from harness.llama3 import constrained_goldens
+
+    assert SWEEP_TOL.near_tie_margin == 0.01  # the gaps below are read against it
+    rows = np.full((3, VOCAB), -np.inf)
+    rows[:, 5:9] = [[3.0, 1.0, 0.5, 0.0], [2.0, 1.995, 1.9, 0.0], [0.0, 0.0, 0.0, 4.0]]
+    tokens = [5, 5, 8]
+    steps = [schema.step_from_logits(r, t, f"<{t}>", 4) for r, t in zip(rows, tokens, strict=True)]
+    entry = types.SimpleNamespace(constraint="made", steps=steps, token_ids=tokens)
+    case = types.SimpleNamespace(id="made_up")
+
+    def judged(run_rows, run_tokens):
+        return constrained_goldens.check_greedy(
+            case, entry, run_tokens, run_rows, SWEEP_TOL, "solo"
+        )
+
+    same = judged(rows, tokens)
+    assert (same.greedy, same.ambiguous_greedy, same.failures) == (3, 0, [])
+    tied = rows.copy()
+    tied[1, 6] = 2.003  # the run takes 6, 0.003 ahead; the golden had it 0.005 behind
+    report = judged(tied, [5, 6, 0])
+    assert (report.greedy, report.ambiguous_greedy, report.failures) == (2, 1, [])
+    run_far = rows.copy()
+    run_far[1, 6] = 2.5  # the golden's near-tie, but the run prefers 6 by 0.5
+    golden_far = rows.copy()
+    golden_far[1, 7] = 2.001  # the run's near-tie, but the golden has 7 0.1 behind
+    for run_rows, token in ((run_far, 6), (golden_far, 7)):
+        report = judged(run_rows, [5, token, 8])
+        assert report.ambiguous_greedy == 0 and len(report.failures) == 1, report.failures
+        assert report.failures[0].startswith(
+            f"solo: case 'made_up', constraint 'made', greedy step 1: the run chose {token}, "
+            "the golden 5"
+        )
+
+
+def test_a_case_list_mismatch_names_the_regenerate_command(goldens) -> None:
+    """docs/goldens.md:347-348: compare_runs fails when the golden's case list (ids and
+    prompts) differs from cases.yaml, with the regenerate command. Plant caught: the
+    failure without the command."""
+    from harness.llama3.golden_files import regenerate_command
+
+    variant, golden, name = _tiny_float32(goldens)
+    entry = tolerance("own", "float32", "cpu")
+    edited = dataclasses.replace(golden.cases[0], prompt=golden.cases[0].prompt + " Then?")
+    changed = dataclasses.replace(golden, cases=[edited, *golden.cases[1:]])
+    runs = _constant_runs(changed, changed.cases)
+    verdict = judge.compare_runs(runs, changed, name, "own", entry, variant, str)
+    listed = [f for f in verdict.failures if "cases.yaml lists" in f]
+    assert len(listed) == 1
+    assert listed[0].endswith(f": regenerate with {regenerate_command(variant, 'own', 'cpu')}")
