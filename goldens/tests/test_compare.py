@@ -13,7 +13,7 @@ from goldens import compare, tolerances
 from goldens.record import CaseSpec, record_case
 from goldens.sanity import degeneracy_problems
 from goldens.schema import Case, Golden, Provenance, Step
-from goldens.tolerances import Tolerance, judged_lane, tolerance
+from goldens.tolerances import MODE_REFERENCES, Tolerance, entries, judged_lane, tolerance
 
 VOCAB = 64
 TOL = Tolerance(
@@ -749,12 +749,11 @@ def test_every_judged_entry_has_a_near_tie_margin_of_twice_its_logprob_atol():
     cases' thresholds and the ggml mode's, llama_cpp and external columns included (the test
     above enumerates only the cpu/cuda columns of four encodings). Plant caught: an nvfp4,
     external or llama_cpp entry with another margin."""
-    from goldens.tolerances import MODE_REFERENCES, entries
-
     judged = entries() + [t for ref in MODE_REFERENCES for t in entries(ref)]
     judged += [t.long for t in judged if t.long is not None]
     assert {t.key.split("/")[2] for t in judged} >= {"cpu", "cuda", "llama_cpp", "external"}
     for tol in judged:
+        assert tol.why.strip(), tol.key  # docs/goldens.md:413: and a measured why
         assert tol.near_tie_margin == pytest.approx(2 * tol.logprob_atol, rel=1e-12), tol.key
 
 
@@ -780,3 +779,48 @@ def test_a_server_top_k_whose_mass_rounds_above_one_keeps_a_float32_rest():
     report = compare.compare_case(case, [1, 2, 3], [0], [row], tol)
     assert report.status == compare.PASS, report.steps[0].detail
     assert 0 < report.steps[0].kl < 1e-5
+
+
+def test_entries_lists_every_judged_column_the_fallback_columns_included():
+    """docs/goldens.md:403: test_mutations applies every entry of an encoding, `cuda` and
+    `cuda_fallback` included (entries(encoding=ENC)): entries() leaves out only the
+    `judged: false` columns, and the mode references (ggml) unless asked. Plant: entries()
+    skipping the `_fallback` columns (the mutation matrix then loses them, green)."""
+    table = tolerances._table()
+
+    def judged(refs):
+        return sorted(
+            f"{ref}/{enc}/{column}"
+            for ref in refs
+            for enc, columns in table[ref].items()
+            for column, entry in columns.items()
+            if entry.get("judged", True)
+        )
+
+    assert sorted(t.key for t in entries()) == judged(tolerances.REFERENCES)
+    assert sorted(t.key for t in entries("ggml")) == judged(MODE_REFERENCES)
+    bfloat16 = {t.key for t in entries(encoding="bfloat16")}
+    assert {"own/bfloat16/cuda_fallback", "torch/bfloat16/cuda_fallback"} <= bfloat16
+    assert all(key.split("/")[1] == "bfloat16" for key in bfloat16)
+
+
+def test_sanity_asks_a_case_cut_short_for_as_many_distinct_tokens_as_it_has_steps():
+    """docs/goldens.md:797: a case needs min(3, steps) distinct greedy tokens, so a case that
+    ended on end-of-sequence after 2 distinct steps discriminates. Plant: the rule without
+    min() (3 distinct tokens asked of a 2-step case)."""
+    case, _ = _case(_logits(steps=2))
+    assert degeneracy_problems(_golden([case]), near_tie_margin=1e-3) == []
+
+
+def test_sanity_refuses_an_exact_top1_tie_at_a_recorded_prompt_position():
+    """goldens/sanity.py: recorded prompt positions are checked like steps; an exact top-1
+    tie at one is refused, named by its position (docs/goldens.md:798). Plant: the prompt
+    positions' ties left out (only the generated steps' counted)."""
+    logits, prompt_rows = _logits(steps=10), _logits(steps=2, seed=1)
+    prompt_rows[1, 30] = prompt_rows[1].max()
+    case, _, _ = _case_with_positions(logits, prompt_rows, [0, 255])
+    problems = degeneracy_problems(_golden([case]), near_tie_margin=1e-3)
+    assert [p for p in problems if "exact top-1 ties" in p] == [
+        "1 exact top-1 ties (gap 0.0) at [('long', 'prompt position 255')]: the greedy token "
+        "there is arbitrary; compute the logits in float32 or choose other prompts"
+    ]

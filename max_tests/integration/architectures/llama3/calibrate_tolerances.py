@@ -1,8 +1,9 @@
 """calibrate_tolerances: measure the noise floor and the mutation floor behind every tolerance.
 
 For each checkpoint variant, teacher-forced against the pinned goldens (own and torch):
-  noise     two correct runs: the engine on 1 thread against its own golden (made on the
-            default thread count), and the engine against transformers' golden;
+  noise     two correct runs: the engine on 1 thread against its own golden (made on
+            engine_runs.GOLDEN_THREADS, 1, as the tests run), and the engine against
+            transformers' golden;
   mutations each known bug of mutations.py against both goldens.
 It prints, per measurement, the worst step's max |Δ log-prob| over the golden top-k and KL.
   kernels   with --kernel-levels, the unmutated engine against both goldens once per kernel
@@ -156,7 +157,7 @@ def measure(
         own = worst(engine, goldens["own"], variant)
     finally:
         torch.set_num_threads(threads)
-    rows.append(("noise", f"own: 1 thread vs {threads}", *own))
+    rows.append(("noise", f"own: 1 thread vs the golden's {engine_runs.GOLDEN_THREADS}", *own))
     torch_noise = worst(engine, goldens["torch"], variant)
     rows.append(("noise", "torch: engine vs transformers", *torch_noise))
     last_position = min(golden.last_position for golden in goldens.values())

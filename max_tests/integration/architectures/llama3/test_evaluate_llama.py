@@ -7,15 +7,21 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from goldens import schema
+from goldens.tolerances import tolerance
+from harness.llama3.golden_files import golden_file_name
 from harness.llama3.variants import (
     LLAMA3_1_ENV,
     TESTDATA_REL,
     encoding_of_file_type,
+    references,
     testdata_directory,
+    variants,
 )
 from max_tests.integration.architectures.llama3 import evaluate_llama
+from pipelines.llama3.engine import MODES
 
 
 def _exit_code(argv: list[str]) -> int:
@@ -223,3 +229,51 @@ def test_a_bad_llama3_1_file_exits_2_naming_how_it_was_given(
     err = capsys.readouterr().err
     assert given in err and "give a whole Llama-3.1-8B-Instruct GGUF file" in err
     assert not output.exists()
+
+
+def test_goldens_are_computed_on_one_torch_thread(tmp_path, monkeypatch):
+    """docs/goldens.md:546: goldens are made on one torch thread, as the tests run, so that
+    regenerating one on the same machine gives the same bytes whatever its core count
+    (test_output_dir_is_created_... reruns at the test's own thread count, and so cannot
+    tell). The engine load is stopped: the thread count is read where the run would start,
+    from a process at 2 threads (0.01 s). Plant: evaluate_llama without its
+    torch.set_num_threads(engine_runs.GOLDEN_THREADS)."""
+    seen = {}
+
+    def stop(variant, device, mode):
+        seen["threads"] = torch.get_num_threads()
+        raise _EngineLoaded
+
+    monkeypatch.setattr(evaluate_llama.engine_runs, "load_engine", stop)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(_EngineLoaded):
+            evaluate_llama.main(
+                ["--model=tinyllama", "--encoding=float32", f"--output-dir={tmp_path}"]
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == {"threads": 1}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_is_held_to_the_goldens_of_its_numerics(mode):
+    """docs/goldens.md:395-396: test_llama holds the ggml mode on q4_k and q4_1 to the ggml
+    goldens alone (the files evaluate_llama --mode=ggml writes, judged under ggml/ENC/cpu),
+    and every other variant x mode (the ggml mode on a float file computes eager's numbers) to
+    the engine's and transformers' goldens under own/ENC/cpu and torch/ENC/cpu. Plant:
+    variants.references without its encoding condition (the ggml mode on float32 then looks
+    for a ggml golden no one makes: a skip outside Bazel) (0.01 s)."""
+    for variant in variants():
+        if variant.model == "llama3_1":  # the user's file, of any encoding (or none given)
+            continue
+        ggml = mode == "ggml" and variant.encoding in ("q4_k", "q4_1")
+        held_to = references(variant, mode)
+        assert held_to == (("ggml",) if ggml else ("own", "torch")), (variant.test_id, mode)
+        for reference in held_to:
+            entry = tolerance(reference, variant.encoding, "cpu")
+            assert entry.key == f"{reference}/{variant.encoding}/cpu"
+        if ggml:
+            name = golden_file_name("ggml", variant)
+            assert name == f"ggml_{variant.model}_{variant.encoding}_golden.json"

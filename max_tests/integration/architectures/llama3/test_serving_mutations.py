@@ -117,3 +117,56 @@ def test_a_late_rope_planted_in_setup_rope_reaches_generate_and_the_served_reque
     assert torch.allclose(clean_served, clean_solo, atol=1e-4, rtol=0)
     assert (solo - clean_solo).abs().max() > 0.01, "the plant does not move generate"
     assert (served - clean_served).abs().max() > 0.01, "the plant does not reach serving"
+
+
+def test_each_serving_bug_replaces_the_serving_engine_method_it_names() -> None:
+    """docs/goldens.md:760 and the matrix's rows: eight serving bugs, each planted in the
+    ServingEngine method it names (its class overrides that method and adds nothing), each
+    with a scenario other than solo to fail in. A misspelt `method` plants nothing: the class
+    gains an unused method and the slow matrix reads PASS. Plant: cross_sequence_keys's method
+    "_context_slot" (0.01 s)."""
+    names = [m.name for m in mutations.SERVING_MUTATIONS]
+    assert names == [
+        "cross_sequence_keys",
+        "block_table_off_by_one",
+        "rope_chunk_boundary",
+        "prefix_hash_unchained",
+        "resume_without_last_kv",
+        "decode_into_other_sequence",
+        "uncounted_shared_hit",
+        "eviction_keeps_the_hash",
+    ]
+    for mutation in mutations.SERVING_MUTATIONS:
+        assert callable(getattr(ServingEngine, mutation.method, None)), mutation.name
+        mutated = mutation.serving_class
+        assert issubclass(mutated, ServingEngine) and mutated is not ServingEngine
+        assert set(vars(mutated)) - {"__module__", "__doc__"} == {mutation.method}, mutation.name
+        assert getattr(mutated, mutation.method) is mutation.replacement, mutation.name
+        assert mutation.scenario in scenarios.SCENARIOS[1:], mutation.name
+
+
+class _KeepsItsLastBlock(ServingEngine):
+    """A planted leak: a finished or preempted sequence keeps its last block."""
+
+    def _release(self, seq) -> None:
+        seq.table = seq.table[:-1]
+        super()._release(seq)
+
+
+def test_a_serving_that_keeps_blocks_after_every_request_finished_is_raised(goldens) -> None:
+    """docs/goldens.md:765: a matrix cell reads RAISED where the serving engine raised or kept
+    blocks after every request finished (scenarios.BlocksHeld: its goldens alone could pass).
+    The tiny float32 file's short cases through the batch scenario: a serving class that
+    never gives back each sequence's last block is RAISED in all three servings, and the
+    harness names the class and the blocks. Plant: scenarios._serve without its
+    _check_pool_given_back (the leak then reads PASS)."""
+    variant = _variant("float32")
+    golden, source = goldens.load("own", variant)
+    golden = judge.in_lane(golden, variant.model, "short")
+    tol = tolerance("own", "float32", "cpu")
+    engine = engine_runs.load_engine(variant, mode="eager")
+    cells = _cells(engine, _KeepsItsLastBlock, golden, source, tol, variant, "batch", {})
+    assert cells == ["RAISED"] * len(scenarios.servings("batch", "short")), cells
+    (batch, *_) = scenarios.servings("batch", "short")
+    with pytest.raises(scenarios.BlocksHeld, match=r"_KeepsItsLastBlock: \d+ of \d+ blocks still"):
+        scenarios.served_runs(engine, golden, batch, _KeepsItsLastBlock)
