@@ -17,6 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pipelines.llama3 import Llama3Engine, ggml_activations, ggml_mode, kernel_library, quants
+from pipelines.llama3.model import Transformer
 from pipelines.llama3.packing import RawMatrix
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
@@ -361,3 +362,19 @@ def test_the_models_logits_are_the_same_on_every_build(q8_checkpoint, monkeypatc
     # the activations' 8 bits move a logit by a few hundredths of the logits' spread (0.07
     # here), and no more: a wrong block scale or a lost block moves it by about the spread
     assert 1e-5 * spread < moved < 0.15 * spread
+
+
+def test_on_a_float_file_the_ggml_mode_is_eager(tmp_path) -> None:
+    """README.md:146 ("on float files it is eager"; ggml_mode.install: "a float file: the
+    model stays exactly eager's"): a float32 file in the ggml mode runs eager's model class,
+    no ggml product, and eager's logits bit for bit. Planted: from_gguf choosing
+    GgmlTransformer by mode alone (`elif mode in ("quantized", "ggml")`: ggml's rope angles on
+    a float file)."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    engine = Llama3Engine.from_gguf(path, mode="ggml")
+    assert type(engine.model) is Transformer
+    assert not any(isinstance(m, ggml_mode.GgmlLinear) for m in engine.model.modules())
+    eager = Llama3Engine.from_gguf(path)
+    ids = list(range(1, 40))
+    assert torch.equal(engine.forward_logits(ids), eager.forward_logits(ids))

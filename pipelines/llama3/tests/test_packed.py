@@ -680,3 +680,42 @@ def test_smollm2_quantized_greedy_32_tokens_equal_eager() -> None:
     # included: 79,626,240 bytes of int4 and 31,850,496 of int8.
     assert quantized.weight_bytes_per_token == 111_476_736
     assert quantized.weight_bytes_per_token < eager.weight_bytes_per_token / 4
+
+
+@pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
+def test_a_prefill_of_64_rows_or_more_runs_dense_on_the_dequantized_weights(qtype) -> None:
+    """README.md:145 ("a prefill of 64 or more tokens runs dense on the dequantized weights",
+    packed.DENSE_ROWS): 64 rows make no kernel call and give F.linear's bits on the weights
+    dequantized as eager's; 63 rows make one kernel call. Planted: `rows > DENSE_ROWS`,
+    DENSE_ROWS = 128 (a long prompt back on the row-by-row kernels: 40 s for SmolLM2's 2k)."""
+    raw = _gguf_py_tensor(qtype, 24, 320, 8)
+    linear = packed.PackedLinear(packing.pack(raw, qtype, (24, 320)))
+    calls, lib = [], linear._lib
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(lib, name)
+
+    linear._lib = Counting()
+    dense = quants.dequantize(raw, qtype, (24, 320))
+    x = torch.randn(2, 32, 320, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(linear(x), torch.nn.functional.linear(x, dense))
+    assert calls == []
+    linear(x.reshape(64, 320)[:63])
+    assert calls == ["q8_gemm" if qtype == GGMLQuantizationType.Q8_0 else "q4_gemm"]
+
+
+@pytest.mark.parametrize("mode", ["quantized", "ggml"])
+def test_bfloat16_compute_stays_as_in_eager(mode, tmp_path) -> None:
+    """README.md:145 ("Other tensor types, CUDA and bfloat16 compute stay as in eager"): on a
+    Q4_0 file in bfloat16 the packed modes keep no packed product and compute eager's bits.
+    Planted: from_gguf's keep_packed without `dtype == torch.float32` (the packed products
+    then meet bfloat16 activations and raise)."""
+    path = tmp_path / "tiny_q4_0.gguf"
+    write_tiny_llama(path, weight_type=GGMLQuantizationType.Q4_0)
+    engine = Llama3Engine.from_gguf(path, dtype=torch.bfloat16, mode=mode)
+    products = (packed.PackedLinear, ggml_mode.GgmlLinear)
+    assert not any(isinstance(m, products) for m in engine.model.modules())
+    eager = Llama3Engine.from_gguf(path, dtype=torch.bfloat16)
+    assert torch.equal(engine.forward_logits([1, 2, 3]), eager.forward_logits([1, 2, 3]))

@@ -278,3 +278,118 @@ def test_bench_serving_parses_its_lists() -> None:
     defaults = serving._parser().parse_args([])
     assert defaults.batches == [1, 4, 16] and defaults.server_modes == ["ggml", "quantized"]
     assert defaults.modes == ["eager", "quantized", "ggml", "compiled"]
+
+
+def test_the_token_bar_holds_every_float_mode_to_eager_and_not_ggml() -> None:
+    """README.md:251-254 (`--check`: "the greedy tokens of every float mode equal to eager's")
+    and :182 (ggml's tokens are llama.cpp's program, "not a bar"): compiled and quantized
+    each get a token bar that fails when their tokens leave eager's; ggml, whose tokens differ
+    too, gets none. Planted: compiled left out of the bar (`not in ("eager", "ggml",
+    "compiled")`), ggml held to it (`not in ("eager",)`), the bar always passing."""
+    verdicts = _verdicts(
+        _side("eager", tokens=(1, 2, 3)),
+        _side("compiled", tokens=(1, 2, 3)),
+        _side("quantized", tokens=(1, 2, 4)),
+        _side("ggml", tokens=(1, 5, 6)),
+    )
+    token_bars = [v for v in verdicts if "greedy tokens" in v]
+    assert token_bars == [
+        "PASS compiled greedy tokens = eager's",
+        "FAIL quantized greedy tokens = eager's",
+    ]
+
+
+def test_ggmls_token_line_says_it_is_no_bar(capsys) -> None:
+    """README.md:182: the ggml mode's token comparison line carries "(llama.cpp's numerics:
+    another program, not a bar)"; the other modes' lines do not. Planted: the note keyed to
+    another name (dropped)."""
+    bench._print_tokens(
+        [_side("eager"), _side("ggml", tokens=(1, 9, 9)), _side("quantized", tokens=(1, 2, 3))]
+    )
+    assert capsys.readouterr().out.splitlines() == [
+        "greedy tokens identical to eager: ggml 1/3 (llama.cpp's numerics: another program, "
+        "not a bar)",
+        "greedy tokens identical to eager: quantized 3/3",
+    ]
+
+
+def test_a_ratio_exactly_at_its_bar_passes() -> None:
+    """README.md:251-253: the bars are "at least" (quantized decode at least 2x transformers'
+    and 0.75x llama.cpp's, ggml's decode and prefill at least llama.cpp's, eager's load 5x
+    faster): a side exactly at a bar passes (the ratios here are exact in binary). Planted:
+    `ratio > least`."""
+    verdicts = _verdicts(
+        _side("eager", load=1.0, decode_tps=10.0),
+        _side("quantized", decode_tps=30.0),
+        _side("ggml", prefill_tps=100.0, decode_tps=40.0),
+        _side("transformers", load=5.0, decode_tps=10.0),
+        _side("llama.cpp", load=math.nan, prefill_tps=100.0, decode_tps=40.0, tokens=None),
+    )
+    assert [v.split()[0] for v in verdicts] == ["PASS"] * len(verdicts), verdicts
+    assert len(verdicts) == 7  # load, 5 ratio bars, quantized's tokens
+
+
+def _fake_bench_run(monkeypatch, tmp_path, argv: list[str], quantized_tps: float) -> int:
+    """bench.main on made-up sides: quantized and ggml engines (3 tokens in 0.2 s at
+    `quantized_tps`, ggml at 50 tok/s), transformers at 10 tok/s, no llama.cpp found."""
+
+    def side(name, decode_tps):
+        made = bench.Side(name, 1.0, 10**8, lambda ids, n: ([1] * n, 0.01, (n - 1) / decode_tps))
+        made.engine = types.SimpleNamespace(
+            tokenizer=types.SimpleNamespace(encode=lambda text: [1, 2, 3]), config=None
+        )
+        return made
+
+    speeds = {"quantized": quantized_tps, "ggml": 50.0}
+    monkeypatch.setattr(bench, "freeze_imported_objects", lambda: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+    monkeypatch.setattr(bench, "_engine_side", lambda path, mode: side(mode, speeds[mode]))
+    monkeypatch.setattr(bench, "_transformers_side", lambda path, config: side(bench.PEER, 10.0))
+    monkeypatch.setattr(bench, "_llama_cpp_side", lambda *args: None)
+    monkeypatch.setattr(bench, "_llama_cpp_no_repack_side", lambda *args: None)
+    monkeypatch.setattr(bench, "measure_read_bandwidth", lambda: (10.0, 0.1))
+    base = [f"--gguf={tmp_path / 'model.gguf'}", "--modes=quantized,ggml", "--no-sampling"]
+    return bench.main([*base, "--repeats=1", "--new-tokens=3", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "quantized_tps", "status"),
+    [
+        (["--check", "--no-llama-cpp"], 40.0, 0),  # llama.cpp's bars SKIP, on purpose
+        (["--check"], 40.0, 1),  # llama.cpp's bars SKIP: not judged, a failure
+        (["--check", "--no-llama-cpp"], 15.0, 1),  # quantized below 2x transformers
+        ([], 15.0, 0),  # without --check the bars are printed only
+    ],
+)
+def test_main_exits_by_its_check(argv, quantized_tps, status, tmp_path, monkeypatch, capsys):
+    """README.md:251-255 through `bench.main`: `--check` exits 1 below a bar, and 1 when a
+    bar's peer (llama.cpp) was not measured, unless `--no-llama-cpp` left it out; without
+    `--check`, 0. Planted: main passing `no_llama_cpp=True` (or False) to check_status
+    whatever the flag, or returning 0 whatever the verdicts."""
+    assert _fake_bench_run(monkeypatch, tmp_path, argv, quantized_tps) == status
+    out = capsys.readouterr().out
+    quantized_bar = "quantized/transformers: decode >= 2.0"
+    assert f"{'PASS' if quantized_tps >= 20 else 'FAIL'} {quantized_bar}" in out
+    assert "SKIP ggml/llama.cpp: decode >= 1.0 (llama.cpp not measured)" in out
+
+
+@pytest.mark.parametrize("modes", ["eager,turbo", ","])
+def test_bench_refuses_an_unknown_or_empty_mode_list_before_any_timing(
+    modes, monkeypatch, capsys
+) -> None:
+    """README.md:139 (`bench --modes`, of the engine's four modes): a name that is no mode, or
+    no name at all, exits 2 naming the choices before anything loads. Planted: the check
+    reduced to `if not modes` (turbo reached the load), or to `if unknown` (an empty list
+    reached `engines[0]`, an IndexError traceback). torch.set_num_threads raises if reached."""
+
+    def reached(*_):
+        raise AssertionError("the bench went past its argument checks")
+
+    monkeypatch.setattr(torch, "set_num_threads", reached)
+    monkeypatch.setattr(bench, "freeze_imported_objects", lambda: None)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([f"--modes={modes}"])
+    assert exit_info.value.code == 2
+    assert f"--modes={modes}: choose from eager, compiled, quantized, ggml" in (
+        capsys.readouterr().err
+    )

@@ -206,3 +206,39 @@ def test_help_starts_with_the_summary(capsys) -> None:
     out = capsys.readouterr().out
     assert hot_ops.__doc__.splitlines()[0] in out
     assert "bazel run //tools:bench_hot_ops" in out
+
+
+def test_the_star_marks_the_build_the_engine_picks_by_itself(run, monkeypatch) -> None:
+    """hot_ops.py:27 ("A star marks the build the engine picks by itself"): in each packed
+    mode's rows exactly one build carries the star, the one the engine loads without
+    $LLAMA_GOLDENS_KERNELS (kernel_library.chosen: avx2 before portable for quantized, vnni
+    first for ggml); eager's rows carry none. Planted: ggml's star taken from the quantized
+    mode's order (avx2 on a VNNI CPU)."""
+    monkeypatch.delenv(kernel_library.KERNELS_ENV, raising=False)
+    starred = defaultdict(set)
+    for mode, build, *_ in _table(run[0]):
+        if build.endswith("*"):
+            starred[mode].add(build.rstrip("*"))
+    assert starred == {
+        "quantized": {kernel_library.chosen(kernel_library.DEFAULT_ORDER)},
+        "ggml": {kernel_library.chosen(kernel_library.GGML_ORDER)},
+    }
+
+
+def test_the_defaults_are_the_readmes(monkeypatch) -> None:
+    """README.md:90: decode attention over `--context` cached positions (default 1024), at 1,
+    64 and 512 rows, on SmolLM2-135M's and Llama-3-8B's shapes, in every mode and every build
+    this CPU runs. Planted: another default context (512), rows (1,64) or shapes (smollm2)."""
+
+    def reached(name, args):
+        raise SystemExit((name, args))
+
+    monkeypatch.setattr(hot_ops, "run_shape", reached)
+    monkeypatch.setattr(hot_ops.torch, "set_num_threads", lambda threads: None)
+    with pytest.raises(SystemExit) as stop:
+        hot_ops.main([])
+    name, args = stop.value.code
+    assert name == "smollm2" and args.shape_list == ["smollm2", "llama3_8b"]
+    assert (args.context, args.rows_list) == (1024, [1, 64, 512])
+    assert args.mode_list == ["eager", "quantized", "ggml"]
+    assert args.build_list == [b for b in hot_ops.BUILDS if kernel_library.runnable(b)]

@@ -139,3 +139,24 @@ def test_a_record_that_cannot_be_written_exits_2_not_a_flip(files, tmp_path, cap
     assert trace_tokens.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"trace_tokens: error: cannot write {record}") and not record.exists()
+
+
+def test_run_b_takes_as_mode_and_dtype_unless_told_otherwise(files, tmp_path, capsys) -> None:
+    """README.md:80 and trace_tokens' options: run B is run A's checkpoint, mode and dtype
+    unless `--against-gguf`, `--against-mode` or `--against-dtype` says otherwise. `--mode=
+    quantized` alone compares the quantized mode with itself (nothing moves); `--against-dtype=
+    bfloat16` runs B in bfloat16 (A's token log-probabilities move). Planted: B's mode
+    defaulting to eager instead of --mode; --against-dtype ignored."""
+    record = tmp_path / "steps.json"
+    argv = [f"--gguf={files['q4_0']}", f"--prompt={PROMPT}", "--max-new-tokens=6"]
+    assert trace_tokens.main([*argv, "--mode=quantized", f"--json={record}"]) == 0
+    out = capsys.readouterr().out
+    assert "B: q4_0.gguf (quantized, float32), fed A's tokens" in out
+    written = json.loads(record.read_text())
+    assert written["b"] == {"gguf": str(files["q4_0"]), "mode": "quantized", "dtype": "float32"}
+    assert all(s["delta"] == 0 and s["kl"] == 0 for s in written["steps"])
+    trace_tokens.main([*argv, "--against-dtype=bfloat16", f"--json={record}"])
+    assert "B: q4_0.gguf (eager, bfloat16), fed A's tokens" in capsys.readouterr().out
+    written = json.loads(record.read_text())
+    assert written["b"]["dtype"] == "bfloat16"
+    assert max(abs(s["delta"]) for s in written["steps"]) > 1e-4
