@@ -23,8 +23,8 @@
 README.md ("Scaling out") says how Bazel uses the stack. A second `start` reports the running
 stack and exits 0; `stop` stops every recorded process and its children; `status` exits 0
 when every process runs. Missing programs are installed on Debian as root (deps.py).
-Exit status: 0 done, 1 a port is taken or a start failed (the line names the log), 2 bad
-input or a dependency that cannot be installed here.
+Exit status: 0 done, 1 a port is taken (the line names it and its option) or a start failed
+(the line names the log), 2 bad input or a dependency that cannot be installed here.
 """
 
 from __future__ import annotations

@@ -276,3 +276,31 @@ def test_a_dependency_that_cannot_be_installed_exits_2(capsys, tmp_path, monkeyp
     code, out = run(capsys, "start", f"--state={tmp_path}")
     assert (code, out) == (2, "stack: missing buildbox and cannot install it (not root)\n")
     assert not (tmp_path / "stack.json").exists()
+
+
+_REAL_START = stack._start  # before no_real_start replaces it
+
+
+def test_a_taken_port_exits_1_naming_the_port_and_its_option(capsys, tmp_path, monkeypatch):
+    """`start` on a port something else listens on: exit 1, one line naming the port, what
+    wanted it and the option that moves it, before any process is started; nothing recorded
+    (stack.py's docstring, README "Scaling out"). The real _start runs, its dependencies and
+    spawns stubbed. Planted: the port check dropped (BuildGrid then failed to bind, a later
+    and vaguer failure)."""
+    monkeypatch.setattr(stack, "_start", _REAL_START)
+    monkeypatch.setattr(stack.deps, "buildbox", lambda log: {})
+    monkeypatch.setattr(stack.deps, "postgres", lambda log: Path("/nonexistent/pg/bin"))
+    monkeypatch.setattr(stack.deps, "buildgrid", lambda venv, log: Path("/nonexistent/bgd"))
+    started = []
+    monkeypatch.setattr(stack.processes, "spawn", lambda *a, **k: started.append(a))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        code, out = run(capsys, "start", f"--state={tmp_path}", f"--port={port}")
+    assert (code, out) == (
+        1,
+        f"stack: port {port} (BuildGrid) on 127.0.0.1 is taken; choose another with --port\n",
+    )
+    assert started == []
+    assert not (tmp_path / "stack.json").exists()
