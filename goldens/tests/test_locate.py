@@ -177,3 +177,46 @@ def test_runfiles_win_under_bazel(
     monkeypatch.setenv("TEST_LLAMA_GOLDENS", " ".join(names))
     sources = locate.golden_sources("own", testdata, repo_root=repo)
     assert [s.folder for s in sources] == [runfiles.resolve()]
+
+
+def test_find_golden_takes_the_pinned_file_over_a_fresh_one_of_the_same_name(
+    repo: Path, testdata: Path, outside_bazel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/architecture.md:546-548: a freshly regenerated golden in testdata/ is not what the
+    tests compare against while the pinned archive holds a file of the same name; a name only
+    testdata/ holds is found there (:542, source 2). Plant caught: find_golden searching
+    the sources in another order (`reversed(sources)`: the fresh file wins)."""
+    monkeypatch.setattr(locate, "checkout_root", lambda: repo)
+    pinned, fresh_only = sorted(MEMBERS)[0], "llama3_1_bfloat16_cpu_engine_golden.json"
+    (testdata / pinned).write_bytes(b'{"tokens": [0]}\n')  # regenerated, not published
+    (testdata / fresh_only).write_bytes(b'{"tokens": [1]}\n')
+    path, sources = locate.find_golden("own", pinned, testdata)
+    assert path == outside_bazel / SHA / pinned
+    assert path.read_bytes() == MEMBERS[pinned]
+    assert [s.folder for s in sources] == [outside_bazel / SHA, testdata]
+    assert locate.find_golden("own", fresh_only, testdata)[0] == testdata / fresh_only
+    assert locate.find_golden("own", "absent_golden.json", testdata)[0] is None
+
+
+def test_under_bazel_each_reference_reads_the_one_folder_of_its_own_archive(
+    repo: Path, testdata: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """docs/architecture.md:536-541: own (and the ggml mode's) goldens come from
+    $TEST_LLAMA_GOLDENS, torch's from $TORCH_LLAMA_GOLDENS, each the one folder its archive's
+    files are in; a variable naming files in several folders is an error naming it, not one
+    folder picked. Plants caught: ARCHIVES' torch entry reading TEST_LLAMA_GOLDENS (torch
+    judged against the engine's files), and _runfiles_source taking the first file's folder
+    without the check."""
+    own, torch = tmp_path / "own_runfiles", tmp_path / "torch_runfiles"
+    own.mkdir()
+    torch.mkdir()
+    monkeypatch.setenv("TEST_LLAMA_GOLDENS", f"{own}/a_golden.json {own}/b_golden.json")
+    monkeypatch.setenv("TORCH_LLAMA_GOLDENS", f"{torch}/torch_a_golden.json")
+    folders = {
+        reference: [s.folder for s in locate.golden_sources(reference, testdata, repo_root=repo)]
+        for reference in ("own", "ggml", "torch")
+    }
+    assert folders == {"own": [own.resolve()], "ggml": [own.resolve()], "torch": [torch.resolve()]}
+    monkeypatch.setenv("TORCH_LLAMA_GOLDENS", f"{torch}/torch_a_golden.json {own}/a_golden.json")
+    with pytest.raises(ValueError, match=r"^\$TORCH_LLAMA_GOLDENS lists files in several folders"):
+        locate.golden_sources("torch", testdata, repo_root=repo)

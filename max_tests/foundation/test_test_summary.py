@@ -381,3 +381,29 @@ def test_a_run_whose_every_test_skipped_is_not_green(tmp_path, capsys):
     bep = _bep(tmp_path, {"//pkg:s": [_write(tmp_path / "s" / "test.xml", skipped)]})
     assert test_summary.main([bep]) == 1
     assert capsys.readouterr().out == f"tests: 0 passed, 0 failed, 1 skipped, {LINE.format(0, 0)}\n"
+
+
+def test_an_entry_checked_by_several_tests_is_named_by_its_worst_check(tmp_path, capsys):
+    """docs/architecture.md:280, bazel/test_summary.closest: an entry's place in the closing
+    line is its worst check over the run (the largest share of its threshold), wherever that
+    check came in the reports, so a tolerance about to be crossed is never shown with a
+    lighter test's share. Plant caught: keeping an entry's first `headroom` seen (`if entry
+    not in worst`), which named own/bfloat16/cpu 20% from the quantized test and ranked it
+    below torch/q4_k/cpu."""
+    bf16 = "tiny-bfloat16-llama3_1"
+    light = _headroom("own/bfloat16/cpu", 0.2, f"{bf16}-quantized", "code, step 1")
+    heavy = _headroom("own/bfloat16/cpu", 0.9, bf16, "prose, step 7 (position 12)")
+    other = _headroom("torch/q4_k/cpu", 0.5, "tiny-q4_k-llama3_1", "prose, step 0 (position 5)")
+
+    def report(folder: str, props: list[str]) -> Path:
+        case = f'<testcase name="test_x"><properties>{"".join(props)}</properties></testcase>'
+        return _write(tmp_path / folder / "test.xml", SUITE.format(case))
+
+    shards = {"//a:quantized": [report("a", [light, other])], "//b:eager": [report("b", [heavy])]}
+    bep = _bep(tmp_path, shards)
+    assert test_summary.closest(test_summary.load(Path(bep))) == [
+        f"own/bfloat16/cpu 90% ({bf16}, prose, step 7 (position 12), logprob)",
+        "torch/q4_k/cpu 50% (tiny-q4_k-llama3_1, prose, step 0 (position 5), logprob)",
+    ]
+    assert test_summary.main([bep]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("closest to tolerance: own/bf")
