@@ -208,6 +208,35 @@ def test_write_draft_same_target_same_bytes_and_an_output_folder_is_refused(tmp_
     assert "is a directory" in capsys.readouterr().err
 
 
+def test_write_draft_keeps_the_targets_embedding_and_head_around_one_block_of_zeros(tmp_path):
+    """README.md:72: write_draft writes the target's embedding and head around one block of
+    zeros (the target's bigram): the kept tensors (token_embd, rope_freqs, output_norm,
+    output) byte for byte, one block whose norms are ones and whose matrices are zeros; the
+    README's command on tiny_llama.gguf writes testdata's tiny_llama_draft.gguf (before, only
+    the slow regeneration test read the bytes written). Planted: every block tensor ones (the
+    draft no longer the bigram), and rope_freqs left out."""
+    import numpy as np
+
+    from pipelines.llama3.gguf_file import GGUFFile
+
+    output = tmp_path / "draft.gguf"
+    assert write_draft.main([f"--target={TINY}", f"--output={output}"]) == 0
+    target, draft = GGUFFile(TINY), GGUFFile(output)
+    kept = [name for name in write_draft.KEPT if name in target.tensors]
+    assert {"token_embd.weight", "rope_freqs.weight", "output_norm.weight"} <= set(kept)
+    block = [name for name in draft.tensors if name not in kept]
+    assert sorted(draft.tensors) == sorted([*kept, *block]) and draft.get("llama.block_count") == 1
+    for name in kept:
+        assert draft.tensors[name].tensor_type == target.tensors[name].tensor_type, name
+        assert draft.tensor_data(name).tobytes() == target.tensor_data(name).tobytes(), name
+    assert len(block) == 9 and all(name.startswith("blk.0.") for name in block), block
+    for name in block:
+        values = draft.tensor_data(name).view(np.float32)
+        assert (values == (1.0 if name.endswith("_norm.weight") else 0.0)).all(), name
+    committed = pathlib.Path(TESTDATA) / "tiny_llama_draft.gguf"
+    assert output.read_bytes() == committed.read_bytes()
+
+
 @pytest.mark.parametrize("link", ["same path", "symlink", "hard link"])
 def test_write_draft_refuses_to_write_over_its_target(tmp_path, capsys, link):
     """--output naming the --target file (itself, through a symlink or a hard link) exits 2

@@ -386,3 +386,49 @@ def test_the_sampling_check_runs_with_the_readmes_defaults(monkeypatch, capsys):
     assert len(asked) == 4, asked  # the short lane's four cases
     assert all((s, d, o) == (sampler, 2000, "llama_cpp") for _, s, d, o in asked), asked
     assert "in the llama_cpp order, 2000 draws per case, G-test at alpha 1e-06" in header, header
+
+
+def test_a_goldens_header_names_no_path_and_no_local_torch_suffix(tmp_path, monkeypatch) -> None:
+    """docs/goldens.md:35-36: the provenance golden_check's goldens are made with
+    (golden_files.provenance) records `checkpoint` as the GGUF's file name, never a path, and
+    `torch_version` without the local suffix, so goldens made from one file in two checkouts
+    have the same header (planted: `checkpoint=str(variant.path)`, which passed the fast tests
+    and tests_harness' evaluate_llama cases that write a golden; `torch_version=
+    torch.__version__`)."""
+    import torch
+
+    from goldens.diff import FileDiff, GoldenFile
+    from harness.llama3 import golden_files
+    from harness.llama3.variants import testdata_directory
+
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
+    checkpoint = testdata_directory() / "tiny_llama.gguf"
+    (variant,) = [v for v in golden_check.checkpoints().values() if v.encoding == "float32"]
+    headers = []
+    for checkout in ("a", "b"):
+        (tmp_path / checkout).mkdir()
+        (tmp_path / checkout / checkpoint.name).symlink_to(checkpoint)
+        copy = dataclasses.replace(variant, path=tmp_path / checkout / checkpoint.name)
+        headers.append(golden_files.provenance(copy, "engine", "llama3-engine/2", "cpu"))
+    assert (headers[0].checkpoint, headers[0].torch_version) == ("tiny_llama.gguf", "2.13.0")
+    files = [GoldenFile(5, dataclasses.asdict(header), []) for header in headers]
+    assert FileDiff("g.json", *files, []).header_differences == []
+
+
+def test_a_report_under_bazel_names_the_outputs_zip_of_its_shard() -> None:
+    """docs/goldens.md:853-858: a failing golden test's report line names the zip Bazel makes
+    of its outputs, `bazel-testlogs/PACKAGE/TARGET/[shard_I_of_N/]test.outputs/outputs.zip`,
+    shard I being TEST_SHARD_INDEX + 1 (failure_report, which golden_check's reports come
+    from too). Planted: `shard_{index}_of_{total}` (shard 0 of 2), caught before only by
+    tests_slow's test_mutations."""
+    from harness.llama3.failure_report import bazel_outputs_zip
+
+    target = {"TEST_TARGET": "//max_tests/integration/architectures/llama3:test_llama"}
+    logs = "bazel-testlogs/max_tests/integration/architectures/llama3/test_llama"
+    assert bazel_outputs_zip(target) == f"{logs}/test.outputs/outputs.zip"
+    one_shard = {**target, "TEST_TOTAL_SHARDS": "1", "TEST_SHARD_INDEX": "0"}
+    assert bazel_outputs_zip(one_shard) == f"{logs}/test.outputs/outputs.zip"
+    for index, folder in (("0", "shard_1_of_2"), ("1", "shard_2_of_2")):
+        sharded = {**target, "TEST_TOTAL_SHARDS": "2", "TEST_SHARD_INDEX": index}
+        assert bazel_outputs_zip(sharded) == f"{logs}/{folder}/test.outputs/outputs.zip"
+    assert bazel_outputs_zip({}) is None  # not under bazel test: the report line has no zip

@@ -850,3 +850,71 @@ def test_the_html_report_holds_every_line_of_the_printed_review(
     (summary,) = re.findall(r'<section class="summary" id="summary"><ul>(.*?)</ul>', page)
     items = [html.unescape(item) for item in re.findall(r"<li>(.*?)</li>", summary)]
     assert items == out.splitlines()
+
+
+def test_a_case_with_steps_added_or_removed_is_cases_changed(capsys, base, tmp_path) -> None:
+    """docs/goldens.md:885-886: `cases changed` covers steps added or removed, not only
+    cases, prompts, input ids or prompt positions. A case that ends two steps earlier (its
+    first steps the same) is classed `cases changed`, as is one two steps longer (planted:
+    case_class comparing only the prompt positions, which classed both `tokens changed`)."""
+    golden = _golden(BASE)
+    prose, code_case = golden.cases
+    shorter = dataclasses.replace(
+        golden, cases=[prose, dataclasses.replace(code_case, steps=code_case.steps[:2])]
+    )
+    _write(tmp_path / "short", {FLOAT32: shorter, Q4_K: _golden(BASE)})
+    for before, after in ((base, tmp_path / "short"), (tmp_path / "short", base)):
+        code, out, _ = _run(capsys, OWN, f"--from={before}", f"--to={after}")
+        lines = out.splitlines()
+        assert code == 1
+        assert lines[3] == f"{FLOAT32}: changed [cases changed]"
+        assert lines[-1] == (
+            f"worst: cases changed ({FLOAT32}: case code: recorded steps or prompt positions "
+            "differ)"
+        )
+    klass = diff.case_class(diff.diff_case(code_case, shorter.cases[1]), None)
+    assert klass == ("cases changed", "recorded steps or prompt positions differ")
+
+
+def test_golden_file_names_follow_the_documented_patterns_and_archives() -> None:
+    """docs/goldens.md:71-73: the engine writes `{model}_{encoding}_{hardware}_golden.json`,
+    torch `torch_{model}_{encoding}_golden.json` on the CPU and
+    `torch_{model}_{encoding}_{hardware}_golden.json` on a GPU; golden_diff files each in its
+    archive by that name (planted: torch's GPU name without the hardware, which overwrote the
+    CPU golden of the same checkpoint; every fast test passed)."""
+    gpu = schema.hardware_key("NVIDIA H200")
+    names = {
+        ("engine", "all"): "tinyllama_float32_all_golden.json",
+        ("engine", gpu): "tinyllama_float32_nvidia_h200_golden.json",
+        ("torch", "all"): "torch_tinyllama_float32_golden.json",
+        ("torch", gpu): "torch_tinyllama_float32_nvidia_h200_golden.json",
+    }
+    for (producer, hardware), expected in names.items():
+        name = schema.golden_file_name("tinyllama", "float32", hardware, producer)
+        assert name == expected, (producer, hardware)
+        archive_name = "torch_llama_golden" if producer == "torch" else OWN
+        assert diff.belongs_to(archive_name, name), name
+        assert not diff.belongs_to(({OWN, "torch_llama_golden"} - {archive_name}).pop(), name)
+    assert len(set(names.values())) == len(names)  # no golden overwrites another
+
+
+def test_a_golden_file_has_sorted_keys_float32_numbers_and_a_trailing_newline(tmp_path) -> None:
+    """docs/goldens.md:56 and 60-61, what the files golden_diff compares hold: `logsumexp` in
+    float64 rounded to 9 decimals, every other float rounded to float32, sorted keys, a
+    trailing newline (so two regenerations are byte-identical and a diff of them is
+    `identical`). Planted, each passing every fast test before: the logsumexp unrounded, the
+    float32 rounding dropped, `sort_keys` dropped, the trailing newline dropped."""
+    logits = np.random.default_rng(0).normal(size=VOCAB) * 3.0  # float64, not float32 values
+    step = schema.step_from_logits(logits, int(np.argmax(logits)), " t", TOP_K)
+    exact = float(np.log(np.exp(logits).sum()))
+    assert step.logsumexp == round(exact, 9) != exact
+    for value in [*step.topk_logits, *step.stats.values()]:
+        assert value == float(np.float32(value))
+    assert step.topk_logits[0] == float(np.float32(logits.max())) != logits.max()
+    golden = schema.Golden(schema.Provenance(**PROVENANCE), [schema.Case("c", "p", [1, 2], [step])])
+    schema.write(golden, tmp_path / "g.json")
+    text = (tmp_path / "g.json").read_text(encoding="utf-8")
+    assert text.endswith("}\n") and not text.endswith("\n\n")
+    body = json.loads(text)
+    assert text == json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
+    assert body["cases"][0]["steps"][0]["logsumexp"] == step.logsumexp
