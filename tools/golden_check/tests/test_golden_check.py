@@ -402,7 +402,7 @@ def test_a_goldens_header_names_no_path_and_no_local_torch_suffix(tmp_path, monk
     from harness.llama3.variants import testdata_directory
 
     monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
-    checkpoint = testdata_directory() / "tiny_llama.gguf"
+    checkpoint = (testdata_directory() / "tiny_llama.gguf").resolve()  # a relative runfiles path
     (variant,) = [v for v in golden_check.checkpoints().values() if v.encoding == "float32"]
     headers = []
     for checkout in ("a", "b"):
