@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from goldens import compare, record, schema
 from goldens.record import CaseSpec, file_sha256
@@ -817,3 +818,82 @@ def test_a_case_list_mismatch_names_the_regenerate_command(goldens) -> None:
     listed = [f for f in verdict.failures if "cases.yaml lists" in f]
     assert len(listed) == 1
     assert listed[0].endswith(f": regenerate with {regenerate_command(variant, 'own', 'cpu')}")
+
+
+def _localized(monkeypatch, dtype: torch.dtype, over: dict) -> object:
+    """localize.first_divergence on a made-up 2-layer engine whose recorded outputs equal the
+    reference's (3 positions, max |reference| 1) except `over`: {(point, position): the
+    difference}, so each sub-block's relative error is exactly its difference."""
+    from harness.llama3 import localize
+
+    layer = types.SimpleNamespace(attention_norm=0, attention=1, ffn_norm=2, feed_forward=3)
+    model = types.SimpleNamespace(layers=[layer, layer], norm=4, output=5)
+    engine = types.SimpleNamespace(dtype=dtype, model=model)
+    points = [point for point, _ in localize.engine_points(engine)]
+    reference = torch.zeros(3, 4)
+    reference[:, 0] = 1.0
+    theirs = {point: reference.clone() for point in points}
+    ours = {point: reference.clone() for point in points}
+    for (point, position), difference in over.items():
+        ours[point][position, 1] = difference
+    monkeypatch.setattr(localize, "engine_outputs", lambda *args: ours)
+    monkeypatch.setattr(localize, "reference_outputs", lambda *args: theirs)
+    return localize.first_divergence(engine, None, [1, 2], [3, 4])
+
+
+@pytest.mark.parametrize(("dtype", "documented"), [(torch.float32, 3e-5), (torch.bfloat16, 5e-3)])
+def test_the_first_diverging_layer_is_the_first_over_the_documented_tolerance(
+    monkeypatch, dtype, documented
+) -> None:
+    """docs/goldens.md:873-875: the first sub-block whose max |engine - transformers| /
+    max |transformers| exceeds 3e-5 (float32 computation) or 5e-3 (bfloat16) is named. A
+    difference 0.8x the tolerance in layer 0's attention is passed over, one 1.2x in layer 1's
+    MLP is named with its position; with only the first, none is. Plant caught: float32's
+    threshold 3e-4 (RELATIVE_TOLERANCE in harness/llama3/localize.py)."""
+    below, above = ((0, "attention"), 1), ((1, "MLP"), 2)
+    found = _localized(monkeypatch, dtype, {below: 0.8 * documented, above: 1.2 * documented})
+    assert found is not None, f"{dtype}: a difference 1.2x {documented:g} found nowhere"
+    assert (found.layer, found.subblock, found.position) == (1, "MLP", 2), found
+    assert found.relative_error == pytest.approx(1.2 * documented, rel=1e-6)
+    assert _localized(monkeypatch, dtype, {below: 0.8 * documented}) is None
+
+
+def test_regenerate_command_names_each_references_producer() -> None:
+    """docs/architecture.md:244, 253 and 58: the torch golden is made by testdata's
+    run_torch_llama, the engine's by evaluate_llama, the ggml mode's by evaluate_llama
+    --mode=ggml, each with the variant's model, encoding and device (what a missing golden
+    names, :551). Plant caught: regenerate_command naming evaluate_llama for every reference."""
+    from harness.llama3.golden_files import regenerate_command
+
+    variant = Variant("smollm2", "q4_1", "real", "smollm2", None)
+    args = "-- --model=smollm2 --encoding=q4_1 --device=cuda"
+    evaluate = "./bazelw run //max_tests/integration/architectures/llama3:evaluate_llama"
+    torch_tool = (
+        "./bazelw run //max_tests/integration/architectures/llama3/testdata:run_torch_llama"
+    )
+    assert regenerate_command(variant, "torch", "cuda") == f"{torch_tool} {args}"
+    assert regenerate_command(variant, "own", "cuda") == f"{evaluate} {args}"
+    assert regenerate_command(variant, "ggml", "cuda") == f"{evaluate} {args} --mode=ggml"
+
+
+def test_a_missing_golden_skips_with_its_command_and_fails_where_required(
+    monkeypatch, goldens
+) -> None:
+    """docs/architecture.md:247 and 551-552 (conftest.py's GoldenStore.load): a missing
+    golden skips the test with the command that makes it; under $GOLDENS_REQUIRED=1 (every
+    bazel test) it fails, with the same command. Plants caught: the skip without the command;
+    the required check dropped (a skip under $GOLDENS_REQUIRED=1)."""
+    from harness.llama3.golden_files import regenerate_command
+
+    variant = Variant("no_such_model", "float32", "tiny", "llama3_1", None)
+    command = regenerate_command(variant, "torch", "cpu")
+    monkeypatch.delenv("GOLDENS_REQUIRED", raising=False)
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        goldens.load("torch", variant)
+    assert f"Make it with:\n  {command}\n" in str(skipped.value)
+    monkeypatch.setenv("GOLDENS_REQUIRED", "1")
+    with pytest.raises((pytest.fail.Exception, pytest.skip.Exception)) as failed:
+        goldens.load("torch", variant)  # a skip here must fail this test, not skip it
+    assert failed.type is pytest.fail.Exception, f"skipped under $GOLDENS_REQUIRED=1: {failed}"
+    assert f"Make it with:\n  {command}\n" in str(failed.value)
+    assert "$GOLDENS_REQUIRED=1: a missing golden fails" in str(failed.value)
