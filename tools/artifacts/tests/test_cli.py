@@ -571,3 +571,26 @@ def test_add_publishes_after_the_newest_stored_version_not_the_pinned_one(
         goldens[0].name: goldens[0].read_bytes(),
         new.name: new.read_bytes(),
     }
+
+
+def test_distdir_check_on_a_stale_fragment_is_exit_1_and_writes_nothing(
+    scratch_repo: Path, goldens: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`distdir --check` (its --help: "exit 1 if it is stale, write nothing"): a stale fragment
+    is exit 1 with the one line naming it and the command that regenerates it, and the
+    fragment keeps its bytes; `distdir` then writes the fresh one. Planted: the fresh fragment
+    written before the --check exit (CI would fail yet leave the fix in the working tree), or
+    the --check test dropped (written, exit 0)."""
+    flags = _repo_flags(scratch_repo)
+    assert _run(capsys, "g", "1", str(goldens[0]), *flags, "--update-module")[0] == 0
+    fragment = scratch_repo / "third_party" / "golden_distdir.bazelrc"
+    fresh = fragment.read_bytes()
+    stale = fresh.replace(b"/g/1/", b"/g/2/")
+    assert stale != fresh
+    fragment.write_bytes(stale)
+    code, out, err = _run(capsys, "distdir", "--check", *flags)
+    assert (code, out) == (1, "")
+    assert err == f"error: {fragment} is stale; regenerate it: upload_artifact distdir\n"
+    assert fragment.read_bytes() == stale
+    assert _run(capsys, "distdir", *flags)[0] == 0
+    assert fragment.read_bytes() == fresh

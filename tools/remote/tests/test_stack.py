@@ -304,3 +304,45 @@ def test_a_taken_port_exits_1_naming_the_port_and_its_option(capsys, tmp_path, m
     )
     assert started == []
     assert not (tmp_path / "stack.json").exists()
+
+
+def test_stop_ends_every_recorded_process_and_deletes_the_database_keeping_the_logs(
+    capsys, tmp_path
+):
+    """`stop` stops every recorded process, those stack.json lists and any other with a pid
+    file, deletes PostgreSQL's data folder (named in postgres.dir, created fresh by each
+    start), postgres.dir, casd.sock and stack.json, and keeps the logs (stack.py's
+    docstring). Planted: the rmtree of the data folder dropped (the cluster and its password
+    left behind)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    pg_dir = tmp_path / "llama-goldens-pg-x"
+    (pg_dir / "data").mkdir(parents=True)
+    (pg_dir / "data" / "PG_VERSION").write_text("17\n")
+    (state / "postgres.dir").write_text(f"{pg_dir}\n")
+    (state / "casd.sock").write_text("")
+    started = ["postgres", "buildgrid"]
+    recorded = {"port": 1, "pg_port": 2, "cache_only": False, "workers": [], "started": started}
+    (state / "stack.json").write_text(json.dumps(recorded))
+    names = ["postgres", "buildgrid", "worker-1"]  # worker-1: a pid file only
+    procs = {name: processes.spawn(state, name, ["sleep", "60"]) for name in names}
+    try:
+        for proc in procs.values():
+            cmdline = Path(f"/proc/{proc.pid}/cmdline")
+            deadline = time.monotonic() + 5
+            while not cmdline.read_bytes().startswith(b"sleep") and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the child has exec'd `sleep`
+        assert [n for n in names if processes.running_pid(state, n)] == names
+        assert run(capsys, "stop", f"--state={state}") == (
+            0,
+            f"stack: stopped 3 processes; state folder {state}\n",
+        )
+        for proc in procs.values():
+            proc.wait(timeout=5)
+        assert not pg_dir.exists()
+        remaining = sorted(p.relative_to(state).as_posix() for p in state.rglob("*"))
+        assert remaining == ["lock", "logs", *(f"logs/{n}.log" for n in sorted(names)), "pids"]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
