@@ -112,3 +112,54 @@ def test_nvfp4_scale_bytes_decode_to_half_their_ue4m3_value() -> None:
     assert scales[0x38] == 0.5 and scales[0x39] == 0.5625  # 1.0 and 1.125, halved
     assert scales[0x7E] == 224.0  # 448 / 2
     assert scales[0xB8] == 0.5 and scales[0xFF] == 240.0  # bit 7 is ignored (0xFF is not NaN)
+
+
+def test_f32_result_owns_its_memory_unless_copy_is_false_on_a_writable_array() -> None:
+    """dequantize's contract: the result owns its memory, except F32 on the CPU with
+    copy=False over a writable array, which is a view of it. Catches the clone condition
+    `copy or not writeable` turned into `copy and not writeable` (a default call then aliases
+    the caller's array, e.g. a copy-on-write map of the file)."""
+    raw = np.arange(8, dtype=np.float32)
+    owned = quants.dequantize(raw, GGMLQuantizationType.F32, (2, 4))
+    view = quants.dequantize(raw, GGMLQuantizationType.F32, (2, 4), copy=False)
+    read_only = raw.copy()
+    read_only.flags.writeable = False
+    from_read_only = quants.dequantize(read_only, GGMLQuantizationType.F32, (8,), copy=False)
+    raw[0] = 100.0
+    assert owned[0, 0].item() == 0.0 and view[0, 0].item() == 100.0
+    assert from_read_only.data_ptr() != read_only.ctypes.data
+    assert from_read_only.tolist() == list(range(8))
+
+
+@pytest.mark.parametrize(
+    ("qtype", "bad"),
+    [
+        (GGMLQuantizationType.F32, np.nan),
+        (GGMLQuantizationType.F16, np.inf),
+        (GGMLQuantizationType.BF16, -np.inf),
+    ],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_non_finite_float_tensor_is_reported(qtype: GGMLQuantizationType, bad: float) -> None:
+    """NonFiniteError for NaN or infinity holds for float tensors too, not only quantized
+    blocks. Catches the check dropped from the float path."""
+    values = np.ones((2, 32), dtype=np.float32)
+    values[1, 7] = bad
+    stored = values if qtype == GGMLQuantizationType.F32 else gguf.quants.quantize(values, qtype)
+    with pytest.raises(quants.NonFiniteError):
+        quants.dequantize(stored, qtype, (2, 32))
+
+
+def test_check_finite_false_returns_non_finite_values_unchecked() -> None:
+    """check_finite=False skips the check (the caller checked the bytes before): a NaN scale
+    comes back as NaN values instead of an error. Catches the flag ignored on the block path."""
+    packed = gguf.quants.quantize(np.ones((2, 32), dtype=np.float32), GGMLQuantizationType.Q8_0)
+    packed[1, :2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    values = quants.dequantize(packed, GGMLQuantizationType.Q8_0, (2, 32), check_finite=False)
+    expected_first = gguf.quants.dequantize(packed[:1], GGMLQuantizationType.Q8_0)[0]
+    assert torch.isnan(values[1]).all()
+    assert torch.equal(values[0], torch.from_numpy(expected_first))
+    floats = np.array([1.0, np.inf], dtype=np.float32)
+    assert (
+        quants.dequantize(floats, GGMLQuantizationType.F32, (2,), check_finite=False)[1] == np.inf
+    )

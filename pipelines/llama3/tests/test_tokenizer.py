@@ -2,13 +2,15 @@
 
 import json
 import pathlib
+import types
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import models, pre_tokenizers
+from tokenizers import models, pre_tokenizers, processors
 
 from pipelines.llama3 import CheckpointError, Tokenizer
-from tools.gen_tiny_model.tiny_llama import write_tiny_llama
+from tools.gen_tiny_model.tiny_llama import byte_vocab, write_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +64,132 @@ def test_folder_tokenizer_reads_bos_and_eos_from_config(tmp_path: pathlib.Path) 
 def test_folder_without_tokenizer_json_is_a_clear_error(tmp_path: pathlib.Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         Tokenizer.from_folder(tmp_path)
+
+
+def _metadata_tokenizer(
+    extra: tuple[tuple[str, int], ...] = (), pre: str = "llama-bpe", **keys: object
+) -> Tokenizer:
+    """A tokenizer from GGUF metadata alone (a reader whose `fields` are given): the tiny byte
+    vocabulary (BOS 261, EOS 262) plus `extra` (token, token type) from id 263 on; `keys` are
+    tokenizer.ggml.<key> values to add, or None to leave a key out."""
+    vocab = byte_vocab(pre)
+    fields = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": (*vocab.tokens, *(token for token, _ in extra)),
+        "tokenizer.ggml.merges": tuple(vocab.merges),
+        "tokenizer.ggml.token_type": np.array(
+            [*vocab.token_types, *(kind for _, kind in extra)], np.int32
+        ),
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.bos_token_id": vocab.bos_token_id,
+        "tokenizer.ggml.eos_token_id": vocab.eos_token_id,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+    fields.update({f"tokenizer.ggml.{key}": value for key, value in keys.items()})
+    fields = {key: value for key, value in fields.items() if value is not None}
+    return Tokenizer.from_gguf_reader(types.SimpleNamespace(fields=fields), "meta.gguf")
+
+
+def test_gguf_eot_token_is_an_eos_token_too() -> None:
+    """Llama 3 Instruct ends a turn with <|eot_id|> (tokenizer.ggml.eot_token_id): it stops
+    generation like EOS. Catches eos_ids built from eos_token_id alone."""
+    tokenizer = _metadata_tokenizer(extra=(("<|eot_id|>", 3),), eot_token_id=263)
+    assert tokenizer.eos_ids == {262, 263}
+
+
+def test_gguf_without_add_bos_key_adds_bos_exactly_when_there_is_one() -> None:
+    """With no tokenizer.ggml.add_bos_token, BOS is added iff the vocabulary names one; an
+    explicit False wins. Catches a default of False (or True) for the missing key."""
+    assert _metadata_tokenizer(add_bos_token=None).encode(" the") == [261, 258]
+    assert _metadata_tokenizer(add_bos_token=False).encode(" the") == [258]
+    no_bos = _metadata_tokenizer(add_bos_token=None, bos_token_id=None)
+    assert no_bos.bos_id is None and no_bos.encode(" the") == [258]
+    with pytest.raises(ValueError, match="no BOS"):
+        no_bos.encode(" the", add_bos=True)
+
+
+def test_llama3_takes_a_whole_word_from_the_vocabulary_without_merges() -> None:
+    """llama.cpp (and ignore_merges in tokenizers) takes a Llama 3 pre-token that is itself a
+    vocabulary entry whole, even when no merge builds it; GPT-2-style vocabularies merge. The
+    tiny vocabulary gets "Ġcat" with no merge for it. Catches ignore_merges fixed to False or
+    True instead of `pre_type in LLAMA3_PRE_TYPES`."""
+    extra = (("Ġcat", 1),)
+    assert _metadata_tokenizer(extra).encode(" cat", add_bos=False) == [263]
+    gpt2 = _metadata_tokenizer(extra, pre="gpt2").encode(" cat", add_bos=False)
+    assert gpt2 == [259, ord("a") - 33, ord("t") - 33]  # "Ġc", "a", "t"
+
+
+def test_a_token_stored_in_plain_utf8_is_respelled_in_the_byte_alphabet() -> None:
+    """Some converters store a token as plain UTF-8 ("€") rather than in GPT-2's byte alphabet
+    ("â‚¬"); it is respelled, so text containing it encodes to it and it decodes back. Catches
+    _respelled returning the token unchanged (then "€" encodes to its three byte tokens)."""
+    tokenizer = _metadata_tokenizer(extra=(("€", 1),))
+    assert tokenizer.encode("€", add_bos=False) == [263]
+    assert tokenizer.decode([263]) == "€"
+    assert tokenizer.token_bytes()[0][263] == "€".encode()
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("llama-bpe", ["HE", "'S", "Ġ", "123", "45", "Ġok"]),  # contractions any case; 1-3 digits
+        ("smollm", ["HE", "'", "S", "Ġ", "1", "2", "3", "4", "5", "Ġok"]),  # every digit alone
+        ("gpt2", ["HE", "'", "S", "Ġ12345", "Ġok"]),
+    ],
+)
+def test_pre_tokenizer_splits_as_llama_cpp_does_for_each_pre_type(
+    pre: str, pieces: list[str]
+) -> None:
+    """Each tokenizer.ggml.pre gets llama.cpp's split: Llama 3's regex (case-insensitive
+    contractions, digit runs of at most 3), digits one by one then GPT-2's split, or GPT-2's.
+    The tiny vocabulary has no digit merges, so only the pre-tokens show this. Catches \\p{N}{1,4},
+    individual_digits=False, and Llama 3 types given GPT-2's split."""
+    backend = _metadata_tokenizer(pre=pre).backend
+    assert [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str("HE'S 12345 ok")] == pieces
+
+
+def test_token_bytes_of_added_tokens_are_their_text_and_only_control_ones_are_special() -> None:
+    """token_bytes: a user-defined token's bytes are its text in UTF-8 (not read back through
+    the byte alphabet, in which "é" would be the single byte 0xE9), a byte-level token's its
+    bytes, and the special ids are the control tokens only. Catches every added token counted
+    special, and added tokens decoded through the byte alphabet."""
+    tokenizer = _metadata_tokenizer(extra=(("é!", 4), ("<|eot_id|>", 3)))
+    token_bytes, special = tokenizer.token_bytes()
+    assert token_bytes[263] == "é!".encode() == b"\xc3\xa9!"
+    assert token_bytes[264] == b"<|eot_id|>"
+    assert token_bytes[258] == b" the"
+    assert token_bytes[byte_vocab().tokens.index("Ã")] == bytes([0xC3])
+    assert special == {261, 262, 264}
+
+
+def test_folder_eos_ids_join_the_generation_config_ones(tmp_path: pathlib.Path) -> None:
+    """generation_config.json's eos_token_id (an id or a list) adds to tokenizer_config.json's
+    EOS, it does not replace it. Catches `eos_ids = ...` for `eos_ids |= ...`."""
+    vocab = {"<s>": 0, "</s>": 1, "<|eot|>": 2, "a": 3}
+    backend = BackendTokenizer(models.BPE(vocab, []))
+    backend.add_special_tokens(["<s>", "</s>", "<|eot|>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
+    assert Tokenizer.from_folder(tmp_path).eos_ids == {1, 2}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert Tokenizer.from_folder(tmp_path).eos_ids == {1, 2}
+
+
+@pytest.mark.parametrize("post_processor_adds_bos", [True, False])
+def test_folder_without_add_bos_token_follows_the_post_processor(
+    tmp_path: pathlib.Path, post_processor_adds_bos: bool
+) -> None:
+    """With no add_bos_token in tokenizer_config.json, BOS is added iff tokenizer.json's
+    post-processor adds it (Llama 3's does). Catches add_bos defaulting to True or False."""
+    backend = BackendTokenizer(models.BPE({"<s>": 0, "a": 1}, []))
+    backend.add_special_tokens(["<s>"])
+    if post_processor_adds_bos:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 0)]
+        )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    tokenizer = Tokenizer.from_folder(tmp_path)
+    assert tokenizer.add_bos is post_processor_adds_bos
+    assert tokenizer.encode("a") == ([0, 1] if post_processor_adds_bos else [1])
