@@ -824,3 +824,19 @@ def test_sanity_refuses_an_exact_top1_tie_at_a_recorded_prompt_position():
         "1 exact top-1 ties (gap 0.0) at [('long', 'prompt position 255')]: the greedy token "
         "there is arbitrary; compute the logits in float32 or choose other prompts"
     ]
+
+
+def test_a_not_judged_entry_is_refused_naming_its_why_and_measured_distance(monkeypatch):
+    """goldens/tolerances.py NotJudged: a `judged: false` entry records the measured distance
+    and why, and tolerance() refuses it with both (golden_check prints that line, exit 2):
+    the measured |Δ log-prob| then the KL, each where the message says it is (planted: the
+    two numbers swapped, which every fast test passed)."""
+    entry = {"judged": False, "measured": {"logprob": 0.711, "kl": 0.0395}, "why": "rounds\n  bf16"}
+    monkeypatch.setattr(tolerances, "_table", lambda: {"own": {"bfloat16": {"llama_cpp": entry}}})
+    with pytest.raises(tolerances.NotJudged) as raised:
+        tolerance("own", "bfloat16", "llama_cpp")
+    assert str(raised.value) == (
+        "own/bfloat16/llama_cpp is not judged: rounds bf16 (measured: max |Δ log-prob| 0.711, "
+        "KL 0.0395)"
+    )
+    assert entry["judged"] is False  # the table's own entry is left as it was

@@ -66,3 +66,53 @@ def test_the_critical_value_holds_past_a_thousand_degrees_of_freedom() -> None:
     dfs = [1, 9, 100, 500, 799, 800, 801, 1000, 2000, 5000]
     values = [multinomial.critical(d, ALPHA) for d in dfs]
     assert all(b > a for a, b in itertools.pairwise(values)), values
+
+
+def test_the_g_test_p_value_is_the_chi_square_tail_of_2_sum_k_log_k_over_n_p() -> None:
+    """The module's G-test: G = 2 sum k ln(k / (n p)) over the drawn tokens, its p-value the
+    chi-square tail with one degree of freedom fewer than the expected distribution has
+    tokens, a token never drawn included (df 2 here: the tail is exp(-G / 2), no chi2_sf
+    involved). Plants caught: G without its factor 2; df from the tokens drawn (1 here)."""
+    expected = {0: 0.5, 1: 0.3, 2: 0.2}
+    drawn = [0] * 30 + [1] * 10  # token 2 never drawn
+    g = 2 * (30 * math.log(30 / (40 * 0.5)) + 10 * math.log(10 / (40 * 0.3)))
+    assert multinomial.g_test(drawn, expected) == pytest.approx(math.exp(-g / 2), rel=1e-9)
+    # df 1: the tail is erfc(sqrt(G / 2)); draws in proportion give G 0 and p 1
+    g = 2 * (30 * math.log(30 / 20) + 10 * math.log(10 / 20))
+    p = multinomial.g_test([5] * 30 + [7] * 10, {5: 0.5, 7: 0.5})
+    assert p == pytest.approx(math.erfc(math.sqrt(g / 2)), rel=1e-9)
+    assert multinomial.g_test([0] * 5 + [1] * 3 + [2] * 2, expected) == pytest.approx(1.0)
+
+
+def test_a_token_the_expected_distribution_never_gives_is_a_certain_rejection() -> None:
+    """g_test's docstring: a drawn token outside `expected` gives p 0.0 however likely the
+    rest; an expected distribution of one token cannot reject (p 1.0). Plant caught: the
+    outside-token check dropped (a KeyError, or a p-value from the other draws)."""
+    assert multinomial.g_test([0] * 500 + [9], {0: 0.5, 1: 0.5}) == 0.0
+    assert multinomial.g_test([0, 0, 3], {0: 1.0}) == 0.0
+    assert multinomial.g_test([4] * 50, {4: 1.0}) == 1.0
+
+
+def test_power_is_one_minus_the_chance_of_never_drawing_a_leaked_token() -> None:
+    """power()'s docstring: where `actual` gives tokens `expected` never does, one such draw
+    rejects, so the power is 1 - (1 - leaked)^n whatever alpha. Plant caught: leaked^n."""
+    actual, expected = {0: 0.5, 1: 0.4, 9: 0.1}, {0: 0.5, 1: 0.5}
+    for n in (1, 10, 100):
+        assert multinomial.power(actual, expected, n, ALPHA) == pytest.approx(1 - 0.9**n)
+
+
+@pytest.mark.parametrize(("tokens", "lam"), [(10, 50.0), (100, 100.0)])
+def test_power_follows_the_noncentral_tail_at_lambda_2_n_kl(tokens: int, lam: float) -> None:
+    """power()'s docstring: the noncentral chi-square's tail at lambda = 2 n KL(actual ||
+    expected) in its normal approximation (mean df + lambda, variance 2 (df + 2 lambda)).
+    Where that approximation is close (within 0.002 and 0.005 here) it agrees with the exact
+    tail noncentral_sf (checked against numpy's draws above) to 0.02. Plant caught: the
+    variance 2 (df + lambda) (0.073 and 0.052 off)."""
+    expected = {t: 1 / tokens for t in range(tokens)}
+    actual = {t: (1.2 if t % 2 else 0.8) / tokens for t in range(tokens)}
+    kl = sum(p * math.log(p / expected[t]) for t, p in actual.items())
+    n = round(lam / (2 * kl))
+    df, lam = tokens - 1, 2 * n * kl
+    exact = multinomial.noncentral_sf(multinomial.critical(df, ALPHA), df, lam)
+    assert 0.05 < exact < 0.95  # where the power is neither 0 nor 1
+    assert multinomial.power(actual, expected, n, ALPHA) == pytest.approx(exact, abs=0.02)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from goldens import diff, schema
+from goldens import diff, schema, tolerances
 from goldens.artifacts import archive, stanza
 from goldens.artifacts.store import ArchiveRef, LocalStore
 from goldens.diff import step_delta
@@ -918,3 +918,43 @@ def test_a_golden_file_has_sorted_keys_float32_numbers_and_a_trailing_newline(tm
     body = json.loads(text)
     assert text == json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
     assert body["cases"][0]["steps"][0]["logsumexp"] == step.logsumexp
+
+
+def test_a_move_exactly_at_the_tolerance_is_moved_not_over_it() -> None:
+    """golden_diff's docstring: `over tolerance` is |Δ log-prob| or KL *above* the entry's
+    threshold, `moved` within it, as compare's check 1 passes |Δ| equal to logprob_atol. A
+    change whose worst step sits exactly at own/float32/cpu's thresholds is `moved`; a hair
+    above either is `over tolerance` (planted: `<` for the log-prob's `<=`)."""
+    tol = tolerances.tolerance("own", "float32", "cpu")
+    before = _case("prose", BASE["prose"])
+    nudged = BASE["prose"].copy()
+    nudged[2, 12] += 1e-3
+    after = _case("prose", nudged)
+    for logprob, kl, want in (
+        (tol.logprob_atol, tol.kl_max, "moved"),
+        (tol.logprob_atol * 1.001, tol.kl_max, "over tolerance"),
+        (tol.logprob_atol, tol.kl_max * 1.001, "over tolerance"),
+    ):
+        case_diff = diff.CaseDiff("prose", before, after, [diff.StepDelta(logprob, kl, 0)])
+        assert diff.case_class(case_diff, tol)[0] == want, (logprob, kl)
+
+
+def test_a_case_cut_short_names_the_first_step_only_one_side_has() -> None:
+    """first_difference's docstring: a missing item counts, so two sequences equal up to the
+    shorter one's end first differ at its length; a review row (case_rows) of a case two
+    steps shorter names step 2, its token on the longer side and none on the shorter
+    (planted: the longer length, which named step 4: a step neither side has)."""
+    assert diff.first_difference([1, 2], [1, 2, 3]) == 2
+    assert diff.first_difference([1, 2, 3], [1, 2]) == 2
+    assert diff.first_difference([1, 5], [1, 2, 3]) == 1
+    assert diff.first_difference([1, 2], [1, 2]) is None
+    full = _case("code", BASE["code"])
+    short = dataclasses.replace(full, steps=full.steps[:2])
+    provenance = dict(PROVENANCE)
+    for before, after, texts in ((full, short, (" t7", None)), (short, full, (None, " t7"))):
+        goldens = [diff.GoldenFile(2, provenance, [case]) for case in (before, after)]
+        (row,) = diff.case_rows([diff.diff_file(FLOAT32, *goldens)])
+        assert row.klass == "cases changed" and row.first_changed_step == 2
+        assert (row.token_before, row.token_after) == texts
+        ids = (row.token_id_before, row.token_id_after)
+        assert ids == tuple(None if t is None else 7 for t in texts)
