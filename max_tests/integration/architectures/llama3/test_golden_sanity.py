@@ -897,3 +897,174 @@ def test_a_missing_golden_skips_with_its_command_and_fails_where_required(
     assert failed.type is pytest.fail.Exception, f"skipped under $GOLDENS_REQUIRED=1: {failed}"
     assert f"Make it with:\n  {command}\n" in str(failed.value)
     assert "$GOLDENS_REQUIRED=1: a missing golden fails" in str(failed.value)
+
+
+def test_localize_names_the_first_point_in_order_its_first_position_and_worst_error(
+    monkeypatch,
+) -> None:
+    """harness/llama3/localize.py's docstrings: sub-blocks are compared in execution order and
+    the first over the tolerance is named, with its first position over it and its worst
+    relative error, max |engine - reference| / max |reference| over the whole sub-block (one
+    scale, not each position's); the final norm and head, which the engine computes at fewer
+    positions, are aligned with the reference at the end; `describe` names layer 0 as a layer.
+    Plants caught: the points walked in reverse; the error of the first position over instead
+    of the worst; a per-position scale; the final points' position without its offset, or
+    aligned at the start; `describe` testing `if self.layer` (layer 0 dropped)."""
+    from harness.llama3 import localize
+
+    tol = localize.RELATIVE_TOLERANCE[torch.float32]
+    layer = types.SimpleNamespace(attention_norm=0, attention=1, ffn_norm=2, feed_forward=3)
+    model = types.SimpleNamespace(layers=[layer, layer], norm=4, output=5)
+    engine = types.SimpleNamespace(dtype=torch.float32, model=model)
+    points = [point for point, _ in localize.engine_points(engine)]
+    reference = torch.zeros(3, 4)
+    reference[:, 0] = torch.tensor([1.0, 0.5, 0.25])  # max |reference| 1, position 0's
+    reference[:, 2] = torch.tensor([0.1, 0.2, 0.3])  # positions differ: misalignment shows
+
+    def localized(over: dict) -> object:
+        theirs = {point: reference.clone() for point in points}
+        ours = {p: reference[-2:].clone() if p[0] is None else reference.clone() for p in points}
+        for (point, position), difference in over.items():
+            ours[point][position, 1] = difference
+        monkeypatch.setattr(localize, "engine_outputs", lambda *args: ours)
+        monkeypatch.setattr(localize, "reference_outputs", lambda *args: theirs)
+        return localize.first_divergence(engine, None, [1, 2], [3, 4])
+
+    found = localized(
+        {
+            ((0, "attention"), 1): 0.8 * tol,  # 1.6x tol of position 1's own max: not over
+            ((0, "MLP norm"), 0): 1.5 * tol,
+            ((0, "MLP norm"), 2): 4.0 * tol,
+            ((1, "attention"), 0): 9.0 * tol,
+        }
+    )
+    assert (found.layer, found.subblock, found.position) == (0, "MLP norm", 0), found
+    assert found.relative_error == pytest.approx(4.0 * tol, rel=1e-6)
+    assert found.describe().startswith("first diverging layer: layer 0, MLP norm (")
+    head = localized({((None, "LM head"), 0): 2.0 * tol})  # the engine's row 0: position 1
+    assert (head.layer, head.subblock, head.position) == (None, "LM head", 1), head
+    # over the positions compared (1 and 2: max |reference| 0.5)
+    assert head.relative_error == pytest.approx(4.0 * tol, rel=1e-6)
+    assert head.describe().startswith("first diverging layer: LM head (")
+
+
+def test_engine_outputs_restores_the_fused_decode_step(monkeypatch) -> None:
+    """localize.engine_outputs runs the decode steps module by module (fused_decode set aside
+    so that the hooks fire) and puts the engine's fused step back after, so a diagnosis leaves
+    the engine as it found it. Plant caught: the `finally` that restores it dropped."""
+    from harness.llama3 import localize
+
+    fused = object()
+    model = types.SimpleNamespace(
+        layers=[], norm=torch.nn.Identity(), output=torch.nn.Identity(), fused_decode=fused
+    )
+    during = []
+
+    def generate(input_ids, steps, forced_tokens):
+        during.append(model.fused_decode)
+        model.output(model.norm(torch.ones(1, 2, 3)))
+
+    engine = types.SimpleNamespace(model=model, generate=generate)
+    outputs = localize.engine_outputs(engine, [1, 2], [3])
+    assert during == [None] and model.fused_decode is fused
+    assert {point: tuple(t.shape) for point, t in outputs.items()} == {
+        (None, "final norm"): (2, 3),
+        (None, "LM head"): (2, 3),
+    }
+
+
+def test_diverging_layer_localizes_the_first_failing_case_of_a_torch_verdict_only(
+    monkeypatch,
+) -> None:
+    """harness/llama3/diagnosis.py: a failing verdict against the torch goldens is located on
+    its first failing case, both models fed that case's prompt and all its golden tokens; a
+    verdict of another reference, or one that fails nowhere, gets None without loading
+    transformers; no divergence reads "none". Plants caught: the reference condition dropped;
+    the last failing case taken; a forced token dropped."""
+    from harness.llama3 import diagnosis, localize
+
+    calls = []
+    monkeypatch.setattr(diagnosis, "_reference_model", lambda *a: calls.append(a) or "model")
+    found = localize.Divergence(1, "MLP", 7, 0.5, 3e-5)
+    answers = [found, None]
+    monkeypatch.setattr(
+        localize,
+        "first_divergence",
+        lambda engine, model, ids, tokens: calls.append((model, ids, tokens)) or answers.pop(0),
+    )
+    cases = {n: types.SimpleNamespace(id=n, input_ids=[1, n], token_ids=[n, 5, 6]) for n in (8, 9)}
+    golden = types.SimpleNamespace(case=cases.__getitem__)
+    reports = [
+        types.SimpleNamespace(case_id=case_id, status=status)
+        for case_id, status in ((7, compare.PASS), (8, compare.FAIL), (9, compare.FAIL))
+    ]
+    variant = types.SimpleNamespace(path=Path("m.gguf"), dtype=torch.float32)
+    engine = types.SimpleNamespace(device="cpu")
+
+    def verdict(reference, reports):
+        return types.SimpleNamespace(reference=reference, reports=reports)
+
+    assert diagnosis.diverging_layer(engine, variant, golden, verdict("own", reports)) is None
+    assert diagnosis.diverging_layer(engine, variant, golden, verdict("torch", reports[:1])) is None
+    assert calls == []
+    got = diagnosis.diverging_layer(engine, variant, golden, verdict("torch", reports))
+    assert got == (8, found.describe())
+    assert calls == [(Path("m.gguf"), torch.float32, "cpu"), ("model", [1, 8], [8, 5, 6])]
+    none = diagnosis.diverging_layer(engine, variant, golden, verdict("torch", reports))
+    assert none[0] == 8 and none[1].startswith("first diverging layer: none, every sub-block")
+
+
+def test_forced_runs_feed_the_goldens_tokens_and_positions_and_memoize_by_all_of_them(
+    goldens, monkeypatch
+) -> None:
+    """harness/llama3/engine_runs.py: a forced run feeds the engine its own tokenization of
+    the prompt, the golden's tokens (teacher forcing) and its prompt positions; with a memo a
+    case whose prompt, tokens, top-k and positions were run is not run again but comes back
+    under its own id, and one whose positions differ is run. Speculating passes its
+    speculation to every generation; load_engine passes the mode. Plants caught: positions
+    left out of memo_key; the memo's run returned under the other case's id; prompt
+    positions not passed; Speculating or load_engine dropping their argument."""
+    from harness.llama3 import engine_runs
+
+    _, golden, _ = _tiny_float32(goldens)
+    case = next(
+        c for c in golden.cases if len([p for p in c.positions if p < len(c.input_ids) - 1]) > 1
+    )
+    calls = []
+
+    def generate(input_ids, steps, **kwargs):
+        calls.append((list(input_ids), steps, kwargs))
+        logits = torch.zeros(steps, 8)
+        return types.SimpleNamespace(
+            tokens=kwargs["forced_tokens"], logits=logits, prompt_logits=None, speculation=None
+        )
+
+    tokenizer = types.SimpleNamespace(encode=lambda prompt: list(case.input_ids))
+    engine = types.SimpleNamespace(tokenizer=tokenizer, generate=generate)
+    renamed = dataclasses.replace(case, id="again")
+    moved = dataclasses.replace(
+        case, id="moved", positions=case.positions[:1], position_steps=case.position_steps[:1]
+    )
+    memo: dict = {}
+    runs = engine_runs.forced_runs(
+        engine, dataclasses.replace(golden, cases=[case, renamed, moved]), memo
+    )
+    assert [r.spec.id for r in runs] == [case.id, "again", "moved"]
+    expected = [p for p in case.positions if p < len(case.input_ids) - 1]
+    assert expected and len(calls) == 2 and len(memo) == 2
+    assert calls[0] == (
+        list(case.input_ids),
+        len(case.steps),
+        {"forced_tokens": case.token_ids, "prompt_positions": expected},
+    )
+    assert runs[0].positions == expected and runs[2].positions == case.positions[:1]
+    speculation = object()
+    engine_runs.Speculating(engine, speculation).generate([1], 1, forced_tokens=[2])
+    assert calls[-1][2]["speculation"] is speculation
+    loaded = []
+    monkeypatch.setattr(
+        engine_runs.Llama3Engine, "from_gguf", lambda path, **kwargs: loaded.append(kwargs)
+    )
+    variant = types.SimpleNamespace(path=Path("m.gguf"), dtype=torch.float32)
+    engine_runs.load_engine(variant, mode="ggml")
+    assert loaded == [{"device": "cpu", "dtype": torch.float32, "overrides": None, "mode": "ggml"}]
