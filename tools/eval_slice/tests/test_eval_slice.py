@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from harness.llama3 import checkpoint_mutations
+from testing import gguf_files
 from tools.eval_slice import checkpoints, eval_slice, slice_stats
 from tools.eval_slice.tests.conftest import CHUNKS
 
@@ -244,10 +245,7 @@ def _one_matrix_gguf(path, width: int, file_type: int | None):
     if file_type is not None:
         writer.add_uint32("general.file_type", file_type)
     writer.add_tensor("blk.0.attn_q.weight", np.zeros((width, width), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     return path
 
 
@@ -440,10 +438,7 @@ def test_a_member_records_its_file_type_and_keeps_norms_and_the_embeddings_type(
     writer.add_tensor(checkpoints.EMBEDDING, gguf.quants.quantize(embedding, Q8_0), raw_dtype=Q8_0)
     writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(matrix, Q8_0), raw_dtype=Q8_0)
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
 
     def read(name):
         reader = gguf.GGUFReader(checkpoints.write_member(source, name, tmp_path / f"{name}.gguf"))
