@@ -10,7 +10,6 @@ import functools
 import json
 import os
 import pathlib
-import re
 from collections.abc import Iterable
 
 import numpy as np
@@ -52,14 +51,6 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 _BYTE_ALPHABET = _byte_alphabet()
-# Any character a byte-level vocabulary never spells a token with.
-_OUTSIDE_BYTE_ALPHABET = re.compile("[^" + re.escape("".join(_BYTE_ALPHABET.values())) + "]")
-
-
-def _respelled(token: str) -> str:
-    if _OUTSIDE_BYTE_ALPHABET.search(token) is None:
-        return token
-    return "".join(_BYTE_ALPHABET[b] for b in token.encode())
 
 
 def _pre_tokenizer(pre_type: str) -> pre_tokenizers.PreTokenizer:
@@ -206,11 +197,11 @@ def _backend(
     """The byte-level BPE backend of a GGUF vocabulary (`types`: token types as int32 bytes,
     `pre_type` one of KNOWN_PRE_TYPES), built once per distinct vocabulary."""
     token_types = np.frombuffer(types, dtype=np.int32)
-    # One regex pass over all tokens instead of a set per token (128k of them).
-    if _OUTSIDE_BYTE_ALPHABET.search("".join(tokens)) is None:
-        vocab = dict(zip(tokens, range(len(tokens)), strict=True))
-    else:  # a few converters store a token in plain UTF-8; respell it in the byte alphabet
-        vocab = {_respelled(token): index for index, token in enumerate(tokens)}
+    # Tokens and merges as the file spells them, as llama.cpp reads them: a normal token that
+    # a converter stored in plain UTF-8 ("€" rather than the byte alphabet's "â‚¬") is never
+    # the result of encoding text, a merge naming it only joins it to another such token, and
+    # an added token keeps its own id, whatever its characters.
+    vocab = dict(zip(tokens, range(len(tokens)), strict=True))
     # Byte-level merges hold exactly one space ("Ġ" spells a space inside a token).
     parts = " ".join(merges).split(" ")
     if len(parts) == 2 * len(merges):
@@ -227,11 +218,7 @@ def _backend(
     # Control tokens (<|begin_of_text|>, <|im_start|>...) match whole in text, never split.
     control = [tokens[i] for i in np.flatnonzero(token_types == TOKEN_TYPE_CONTROL)]
     backend.add_special_tokens(
-        [
-            AddedToken(token, special=True, normalized=False)
-            for token in control
-            if _OUTSIDE_BYTE_ALPHABET.search(token) is None
-        ]
+        [AddedToken(token, special=True, normalized=False) for token in control]
     )
     backend.add_tokens(
         [

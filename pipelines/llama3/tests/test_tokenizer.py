@@ -119,14 +119,50 @@ def test_llama3_takes_a_whole_word_from_the_vocabulary_without_merges() -> None:
     assert gpt2 == [259, ord("a") - 33, ord("t") - 33]  # "Ġc", "a", "t"
 
 
-def test_a_token_stored_in_plain_utf8_is_respelled_in_the_byte_alphabet() -> None:
+def test_a_normal_token_stored_in_plain_utf8_is_read_as_llama_cpp_reads_it() -> None:
     """Some converters store a token as plain UTF-8 ("€") rather than in GPT-2's byte alphabet
-    ("â‚¬"); it is respelled, so text containing it encodes to it and it decodes back. Catches
-    _respelled returning the token unchanged (then "€" encodes to its three byte tokens)."""
+    ("â‚¬"). llama.cpp takes the spelling as it is: text is encoded in the byte alphabet, so "€"
+    encodes to its three byte tokens (llama-tokenize on such a file: 158 224 105), never to the
+    token; the engine does the same, and decodes the token to its text. Catches the token
+    respelled in the byte alphabet (then "€" encodes to [263], which llama.cpp never gives)."""
     tokenizer = _metadata_tokenizer(extra=(("€", 1),))
-    assert tokenizer.encode("€", add_bos=False) == [263]
+    assert tokenizer.encode("€", add_bos=False) == [158, 224, 105]
     assert tokenizer.decode([263]) == "€"
     assert tokenizer.token_bytes()[0][263] == "€".encode()
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "smollm", "default"])
+def test_merges_in_plain_utf8_like_their_tokens_load_and_encode_as_llama_cpp_does(
+    pre: str,
+) -> None:
+    """A vocabulary whose tokens ("中", "文", "中文") and merge ("中 文") are both stored in plain
+    UTF-8 loads, and encodes as llama.cpp's llama-tokenize and `tokenizers` do on the same file
+    (ids below are theirs): no byte-level merge builds "中" from its bytes, so it is 3 byte
+    tokens, even where a Llama 3 pre-token equal to a token is taken whole. Catches the tokens
+    respelled in the byte alphabet but not the merges naming them (then building the BPE model
+    fails: "Token `中` out of vocabulary"), and both respelled (then "中文" is [265])."""
+    extra = (("中", 1), ("文", 1), ("中文", 1))
+    merges = (*byte_vocab().merges, "中 文")
+    tokenizer = _metadata_tokenizer(extra, pre=pre, merges=merges)
+    in_bytes = [160, 116, 255, 162, 244, 229]  # "ä¸Ń" "æĸĩ": 中文's six UTF-8 bytes
+    assert tokenizer.encode(" the 中文 cap", add_bos=False) == [258, 220, *in_bytes, 259, 260]
+    assert tokenizer.encode("中文", add_bos=False) == in_bytes
+
+
+def test_added_tokens_in_plain_utf8_keep_their_ids_as_in_llama_cpp() -> None:
+    """A user-defined token ("中文", type 4) and a control token ("‹｜eos｜>", type 3, as
+    DeepSeek's vocabularies spell theirs) outside the byte alphabet match whole in text and
+    keep their own ids, as in llama-tokenize (x‹｜eos｜> is 87 then the token). Catches a
+    user-defined token respelled in the vocabulary (then its text gets a new id past the
+    vocabulary, 265 here, outside the embedding table) and control tokens outside the
+    alphabet left out of the special tokens (then they split into byte tokens)."""
+    tokenizer = _metadata_tokenizer(extra=(("中文", 4), ("‹｜eos｜>", 3)))
+    assert tokenizer.encode("中文", add_bos=False) == [263]
+    assert tokenizer.encode("x‹｜eos｜>", add_bos=False) == [87, 264]
+    assert tokenizer.backend.get_vocab_size(with_added_tokens=True) == 265
+    token_bytes, special = tokenizer.token_bytes()
+    assert token_bytes[263] == "中文".encode() and token_bytes[264] == "‹｜eos｜>".encode()
+    assert special == {261, 262, 264}
 
 
 @pytest.mark.parametrize(
