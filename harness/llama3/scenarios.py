@@ -527,15 +527,33 @@ def max_logprob_delta(runs: list[Run], solo: list[Run]) -> float:
             if p in theirs
         ]
         for a, b in pairs:
-            if np.array_equal(a, b):  # the same logits: 0 (bitwise lanes), in one pass
-                continue
-            with np.errstate(invalid="ignore"):  # inf - inf: NaN, counted as inf below
-                served, alone = _log_softmax(a), _log_softmax(b)
-                gap = float(np.where(served == alone, 0.0, np.abs(served - alone)).max())
-            worst = max(worst, gap if math.isfinite(gap) else math.inf)
+            worst = max(worst, _row_gap(a, b))
     return worst
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+def _row_gap(served: np.ndarray, alone: np.ndarray) -> float:
+    """max |Δ log-prob| of two [rows, vocab] logits, in float64, from their rows that differ
+    (a row with the same bits has the same log-probs: 0). Δ_i = (a_i - b_i) - (lse(a) - lse(b)),
+    so a row's worst is its largest or smallest a - b against the shift of the log-sum-exps:
+    two passes fewer over the vocabulary than log-softmaxes compared element by element, the
+    same value to rounding (1e-15). An id at -inf on both sides has a - b NaN, which fmax and
+    fmin skip (the same log-prob there); a NaN or +inf logit makes its row's log-sum-exp NaN,
+    and an id at -inf on one side a - b infinite: inf either way."""
+    rows = (served != alone).any(axis=-1)
+    if not rows.any():
+        return 0.0
+    a = (served if rows.all() else served[rows]).astype(np.float64)
+    b = (alone if rows.all() else alone[rows]).astype(np.float64)
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN
+        shift = _logsumexp(a) - _logsumexp(b)
+        a -= b
+        gaps = np.fmax(np.fmax.reduce(a, axis=-1) - shift, shift - np.fmin.reduce(a, axis=-1))
+        gap = float(gaps.max())
+    return gap if math.isfinite(gap) else math.inf
+
+
+def _logsumexp(rows: np.ndarray) -> np.ndarray:
+    top = rows.max(axis=-1)
+    shifted = rows - top[:, None]
+    np.exp(shifted, out=shifted)
+    return top + np.log(shifted.sum(axis=-1))

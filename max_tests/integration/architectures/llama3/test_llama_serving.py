@@ -553,6 +553,29 @@ def test_a_nan_served_logit_is_past_every_bound() -> None:
     assert 1e-5 < delta([_run(both[1], prompt)], [_run(both[0], prompt)]) < 1e-3
 
 
+def test_the_served_gap_is_the_largest_log_prob_difference() -> None:
+    """max_logprob_delta is max |log_softmax(served) - log_softmax(solo)| over every id and
+    row, in float64, whichever side the worst id lies on and whether or not other rows are
+    the same bits (those score 0). Against log-softmaxes compared element by element, to
+    1e-12. Catches the log-sum-exps' shift of the wrong sign, one side of the difference
+    dropped (fmax without fmin), and rows taken as the same when only their first id is."""
+    rng = np.random.default_rng(1)
+    solo = (rng.standard_normal((4, 300)) * 4).astype(np.float32)
+
+    def log_softmax(rows):
+        rows = rows.astype(np.float64)
+        shifted = rows - rows.max(axis=-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+    for sign in (1.0, -1.0):
+        served = solo.copy()
+        served[2, 9] += sign * 0.25  # one id of one row moved up or down; rows 0, 1, 3 the same
+        served[2, 0:4] += np.float32(1e-4)
+        expected = np.abs(log_softmax(served) - log_softmax(solo)).max()
+        got = scenarios.max_logprob_delta([_run(served)], [_run(solo)])
+        assert expected > 0.01 and abs(got - expected) < 1e-12, (sign, got, expected)
+
+
 class _DropsLaterChunksRows(ServingEngine):
     """A planted bug: a chunked prefill returns the prompt rows of its first chunk only."""
 
