@@ -170,3 +170,61 @@ def test_bazel_gets_one_path_whatever_the_shells_order(sandbox, tmp_path):
     assert seen == {f"{python_dir}:{system}"}
     sandbox["env"]["PATH"] = str(sandbox["bin"])  # no python3: the system's directories
     assert _run(sandbox, "path").stdout.splitlines()[-1] == system
+
+
+def test_a_file_conflict_is_resolved_with_apt_get_f_install(sandbox):
+    """docs/environment.md:17-19: the install's file conflict (libssl3 and
+    openssl-provider-legacy both ship legacy.so) fails the first `apt-get install`; bazelw then
+    runs `apt-get -f install` from unstable, and a last `apt-get -f install`, and the Bazel it
+    leaves runs (planted: the `|| apt-get -f install` fallback dropped, exit 1; the closing
+    `apt-get -f install` dropped)."""
+    log = sandbox["bin"].parent / "apt.log"
+    fake_bazel = 'if [ "$1" = --version ]; then echo "bazel 7.7.1"; else echo "ran: $*"; fi\n'
+    _write_exe(
+        sandbox["bin"] / "apt-get",
+        f'echo "$*" >> {log}\n'
+        # The install of bazel-bootstrap itself stops at the conflict; -f install finishes it.
+        'case "$*" in *bazel-bootstrap*) exit 100 ;; esac\n'
+        f"cat > {sandbox['bin']}/bazel <<'EOF'\n#!/bin/sh\n{fake_bazel}EOF\n"
+        f"{shutil.which('chmod')} +x {sandbox['bin']}/bazel\n",
+    )
+    result = _run(sandbox, "build", "//:x")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ran: build //:x\n"
+    force = "-o Dpkg::Options::=--force-overwrite -o Dpkg::Options::=--force-confold"
+    assert log.read_text().splitlines() == [
+        "update -qq",
+        f"install -y -qq -t unstable --no-install-recommends {force} bazel-bootstrap",
+        f"-f install -y -qq -t unstable --no-install-recommends {force}",
+        f"-f install -y -qq {force}",
+    ]
+
+
+def test_no_debian_mirror_prints_instructions_and_exits_2(sandbox):
+    """docs/environment.md:14-15,20-21: the unstable source reuses the machine's own mirror and
+    names no host of its own; with only a security source there is no mirror to reuse, so
+    bazelw prints how to install Bazel and exits 2, writing no source (planted: the mirror
+    check dropped, a source with an empty URIs written and apt-get run)."""
+    (sandbox["apt"] / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://mirror.test/debian-security\nSuites: bookworm-security\n"
+    )
+    result = _run(sandbox, "version")
+    assert result.returncode == 2
+    assert "no Debian mirror found" in result.stderr
+    assert "apt-get install -t unstable --no-install-recommends bazel-bootstrap" in result.stderr
+    assert not (sandbox["apt"] / "sources.list.d" / "bazelw-unstable.sources").exists()
+
+
+def test_the_security_source_is_never_the_mirror_reused(sandbox):
+    """docs/environment.md:14-15: of a deb822 file listing the security archive first, bazelw
+    reuses the main mirror for unstable (there is no unstable suite on the security host)
+    (planted: the deb822 reader without its `security` filter, the first URIs taken)."""
+    (sandbox["apt"] / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://mirror.test/debian-security\nSuites: bookworm-security\n\n"
+        "Types: deb\nURIs: http://mirror.test/debian\nSuites: bookworm\nComponents: main\n"
+    )
+    _write_exe(sandbox["bin"] / "apt-get", "exit 0\n")
+    result = _run(sandbox, "version")
+    assert result.returncode == 1  # the fake apt installs nothing
+    sources = (sandbox["apt"] / "sources.list.d" / "bazelw-unstable.sources").read_text()
+    assert "URIs: http://mirror.test/debian\n" in sources

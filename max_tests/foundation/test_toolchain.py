@@ -1,12 +1,16 @@
 """The chain Bazel -> pip hub -> pytest works: the pinned libraries import and compute."""
 
 import os
+import re
+from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_torch_is_the_pinned_cpu_build():
@@ -51,3 +55,27 @@ def test_certifi_bundle_is_no_action_input():
     bundle = certifi.where()
     assert "runfiles" in bundle, bundle
     assert not os.path.exists(bundle), f"{bundle} is an input of this test again"
+
+
+def test_bazelrc_and_module_hold_the_offline_settings():
+    """docs/environment.md:22-32: offline resolution with Debian's Bazel needs
+    `common --noenable_workspace` and MODULE.bazel overriding exactly the four modules
+    bazel_tools asks the registry for with their stand-ins in third_party/bazel_standins/;
+    `--lockfile_mode=off` keeps the stand-ins out of the lock file, `build --nosandbox_debug`
+    quiets Debian's bazelrc, and every run shares one disk cache capped at 5 GB. Nothing fails
+    when the last three go, so they are held here (planted: `common --lockfile_mode=off`
+    dropped; protobuf's override pointed at another folder)."""
+    bazelrc = {line.strip() for line in (REPO / ".bazelrc").read_text().splitlines()}
+    assert {
+        "common --noenable_workspace",
+        "common --lockfile_mode=off",
+        "build --nosandbox_debug",
+        "build --disk_cache=~/.cache/llama-goldens/bazel-disk-cache",
+        "build --experimental_disk_cache_gc_max_size=5G",
+    } <= bazelrc
+    overrides = re.findall(
+        r'local_path_override\(\s*module_name = "(\w+)",\s*path = "([^"]+)",\s*\)',
+        (REPO / "MODULE.bazel").read_text(),
+    )
+    names = ["zlib", "protobuf", "buildozer", "apple_support"]
+    assert overrides == [(name, f"third_party/bazel_standins/{name}") for name in names]

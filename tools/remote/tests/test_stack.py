@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -346,3 +349,206 @@ def test_stop_ends_every_recorded_process_and_deletes_the_database_keeping_the_l
         for proc in procs.values():
             proc.kill()
             proc.wait()
+
+
+def test_the_gpu_property_is_registered_with_the_scheduler(tmp_path):
+    """docs/environment.md:58-60: every platform property an action carries must be listed in
+    the scheduler's match-property-keys, or Execute fails with "Unregistered platform
+    property"; the key the GPU worker advertises (and GPU tests ask for) is the one listed
+    (planted: the `- resources:gpu-memory` entry dropped, which the comment above it still
+    names, so a plain substring check passes)."""
+    lines = stack._render_config(tmp_path, 8980, "postgresql+psycopg://u:p@h:1/d").read_text()
+    lines = lines.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "match-property-keys:")
+    keys = []
+    for line in lines[start + 1 :]:
+        if not line.strip().startswith("- "):
+            break
+        keys.append(line.strip()[2:])
+    assert keys == [stack.GPU_PROPERTY.split("=")[0]] == ["resources:gpu-memory"]
+
+
+class _Running:
+    """A spawned process that stays up: poll() is None."""
+
+    def poll(self):
+        return None
+
+
+def test_workers_run_through_casd_with_fuse_staging(tmp_path, monkeypatch):
+    """docs/environment.md:64-67: Bazel talks to BuildGrid only; casd is the workers' local
+    CAS (a proxy of BuildGrid's), each worker's runner stages inputs through FUSE where
+    /dev/fuse and buildbox-fuse exist (else copy-or-link), N CPU workers plus, with
+    --gpu-worker, one advertising resources:gpu-memory=2. The real _start runs with its
+    programs, PostgreSQL and spawns stubbed (planted: the workers' --cas-remote pointed at
+    BuildGrid; the staging choice inverted; one worker too few; the GPU worker's --platform
+    dropped)."""
+    monkeypatch.setattr(stack, "_start", _REAL_START)
+    programs = {p: f"/bb/{p}" for p in deps.BUILDBOX_PROGRAMS}
+    monkeypatch.setattr(stack.deps, "buildbox", lambda log: programs)
+    monkeypatch.setattr(stack.deps, "postgres", lambda log: Path("/pg/bin"))
+    monkeypatch.setattr(stack.deps, "buildgrid", lambda venv, log: Path("/venv/bin/bgd"))
+    monkeypatch.setattr(stack.processes, "port_is_free", lambda port: True)
+    monkeypatch.setattr(stack, "_start_postgres", lambda *a: ("postgresql+psycopg://x", "/pg"))
+    monkeypatch.setattr(stack.processes, "wait_for", lambda check, timeout, alive: True)
+    monkeypatch.setattr(stack.time, "sleep", lambda seconds: None)
+    spawned = {}
+
+    def spawn(state, name, cmd, program=None):
+        spawned[name] = cmd
+        return _Running()
+
+    monkeypatch.setattr(stack.processes, "spawn", spawn)
+    for fuse_program, staging in (
+        ("/bb/buildbox-fuse", "fuse" if Path("/dev/fuse").exists() else "copy-or-link"),
+        (None, "copy-or-link"),
+    ):
+        monkeypatch.setattr(stack.shutil, "which", lambda name, found=fuse_program: found)
+        spawned.clear()
+        args = stack._parser().parse_args(
+            ["start", "--workers=2", "--gpu-worker", "--port=9100", "--pg-port=9101"]
+        )
+        started = stack._start(tmp_path, args)
+        sock = tmp_path / "casd.sock"
+        assert list(spawned) == ["buildgrid", "casd", "worker-1", "worker-2", "worker-gpu"]
+        assert spawned["buildgrid"] == [
+            "/venv/bin/bgd",
+            "server",
+            "start",
+            f"{tmp_path}/buildgrid.yml",
+        ]
+        assert spawned["casd"] == [
+            "/bb/buildbox-casd",
+            "--cas-remote=grpc://127.0.0.1:9100",
+            f"--bind=unix:{sock}",
+            "--log-level=warning",
+            str(tmp_path / "casd-cache"),
+        ]
+        worker = [
+            "/bb/buildbox-worker",
+            "--bots-remote=grpc://127.0.0.1:9100",
+            f"--cas-remote=unix:{sock}",
+            "--buildbox-run=/bb/buildbox-run-hosttools",
+            f"--runner-arg=--staging-mode={staging}",
+        ]
+        assert spawned["worker-1"] == [*worker, "worker-1"]
+        assert spawned["worker-gpu"] == [*worker, "--platform=resources:gpu-memory=2", "worker-gpu"]
+        assert started["workers"] == ["worker-1", "worker-2", "worker-gpu (resources:gpu-memory=2)"]
+
+
+def test_postgres_runs_as_the_postgres_user_under_root_with_a_psycopg_url(tmp_path, monkeypatch):
+    """docs/environment.md:55-56,68-70: PostgreSQL refuses root, so as root the stack runs
+    initdb and postgres as `postgres` through setpriv, the cluster in a folder of /tmp (root's
+    home is not reachable by that user); not as root, in the state folder with no prefix.
+    BuildGrid gets a `postgresql+psycopg://` URL and `bgd migrate apply URL` creates the schema.
+    Programs stubbed (planted: the URL as `postgresql://`; the setpriv prefix dropped; the
+    cluster under the state folder as root)."""
+    runs, spawns, chowned = [], [], []
+
+    def fake_run(cmd, **kwargs):
+        runs.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    def fake_spawn(state, name, cmd, program=None):
+        spawns.append((name, cmd, program))
+        return _Running()
+
+    monkeypatch.setattr(stack.subprocess, "run", fake_run)
+    monkeypatch.setattr(stack.processes, "spawn", fake_spawn)
+    monkeypatch.setattr(stack.processes, "wait_for", lambda check, t, alive: check() and alive())
+    monkeypatch.setattr(stack.shutil, "chown", lambda path, user, group: chowned.append(path))
+    setpriv = ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups"]
+    bgd = Path("/venv/bin/bgd")
+    for uid in (0, 1000):
+        runs.clear()
+        spawns.clear()
+        state = tmp_path / f"state-{uid}"
+        (state / "logs").mkdir(parents=True)
+        monkeypatch.setattr(stack.os, "geteuid", lambda uid=uid: uid)
+        url, pg_dir = stack._start_postgres(state, 9101, Path("/pg/bin"), bgd)
+        try:
+            assert re.fullmatch(
+                r"postgresql\+psycopg://bgd:[0-9a-f]{32}@127\.0\.0\.1:9101/postgres", url
+            )
+            assert (state / "postgres.dir").read_text() == f"{pg_dir}\n"
+            prefix = setpriv if uid == 0 else []
+            if uid == 0:
+                assert pg_dir.parent == Path(tempfile.gettempdir())
+                assert pg_dir.name.startswith("llama-goldens-pg-")
+                assert chowned == [pg_dir, pg_dir / "pwfile"]
+            else:
+                assert pg_dir == state / "postgres"
+            initdb, ready, migrate = runs
+            assert initdb[: len(prefix) + 1] == [*prefix, "/pg/bin/initdb"]
+            assert ready[:2] == ["/pg/bin/pg_isready", "-q"]
+            assert migrate == [str(bgd), "migrate", "apply", url]
+            ((name, cmd, program),) = spawns
+            assert (name, program) == ("postgres", "postgres")
+            assert cmd[: len(prefix) + 1] == [*prefix, "/pg/bin/postgres"]
+            assert "listen_addresses=127.0.0.1" in cmd
+            assert not (pg_dir / "pwfile").exists()
+        finally:
+            if uid == 0:
+                shutil.rmtree(pg_dir)
+
+
+def test_buildbox_installs_from_unstable_and_postgresql_from_stable(tmp_path, monkeypatch):
+    """docs/environment.md:61-63,68: buildbox is installed like Bazel, from the unstable suite
+    (`-t unstable --no-install-recommends`) through the same private source file bazelw
+    writes, reusing the machine's mirror, after an `apt-get -f install` where the first try
+    fails; postgresql from stable, with no -t (planted: `-t unstable` dropped from the install;
+    --no-install-recommends dropped)."""
+    assert (deps.UNSTABLE_SOURCE.name, deps.UNSTABLE_PIN.name) == (
+        "bazelw-unstable.sources",
+        "bazelw-unstable",
+    )
+    apt = tmp_path / "apt"
+    (apt / "sources.list.d").mkdir(parents=True)
+    (apt / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://mirror.test/debian\nSuites: bookworm\n"
+    )
+    monkeypatch.setattr(deps, "APT_ROOT", apt)
+    monkeypatch.setattr(deps, "UNSTABLE_SOURCE", apt / "sources.list.d" / "bazelw-unstable.sources")
+    monkeypatch.setattr(deps, "UNSTABLE_PIN", apt / "preferences.d" / "bazelw-unstable")
+    monkeypatch.setattr(deps, "_can_install", lambda: None)
+    calls = []
+
+    def run_logged(cmd, log):
+        calls.append(cmd)
+        if cmd[-1] == "buildbox" and len(calls) == 2:  # the first try stops at a conflict
+            raise deps.MissingDependency("conflict")
+
+    monkeypatch.setattr(deps, "_run_logged", run_logged)
+    log = tmp_path / "install.log"
+    deps._apt_install(["buildbox"], unstable=True, log=log)
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *deps.DPKG_OPTS]
+    assert calls == [
+        ["apt-get", "update", "-qq"],
+        [*install, "-t", "unstable", "buildbox"],
+        ["apt-get", "-f", "install", "-y", "-qq", *deps.DPKG_OPTS, "-t", "unstable"],
+        [*install, "-t", "unstable", "buildbox"],
+    ]
+    source = deps.UNSTABLE_SOURCE.read_text()
+    assert "URIs: http://mirror.test/debian\nSuites: unstable\n" in source
+    assert "Pin: release a=unstable\nPin-Priority: 100\n" in deps.UNSTABLE_PIN.read_text()
+    calls.clear()
+    deps._apt_install(["postgresql"], unstable=False, log=log)
+    assert calls == [["apt-get", "update", "-qq"], [*install, "postgresql"]]
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 13), reason="needs an interpreter older than 3.13")
+def test_buildgrid_gets_a_python_of_at_least_3_13(tmp_path, monkeypatch):
+    """docs/environment.md:52-54: BuildGrid 0.9.1 needs Python >= 3.13: a python3.13 on PATH
+    (Debian unstable's) is found, and an interpreter older than 3.13 is refused whatever its
+    name (planted: the candidates from python3.20 down to 3.14 only, Debian's python3.13
+    missed; the probe's bound lowered to 3.11)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path / "no-pyenv"))
+    (bin_dir / "python3.13").symlink_to(sys.executable)  # this test's Python, older than 3.13
+    assert deps._python_313() is None
+    (bin_dir / "python3.13").unlink()
+    (bin_dir / "python3.13").write_text("#!/bin/sh\nexit 0\n")  # passes the version probe
+    (bin_dir / "python3.13").chmod(0o755)
+    assert deps._python_313() == str(bin_dir / "python3.13")
