@@ -4,6 +4,7 @@ llama-bench (no load time, no tokens), the read-bandwidth line. No model runs he
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import types
@@ -332,6 +333,13 @@ def test_a_ratio_exactly_at_its_bar_passes() -> None:
 def _fake_bench_run(monkeypatch, tmp_path, argv: list[str], quantized_tps: float) -> int:
     """bench.main on made-up sides: quantized and ggml engines (3 tokens in 0.2 s at
     `quantized_tps`, ggml at 50 tok/s), transformers at 10 tok/s, no llama.cpp found."""
+    _fake_bench(monkeypatch, quantized_tps)
+    base = [f"--gguf={tmp_path / 'model.gguf'}", "--modes=quantized,ggml", "--no-sampling"]
+    return bench.main([*base, "--repeats=1", "--new-tokens=3", *argv])
+
+
+def _fake_bench(monkeypatch, quantized_tps: float) -> None:
+    """_fake_bench_run's sides, patched in; bench.main not run."""
 
     def side(name, decode_tps):
         made = bench.Side(name, 1.0, 10**8, lambda ids, n: ([1] * n, 0.01, (n - 1) / decode_tps))
@@ -348,8 +356,6 @@ def _fake_bench_run(monkeypatch, tmp_path, argv: list[str], quantized_tps: float
     monkeypatch.setattr(bench, "_llama_cpp_side", lambda *args: None)
     monkeypatch.setattr(bench, "_llama_cpp_no_repack_side", lambda *args: None)
     monkeypatch.setattr(bench, "measure_read_bandwidth", lambda: (10.0, 0.1))
-    base = [f"--gguf={tmp_path / 'model.gguf'}", "--modes=quantized,ggml", "--no-sampling"]
-    return bench.main([*base, "--repeats=1", "--new-tokens=3", *argv])
 
 
 @pytest.mark.parametrize(
@@ -393,3 +399,351 @@ def test_bench_refuses_an_unknown_or_empty_mode_list_before_any_timing(
     assert f"--modes={modes}: choose from eager, compiled, quantized, ggml" in (
         capsys.readouterr().err
     )
+
+
+def test_sides_alternate_and_each_keeps_its_fastest_generation() -> None:
+    """README.md:152-153 ("alternately in one process ... fastest of 3 alternating
+    generations"): each round runs every side once, in turn, and each side keeps its fastest
+    prefill and decode, not its last or first. Planted: the loops swapped (a side's repeats
+    back to back), the last generation's time kept."""
+    calls = []
+
+    def side(name, prefill, decode):
+        times = iter(zip(prefill, decode, strict=True))
+
+        def greedy(ids, n):
+            calls.append(name)
+            return [1] * n, *next(times)
+
+        return bench.Side(name, 1.0, 10**8, greedy)
+
+    a = side("eager", (0.3, 0.1, 0.2), (2.0, 3.0, 1.0))
+    b = side("transformers", (0.5, 0.6, 0.4), (4.0, 5.0, 6.0))
+    bench._alternate([a, b], [1, 2, 3], NEW, 3)
+    assert calls == ["eager", "transformers"] * 3
+    assert (a.prefill_seconds, a.decode_seconds) == (0.1, 1.0)
+    assert (b.prefill_seconds, b.decode_seconds) == (0.4, 4.0)
+
+
+def test_the_bench_defaults_are_the_readmes() -> None:
+    """README.md:84 and :152-153: every engine mode, 32 new tokens, fastest of 3, 2 threads;
+    the sampled decode at temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, seed 0 on both
+    sides (the engine's SamplerSettings and llama-server's request). Planted: --repeats 1,
+    top_k 50 in DEFAULT_SAMPLER, the engine's or llama-server's seed left unset."""
+    from pipelines.llama3.engine import MODES
+    from tools.bench import sampled
+
+    args = bench._parser().parse_args([])
+    assert (args.new_tokens, args.repeats, args.threads) == (32, 3, 2)
+    assert args.modes.split(",") == list(MODES)
+    sampler = bench.settings_from_text(args.sampler)
+    assert sampler == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+    seen = []
+
+    def generate(ids, n, stop_on_eos, sampling=None):
+        seen.append(sampling)
+        return types.SimpleNamespace(tokens=[1] * n, decode_seconds=1.0)
+
+    engine = types.SimpleNamespace(generate=generate)
+    sampled.measure({"quantized": engine}, None, [1, 2], 3, 1, sampler)
+    assert seen[0] is None  # greedy first
+    assert (seen[1].seed, seen[1].temperature, seen[1].top_k) == (0, 0.8, 40)
+    server = sampled.LlamaServerSide.__new__(sampled.LlamaServerSide)
+    asked = []
+    server.completion = lambda ids, n, **fields: (
+        asked.append(fields) or {"timings": {"predicted_per_second": 50.0}}
+    )
+    assert server.decode_tps([1, 2], 3, sampler) == 50.0
+    assert asked == [{**sampler, "seed": 0}]
+
+
+def _fake_llama_bench_side(name: str, decode_tps: float) -> bench.Side:
+    """A llama.cpp side as llama-bench gives it: no load time (nan), no tokens."""
+    made = bench.Side(name, math.nan, 96 * 10**6, lambda ids, n: (None, 0.02, (n - 1) / decode_tps))
+    made.peer = types.SimpleNamespace(describe=lambda: f"llama-bench /usr/bin/llama-bench ({name})")
+    made.no_tokens = "llama-bench times its own random token ids and returns no tokens"
+    return made
+
+
+@pytest.mark.parametrize("level", [None, "avx2"])
+def test_the_json_record_holds_what_the_readme_lists(level, tmp_path, monkeypatch, capsys):
+    """README.md:91 (`bench --json`: machine, versions, setup, load average and read
+    bandwidth, per-mode timings, ratios), :158-159 (llama-bench's load null in the record),
+    :221 (`llama.cpp-no-repack` a side of its own), :155 and :230-233 (`--cpu-level` runs
+    llama.cpp through Debian's tools, never the binding, and a record of a level says so),
+    through `bench.main` on made-up sides. Planted: the read bandwidth or the end load left
+    out of `conditions`, the no-repack peer dropped from the record, the llama.cpp line not
+    printed, `--cpu-level` not recorded in `setup`, the binding asked for at a level."""
+    import sys
+
+    _fake_bench(monkeypatch, 40.0)
+    binding = []
+
+    def llama_cpp_side(path, threads, context, use_binding=True):
+        binding.append(use_binding)
+        return _fake_llama_bench_side(bench.LLAMA_CPP, 20.0)
+
+    monkeypatch.setattr(bench, "_llama_cpp_side", llama_cpp_side)
+    no_repack = _fake_llama_bench_side(bench.LLAMA_CPP_NO_REPACK, 10.0)
+    monkeypatch.setattr(bench, "_llama_cpp_no_repack_side", lambda *args: no_repack)
+    loads = iter([1.5, 2.5])
+    monkeypatch.setattr(bench, "load_average", lambda: next(loads))
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="9.9"))
+    monkeypatch.setenv(bench.cpu_level.ENV, level or "")
+    path = tmp_path / "bench.json"
+    argv = [f"--gguf={tmp_path / 'model.gguf'}", "--modes=quantized,ggml", "--no-sampling"]
+    argv += ["--repeats=1", "--new-tokens=3", "--threads=1", f"--json={path}"]
+    assert bench.main(argv + ([f"--cpu-level={level}"] if level else [])) == 0
+    assert binding == [level is None]
+    out = capsys.readouterr().out.splitlines()
+    assert "llama.cpp: llama-bench /usr/bin/llama-bench (llama.cpp)" in out
+    assert ("cpu level avx2: this engine with " in "\n".join(out)) == (level is not None)
+    data = json.loads(path.read_text())
+    assert data["setup"] == {
+        "checkpoint": "model.gguf",
+        "device": "cpu",
+        "dtype": "float32",
+        "new_tokens": 3,
+        "prompt_tokens": 3,
+        "repeats": 1,
+        "threads": 1,
+        **({"cpu_level": level} if level else {}),
+    }
+    assert data["conditions"] == {
+        "load_average_start": 1.5,
+        "load_average_end": 2.5,
+        "read_bandwidth_gb_per_s": 10.0,
+    }
+    assert {"cpu_model", "cpu_features", "cpu_count"} <= set(data["machine"])
+    assert data["versions"]["transformers"] == "9.9"
+    assert data["engine"]["quantized"]["decode_tokens_per_second"] == pytest.approx(40.0)
+    assert sorted(data["peers"]) == ["llama.cpp", "llama.cpp-no-repack", "transformers"]
+    assert data["peers"]["llama.cpp"]["load_seconds"] is None
+    assert data["peers"]["llama.cpp"]["decode_tokens_per_second"] == pytest.approx(20.0)
+    assert data["peers"]["llama.cpp-no-repack"]["decode_tokens_per_second"] == pytest.approx(10.0)
+    assert sorted(data["peer_versions"]) == ["llama.cpp", "llama.cpp-no-repack"]
+    assert data["ratios"]["quantized"] == pytest.approx(
+        {"load": 1.0, "prefill": 1.0, "decode": 4.0}
+    )
+    assert data["ratios"]["ggml"]["decode"] == pytest.approx(5.0)
+
+
+def _fake_llama_bench_binary(tmp_path) -> str:
+    """A `llama-bench` that answers --version only (LlamaBenchPeer probes it once)."""
+    script = tmp_path / "llama-bench"
+    script.write_text("#!/bin/sh\necho 'version: 0.7.0 (build 11669, commit Debian)' >&2\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_the_no_repack_side_is_the_same_llama_bench_with_repack_0_and_no_bar(tmp_path):
+    """README.md:84 (`llama-bench --repack 0` too) and :221 (`llama.cpp-no-repack`, no bar):
+    the llama.cpp side's own llama-bench again with `--repack 0` under its own name, its
+    weights and no load or tokens like it, the llama.cpp side left as it was; and no --check
+    bar is judged against it. Planted: the same peer reused (`--repack 1` twice), the side
+    named llama.cpp (it then replaced llama.cpp's own in the bars)."""
+    from tools.bench import llama_cpp_peer
+
+    binary = _fake_llama_bench_binary(tmp_path)
+    peer = llama_cpp_peer.LlamaBenchPeer(binary, tmp_path / "model.gguf", 2)
+    llama = bench._peer_side(bench.LLAMA_CPP, peer, tmp_path / "model.gguf", file_bytes=123)
+    side = bench._llama_cpp_no_repack_side(tmp_path / "model.gguf", 2, llama)
+    assert (side.name, side.weight_bytes, side.no_tokens) == (
+        "llama.cpp-no-repack",
+        123,
+        llama_cpp_peer.LlamaBenchPeer.NO_TOKENS,
+    )
+    assert math.isnan(side.load_seconds)
+    command = side.peer.command(17, 31)
+    assert command[command.index("--repack") + 1] == "0"
+    assert side.peer.describe().endswith("--repack 0")
+    assert llama.peer.command(17, 31)[command.index("--repack") + 1] == "1"
+    no_repack = _side("llama.cpp-no-repack", load=math.nan, prefill_tps=1.0, decode_tps=1.0)
+    assert _verdicts(_side("ggml"), _side("transformers"), no_repack) == [
+        "SKIP ggml/llama.cpp: decode >= 1.0 (llama.cpp not measured)",
+        "SKIP ggml/llama.cpp: prefill >= 1.0 (llama.cpp not measured)",
+    ]
+
+
+def test_llama_cpp_is_the_binding_then_llama_bench_then_none_with_a_line(
+    tmp_path, monkeypatch, capsys
+):
+    """README.md:154-156: llama.cpp is its Python binding when that imports, else Debian's
+    `llama-bench` on the PATH, else none with one line saying why; `--cpu-level` asks for no
+    binding (bench.main passes binding=False), and llama-bench stands in even where the
+    binding imports. A made-up binding and llama-bench stand in. Planted: the binding's
+    condition inverted (llama-bench first), the line dropped."""
+    import numpy as np
+
+    from tools.bench import llama_cpp_peer
+
+    model = types.SimpleNamespace(n_vocab=lambda: 32)
+    binding = types.SimpleNamespace(__version__="0.3.36", Llama=lambda *a, **k: model)
+    imports = [(binding, "llama-cpp-python 0.3.36")]
+    monkeypatch.setattr(llama_cpp_peer, "import_llama_cpp", lambda: imports[-1])
+    monkeypatch.setenv("PATH", str(tmp_path))
+    _fake_llama_bench_binary(tmp_path)
+    reader = types.SimpleNamespace(tensors=["w"], tensor_data=lambda name: np.zeros(10, np.int8))
+    monkeypatch.setattr(bench, "GGUFFile", lambda path: reader)
+    gguf = tmp_path / "model.gguf"
+    assert isinstance(bench._llama_cpp_side(gguf, 2, 64).peer, llama_cpp_peer.LlamaCppPeer)
+    at_level = bench._llama_cpp_side(gguf, 2, 64, binding=False)
+    assert isinstance(at_level.peer, llama_cpp_peer.LlamaBenchPeer)
+    assert (at_level.name, at_level.weight_bytes) == ("llama.cpp", 10)
+    imports.append((None, "llama_cpp not importable (no module)"))
+    assert isinstance(bench._llama_cpp_side(gguf, 2, 64).peer, llama_cpp_peer.LlamaBenchPeer)
+    capsys.readouterr()
+    (tmp_path / "llama-bench").unlink()
+    assert bench._llama_cpp_side(gguf, 2, 64) is None
+    assert capsys.readouterr().err == (
+        "llama.cpp: skipped: llama_cpp not importable (no module); and no llama-bench on the "
+        "PATH (tools/llama_cpp/install.sh installs it)\n"
+    )
+
+
+def test_the_read_bandwidth_is_the_best_of_its_sums(monkeypatch) -> None:
+    """README.md:159-160 and the printed line ("best of 3"): the bandwidth is the tensor's
+    bytes over the fastest of the timed sums, not the last or the slowest. Planted: the last
+    sum's time kept. The clock is made up: 0.3, 0.1 and 0.2 s sums."""
+    ticks = iter([0.0, 1.0, 1.3, 2.0, 2.1, 3.0, 3.2, 4.0])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks))
+    gb_per_s, seconds = bench.measure_read_bandwidth(mib=1, repeats=3)
+    assert gb_per_s == pytest.approx(2**20 / 0.1 / 1e9)
+    assert seconds == 4.0
+
+
+def test_bench_serving_defaults_are_the_readmes() -> None:
+    """README.md:87: 2 threads, 32 prompt + 16 new tokens a request, 16 concurrent HTTP
+    clients (`--clients`). Planted: --clients 8, --threads 1."""
+    args = serving._parser().parse_args([])
+    assert (args.threads, args.prompt_tokens, args.new_tokens, args.clients) == (2, 32, 16, 16)
+
+
+def test_bench_serving_runs_llama_batched_bench_again_with_no_repack(tmp_path, monkeypatch):
+    """README.md:87 (the `no-repack` column: llama-batched-bench again with `--no-repack`):
+    the default run passes no `--no-repack`, the no-repack run does. Planted: the condition
+    inverted (the llama.cpp column then measured without repacking)."""
+    argv = tmp_path / "argv"
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {argv}\ncat <<'EOF'\n{BATCHED_TABLE}\nEOF\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(serving, "smollm2_gguf", lambda: tmp_path / "model.gguf")
+    args = serving._parser().parse_args(["--prompt-tokens=8", "--new-tokens=4"])
+    assert serving.llama_cpp_batched(args, [1, 2])[1] == ""
+    assert "--no-repack" not in argv.read_text().split()
+    totals, why = serving.llama_cpp_batched(args, [1, 2], repack=False)
+    assert why == "" and argv.read_text().split()[-1] == "--no-repack"
+    assert sorted(totals) == [1, 2]
+
+
+def test_bench_serving_servers_get_new_then_repeated_prompts_and_llama_server_16_slots(
+    tmp_path, monkeypatch, capsys
+):
+    """README.md:87: llama-server with `--parallel 16` (one slot a client) and an f16 KV
+    cache on the bench's threads; each server answers 16 clients in two rounds after a
+    warm-up of other prompts, `new prompts` then `repeated prompts` (the same again), and
+    the ratio this engine / llama-server per round. Made-up servers and rounds. Planted:
+    the repeated round given the warm-up's prompts (as before), f32 caches, one slot."""
+    import contextlib
+
+    from goldens.engines import llama_server
+
+    words = {word: i for i, word in enumerate(serving.WORDS)}
+    tokenizer = types.SimpleNamespace(encode=lambda text: [words[w] for w in text.split(" ")])
+    engine = types.SimpleNamespace(tokenizer=tokenizer)
+    monkeypatch.setattr(serving.Llama3Engine, "from_gguf", lambda *a, **k: engine)
+    monkeypatch.setattr(serving, "smollm2_gguf", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(serving.shutil, "which", lambda name: f"/usr/bin/{name}")
+    started, rounds = [], {}
+
+    class FakeServer:
+        url = "http://llama-server/v1"
+
+        def __init__(self, gguf, extra_args):
+            started.append(extra_args)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    @contextlib.contextmanager
+    def own_server(mode, args):
+        yield f"http://{mode}/v1"
+
+    def server_rows(name, url, prompts, args):
+        rounds[name] = prompts
+        return {"new prompts": 150.0, "repeated prompts": 100.0}
+
+    def llama_rows(name, url, prompts, args):
+        return {"new prompts": 100.0, "repeated prompts": 200.0}
+
+    monkeypatch.setattr(llama_server, "LlamaServer", FakeServer)
+    monkeypatch.setattr(serving, "_own_server", own_server)
+    monkeypatch.setattr(
+        serving,
+        "_server_rows",
+        lambda name, *rest: (server_rows if name != "llama-server" else llama_rows)(name, *rest),
+    )
+    serving.servers(serving._parser().parse_args(["--modes=", "--server-modes=ggml"]))
+    (extra,) = started
+    pairs = dict(zip(extra[::2], extra[1::2], strict=True))
+    assert pairs == {
+        "--threads": "2",
+        "--threads-batch": "2",
+        "--parallel": "16",
+        "--ctx-size": str(16 * 256),
+        "--cache-type-k": "f16",
+        "--cache-type-v": "f16",
+    }
+    prompts = rounds["this engine (ggml)"]
+    assert list(prompts) == ["warm-up", "new prompts", "repeated prompts"]
+    assert [len(p) for p in prompts.values()] == [16, 16, 16]
+    assert prompts["repeated prompts"] == prompts["new prompts"]
+    assert not {tuple(p) for p in prompts["warm-up"]} & {tuple(p) for p in prompts["new prompts"]}
+    out = capsys.readouterr().out
+    assert "this engine (ggml) / llama-server: new prompts 1.50, repeated prompts 0.50" in out
+
+
+def test_bench_speculative_defaults_and_llama_servers_drafts(tmp_path, monkeypatch, capsys):
+    """README.md:89: greedy, 64 tokens, K = 4, in the quantized mode; the self-draft of all
+    layers by default; llama-server without a draft, with `--spec-type ngram-simple` and with
+    the same file as `--model-draft` (`--spec-type draft-simple`), each up to K drafted.
+    Made-up engine and rows. Planted: K 8 or 128 tokens by default, the self-draft one layer
+    short, `draft-simple` or the K limit left out of llama-server's flags."""
+    args = speculative._parser().parse_args([])
+    assert (args.new_tokens, args.k, args.mode, args.draft_layers) == (64, 4, "quantized", None)
+    config = types.SimpleNamespace(n_layers=30)
+    tokenizer = types.SimpleNamespace(encode=lambda text: [1, 2, 3])
+    engine = types.SimpleNamespace(config=config, tokenizer=tokenizer)
+    gguf = str(tmp_path / "model.gguf")
+    drafted, extras = [], []
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+    monkeypatch.setattr(speculative, "smollm2_gguf", lambda: gguf)
+    monkeypatch.setattr(speculative.Llama3Engine, "from_gguf", lambda *a, **k: engine)
+    monkeypatch.setattr(
+        speculative.speculative, "self_draft", lambda path, n, mode: drafted.append(n)
+    )
+    monkeypatch.setattr(
+        speculative, "_engine_row", lambda e, d, name, ids, a: speculative.Row("engine", name, 1.0)
+    )
+    monkeypatch.setattr(speculative, "llama_server_missing", lambda not_wanted: "")
+
+    def llama_row(path, name, extra, ids, a):
+        extras.append((name, extra))
+        return speculative.Row("llama-server", name, 1.0)
+
+    monkeypatch.setattr(speculative, "_llama_row", llama_row)
+    assert speculative.main([]) == 0
+    assert drafted == [30]
+    k = ("--spec-draft-n-max", "4")
+    assert extras == [
+        ("none", ()),
+        ("n-gram", ("--spec-type", "ngram-simple", *k)),
+        ("model", ("--model-draft", gguf, "--spec-type", "draft-simple", *k)),
+    ]
+    out = capsys.readouterr().out
+    assert "greedy, 64 new tokens, K=4, 2 threads (engine mode quantized)" in out
+    assert "30-layer self-draft" in out

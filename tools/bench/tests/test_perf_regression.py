@@ -603,3 +603,24 @@ def test_a_non_finite_ratio_is_bad_input(baseline, tmp_path, capsys, value):
     assert main(["--baseline", str(baseline), str(path)]) == 2
     err = capsys.readouterr().err
     assert f"record {path}: ratio eager/decode is {value!r}, not a positive number" in err
+
+
+def test_a_written_baseline_keeps_its_notes_and_how_it_was_made(tmp_path, capsys):
+    """README.md:531-532 ("--notes 'when, which machine, what else was running'"): the notes
+    given to --write-baseline are in the baseline, beside the method and the number of runs
+    and the safety factor and floor its bands took. Planted: the notes dropped."""
+    out = tmp_path / "baseline.json"
+    notes = "2026-12-05, the 2-core Xeon, a CI run beside"
+    argv = ["--write-baseline", str(out), "--notes", notes, "--floor", "0.1"]
+    assert main([*argv, *map(str, BASELINE_RUNS)]) == 0
+    data = _read(out)
+    assert data["notes"] == notes
+    assert data["method"] == (
+        "ratio: median over 5 bench runs; spread: (max - min) / median over them; band: "
+        "max(spread * 2.0, 0.1)"
+    )
+    assert (data["noise"]["runs"], data["noise"]["safety_factor"], data["noise"]["floor"]) == (
+        5,
+        2.0,
+        0.1,
+    )

@@ -156,3 +156,17 @@ def test_json_output_in_a_folder_it_cannot_write_exits_2(tmp_path: Path, monkeyp
         f"bench: error: --json={tmp_path / 'out.json'}: cannot create files in {tmp_path} "
         "(Permission denied); name a folder you can write (see --help)\n"
     )
+
+
+def test_the_machine_names_the_cpu_flags_that_choose_the_kernels(tmp_path: Path):
+    """README.md:542-544: records name the CPU flags that choose the kernels (`cpu_features`),
+    which perf_regression compares (a record without them is compared by the model string
+    alone, with a warning): the kernel flags of cpuinfo's first "flags" line, in
+    KERNEL_FLAGS' order, no others. Planted: `cpu_features` left out of machine_info."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: Fake CPU\n"
+        "flags\t\t: fpu sse2 avx512_vnni fma avx2 avx512f ssse3\n"
+        "processor\t: 1\nflags\t\t: fpu amx_tile\n"
+    )
+    assert machine_info(cpuinfo)["cpu_features"] == ["avx2", "fma", "avx512f", "avx512_vnni"]
