@@ -103,7 +103,9 @@ def _load(parser, path: pathlib.Path, mode: str, dtype: str, option: str) -> Lla
 
 
 def _text(engine: Llama3Engine, token: int) -> str:
-    return repr(engine.tokenizer.decode([token])) if engine.tokenizer else str(token)
+    """The id and, where the file has a tokenizer, its text: a byte token alone decodes to
+    "\ufffd", so two different tokens may print the same text."""
+    return f"{token} {engine.tokenizer.decode([token])!r}" if engine.tokenizer else str(token)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"A: {args.gguf.name} ({args.mode}, {args.dtype})")
     print(f"B: {against_gguf.name} ({against_mode}, {against_dtype}), fed A's tokens")
-    print(f"{'step':>4}  {'A token':<16} {'B top':<16} {'A margin':>9} {'B margin':>9} "
+    print(f"{'step':>4}  {'A token':<22} {'B top':<22} {'A margin':>9} {'B margin':>9} "
           f"{'Δ log-p':>10} {'KL(A||B)':>10}")  # fmt: skip
     for s in steps:
         mark = "  <- flip" if s.flipped else ""
         print(
-            f"{s.step:>4}  {_text(a, s.token):<16} {_text(b, s.against_top):<16} "
+            f"{s.step:>4}  {_text(a, s.token):<22} {_text(b, s.against_top):<22} "
             f"{s.margin:>9.4f} {s.against_margin:>9.4f} {s.delta:>10.3g} {s.kl:>10.3g}{mark}"
         )
     flips = [s.step for s in steps if s.flipped]

@@ -419,3 +419,95 @@ def test_a_checkpoint_that_cannot_be_read_exits_2_naming_it(tmp_path, capsys) ->
     captured = capsys.readouterr()
     assert captured.out == ""
     assert f"error: {missing}: no such file" in captured.err
+
+
+def test_a_folder_it_cannot_write_in_exits_2_before_loading(tmp_path, capsys, monkeypatch):
+    """README's profiling_test row: an unwritable --profile exits 2 before the checkpoint loads,
+    and check_writable says the folder is not writable (the other cases here are a missing
+    folder, a folder given as the file, a file given as the folder). As root a read-only mode
+    does not stop a write, so there os.access is told the folder is read-only. Planted: the
+    os.access check dropped (the profile asked for is then lost at the end of the run)."""
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    if os.access(folder, os.W_OK):  # root: its writes ignore the mode
+        real = os.access
+
+        def access(path, mode, *args, **kwargs):
+            if pathlib.Path(path) == folder and mode & os.W_OK:
+                return False
+            return real(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(os, "access", access)
+    target = folder / "trace.json"
+    with pytest.raises(profiling.TraceError, match="is not writable"):
+        profiling.check_writable(target)
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(["--gguf=/nonexistent.gguf", "--prompt=x", f"--profile={target}"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument --profile: {target}: {folder} is not writable" in error
+    assert "loading" not in error
+
+
+def _raise_in_the_block(monkeypatch) -> None:
+    pass
+
+
+def _profiler_that_cannot_start(monkeypatch) -> None:
+    def refuse(self):
+        raise RuntimeError("the profiler cannot start")
+
+    monkeypatch.setattr(torch.profiler.profile, "__enter__", refuse)
+
+
+@pytest.mark.parametrize("failure", [_raise_in_the_block, _profiler_that_cannot_start])
+def test_a_trace_that_fails_leaves_no_trace_being_taken(failure, tmp_path, monkeypatch) -> None:
+    """When the traced block raises (a generation that fails inside `generate --profile`, a
+    bench mode that crashes) or the profiler cannot start, the error propagates, no file or
+    fragment is written, and no trace is left being taken: regions are the shared no-op again
+    and the next trace runs and is written. Planted: `_taking` reset after the yield without
+    `finally` (every later region recorded into nothing and every later trace refused as
+    nested); `_taking` set before the profiler started."""
+    failure(monkeypatch)
+    path = tmp_path / "failed.json"
+    with pytest.raises(RuntimeError), profiling.trace(path):
+        raise RuntimeError("the generation failed")
+    assert list(tmp_path.iterdir()) == []
+    assert profiling.region("q4_gemm") is profiling.region("decode step")
+    monkeypatch.undo()
+    with profiling.trace(tmp_path / "next.json") as taken, profiling.region("after the failure"):
+        pass
+    assert taken.events and _ranges(profiling.events(taken.path), "after the failure")
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda"])
+def test_the_profiler_records_cuda_kernels_only_where_cuda_is(cuda, tmp_path, monkeypatch):
+    """profiling's docstring: every ATen operator on the CPU; on CUDA its kernels too. The
+    profiler is asked for the CUDA activity exactly when CUDA is available (on this CPU machine
+    the answer is stubbed; the profile still runs on the CPU alone). Planted: the condition
+    inverted (on a GPU no kernel in the trace, on a CPU a profiler warning per trace), which
+    no CPU test saw."""
+    asked, real = [], torch.profiler.profile
+
+    def profile(*, activities, **kwargs):
+        asked.append(list(activities))
+        return real(activities=[torch.profiler.ProfilerActivity.CPU], **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.profiler, "profile", profile)
+    with profiling.trace(tmp_path / "t.json") as taken:
+        torch.ones(2) + 1
+    cpu, gpu = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+    assert asked == [[cpu, gpu] if cuda else [cpu]]
+    assert taken.events > 0
+
+
+@pytest.mark.parametrize("form", ["object", "array"])
+def test_events_reads_both_forms_of_a_trace_file(form, tmp_path) -> None:
+    """The Trace Event Format has two forms: an object with `traceEvents` (torch writes it) and
+    a bare array of events (other tools'); `events` returns the records of either. Planted:
+    the array form dropped (`document["traceEvents"]` on a list: TypeError)."""
+    records = [{"name": "prefill", "ph": "X", "ts": 1.0, "dur": 2.0, "pid": 1, "tid": 1}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": records} if form == "object" else records))
+    assert profiling.events(path) == records

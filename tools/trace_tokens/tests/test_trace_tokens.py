@@ -160,3 +160,45 @@ def test_run_b_takes_as_mode_and_dtype_unless_told_otherwise(files, tmp_path, ca
     written = json.loads(record.read_text())
     assert written["b"]["dtype"] == "bfloat16"
     assert max(abs(s["delta"]) for s in written["steps"]) > 1e-4
+
+
+def test_compare_gives_each_run_its_own_top_and_margin() -> None:
+    """B's top token and margin are B's own ranking (log p(top) - log p(second) of B's row),
+    not A's: here A is sure of token 0 by 2 nats, B of token 2 by 3 nats. Planted: B's margin
+    taken from A's top value (a_top where b_top was meant) passed the other compare test,
+    whose first row has equal margins and whose second row's B margin was not checked."""
+    a = torch.tensor([[3.0, 1.0, 0.0]])
+    b = torch.tensor([[0.0, 1.0, 4.0]])
+    (step,) = trace_tokens.compare(a, b, [0])
+    assert (step.token, step.against_top, step.flipped) == (0, 2, True)
+    assert step.margin == pytest.approx(2.0)
+    assert step.against_margin == pytest.approx(3.0)
+
+
+def test_one_flip_exits_1_and_the_table_shows_both_tokens_marking_that_step(
+    files, tmp_path, capsys
+) -> None:
+    """README.md:80: per step both tokens, the flip marked; exit 1 when a token flips. Against
+    its Q4_0 copy the F32 checkpoint keeps step 0 (B's margin 2.2 nats) and flips step 1 (A
+    sure by 5.5 nats, B's own choice another token): one flip, so exit 1; each table row names
+    A's token and B's top token (id, and text as the tokenizer decodes it: byte tokens all
+    decode to the same replacement character) and only the flipped row ends
+    "<- flip". Planted: exit 1 only for more than one flip; the mark put on a negative Δ
+    log-p instead of a flip; B's column printing A's token (the other tests read only the
+    summary line and --json)."""
+    record = tmp_path / "steps.json"
+    argv = [f"--gguf={files['f32']}", f"--prompt={PROMPT}", "--max-new-tokens=2"]
+    argv += [f"--against-gguf={files['q4_0']}", f"--json={record}"]
+    assert trace_tokens.main(argv) == 1
+    steps = json.loads(record.read_text())["steps"]
+    assert [s["flipped"] for s in steps] == [False, True]
+    assert steps[0]["delta"] < 0  # the mark must follow the flip, not the sign of Δ log-p
+    decode = Llama3Engine.from_gguf(files["f32"]).tokenizer.decode
+    rows = capsys.readouterr().out.splitlines()[3:-1]
+    assert len(rows) == len(steps)
+    for row, s in zip(rows, steps, strict=True):
+        a_text = f"{s['token']} {decode([s['token']])!r}"
+        b_text = f"{s['against_top']} {decode([s['against_top']])!r}"
+        assert row.startswith(f"{s['step']:>4}  {a_text:<22} {b_text:<22} "), row
+        assert f"{s['margin']:>9.4f} {s['against_margin']:>9.4f}" in row, row
+        assert row.endswith("  <- flip") == s["flipped"], row
