@@ -299,6 +299,31 @@ def _walk_members(engine, names) -> list[str]:
     return failures
 
 
+def test_the_references_unfinished_characters_try_only_the_tokens_that_continue_them(
+    tiny,
+) -> None:
+    """After bytes that end inside a UTF-8 character the reference tries only the tokens that
+    start with a continuation byte: the same ids as trying every token of the vocabulary one
+    by one (any other byte breaks the character). On the tiny vocabulary, inside any JSON
+    string after the first byte of "中", and in a choice of two words after two of its three
+    bytes. Catches the filter keeping lead bytes instead, or dropping the tokens of one
+    continuation byte."""
+    texts = _texts(tiny)
+    states = [
+        (reference.schema_pattern({}), b'"' + "中".encode()[:1]),
+        (reference.choice_pattern(["中文", "日本"]), "中".encode()[:2]),
+    ]
+    for pattern, text in states:
+        language = reference.Language(pattern)
+        prefix, pending = reference._split_utf8(text)
+        every = []
+        for index, data in texts.texts:
+            joined = reference._split_utf8(pending + data)
+            if joined is not None and texts._completes(language, prefix + joined[0], joined[1]):
+                every.append(index)
+        assert every and texts.allowed(language, text, []).tolist() == every, pattern
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_tiny_masks_equal_the_reference(tiny, name) -> None:
     assert _check_masks(tiny, [name]) == []
