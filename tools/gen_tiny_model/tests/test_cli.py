@@ -324,6 +324,50 @@ def test_the_default_seed_is_2_and_seed_reaches_the_writer(tmp_path, monkeypatch
     assert seeds == [2, 7]
 
 
+def test_the_intermediate_dim_defaults_to_four_times_the_hidden_dim(tmp_path, monkeypatch):
+    """--intermediate-dim's help ("default: 4 x hidden dim"): without it the model's MLP is
+    4 x --hidden-dim wide (tiny_llama.gguf's README command gives none: 64 for hidden 16), with
+    it the width given; the other flags reach the config as given. Planted, 2 x hidden: only
+    the slow regenerate_testdata_test saw the other bytes."""
+    configs = []
+
+    def write(path, config, encoding, seed, vocab):
+        configs.append(config)
+        pathlib.Path(path).write_bytes(b"gguf")
+
+    monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "build_tokenizer", lambda: None)
+    monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "gguf_vocab", lambda tokenizer: None)
+    monkeypatch.setattr(gen_tiny_model, "write_gguf", write)
+    gqa = ("--n-layers=3", "--n-heads=4", "--n-kv-heads=2")
+    assert main(_with(f"--output={tmp_path / 'default.gguf'}", *gqa)) == 0
+    assert main(_with(f"--output={tmp_path / 'given.gguf'}", "--intermediate-dim=24")) == 0
+    shapes = [
+        (c.n_layers, c.n_heads, c.n_kv_heads, c.hidden_dim, c.intermediate_dim) for c in configs
+    ]
+    assert shapes == [(3, 4, 2, 16, 64), (1, 1, 1, 16, 24)]
+
+
+@pytest.mark.parametrize("encoding", ["float32", "nvfp4"])
+def test_write_hf_config_describes_the_encoding_given(tmp_path, encoding):
+    """write_hf_config's docstring: for --quantization-encoding=nvfp4 config.json also carries
+    a quantization_config saying which tensors are NVFP4; the other encodings none. Planted:
+    hf_config_for called with "float32" whatever the flag (config_nvfp4.json lost its
+    quantization_config; only the slow regenerate_testdata_test saw it)."""
+    output = tmp_path / "config.json"
+    args = ("--hidden-dim=64", "--n-heads=4", "--n-kv-heads=2", "--intermediate-dim=128")
+    flags = _with(f"--output={output}", f"--quantization-encoding={encoding}", *args)
+    assert write_hf_config.main(flags) == 0
+    config = json.loads(output.read_text())
+    assert (config["hidden_size"], config["num_key_value_heads"]) == (64, 2)
+    if encoding == "float32":
+        assert "quantization_config" not in config
+    else:
+        quantization = config["quantization_config"]
+        assert (quantization["format"], quantization["group_size"]) == ("nvfp4", 16)
+        assert "blk.0.attn_k.weight" in quantization["quantized"]
+        assert "output_norm.weight" in quantization["ignore"]
+
+
 def test_write_hf_config_help_shows_its_own_example_and_output(capsys):
     with pytest.raises(SystemExit) as exit_info:
         write_hf_config.build_parser().parse_args(["--help"])
