@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from goldens.tolerances import tolerance
 from harness.llama3 import engine_runs, failure_report, judge, scenarios
@@ -614,3 +615,239 @@ def test_a_serving_that_drops_prompt_rows_fails(goldens) -> None:
     ]
     assert missing and all(check.status == "FAIL" for check in missing)
     assert all(check.metric != "missing" for report in dropped.reports for check in report.steps)
+
+
+def test_a_window_serving_takes_small_chunks_only_inside_its_window() -> None:
+    """`windowed`: one piece up to the window, chunks of `chunk_size` over it (the last one
+    ending at the window's end, not past it), one piece after it; the window is the 512
+    positions before WINDOW_END, or the last WINDOW_SHARE-th of a prompt that ends sooner
+    (SmolLM2's 2,138 tokens: its last 133). No model. Catches a window without its 16th cap
+    (SmolLM2's last 512) and a last chunk that runs past the window's end."""
+    assert scenarios.window_positions(8323, 512) == range(2304, 2816)
+    assert scenarios.window_positions(2138, 512) == range(2005, 2138)
+    assert scenarios.window_positions(100, 512) == range(94, 100)
+    chunked = scenarios.windowed(ServingEngine, 512)
+
+    def pieces(length: int, chunk: int) -> list[tuple[int, int]]:
+        server, computed, out = types.SimpleNamespace(chunk_size=chunk), 0, []
+        while computed < length:
+            count = chunked._chunk(server, computed, length - computed)
+            out.append((computed, count))
+            computed += count
+        return out
+
+    inside = [(s, min(3, 2816 - s)) for s in range(2304, 2816, 3)]
+    assert pieces(8323, 3) == [(0, 2304), *inside, (2816, 8323 - 2816)]
+    assert pieces(2138, 16) == [(0, 2005), *[(s, min(16, 2138 - s)) for s in range(2005, 2138, 16)]]
+
+
+def _recording(log: list) -> type[ServingEngine]:
+    """A ServingEngine that logs each submit: (its step() calls so far, the request ids), and
+    its max_batch."""
+
+    class Recording(ServingEngine):
+        def __init__(self, *args, **config) -> None:
+            super().__init__(*args, **config)
+            self.calls = 0
+            log.append(("max_batch", self.max_batch))
+
+        def step(self):
+            self.calls += 1
+            return super().step()
+
+        def submit(self, requests) -> None:
+            log.append((self.calls, [r.id for r in requests]))
+            super().submit(requests)
+
+    return Recording
+
+
+def test_each_batch_serving_submits_the_cases_in_its_order(goldens) -> None:
+    """`batch` serves every case in one batch as listed, `reversed` in reverse, `split` the
+    first half then the second; each returns one run per case in the golden's order. Catches
+    `reversed` serving the cases as listed (the goldens pass either way) and `split` dropping
+    a case of its second half."""
+    variant, golden = _tiny_short(goldens, "float32")
+    engine = engine_runs.load_engine(variant, "cpu")
+    ids = [case.id for case in golden.cases]
+    half = len(ids) // 2
+    expected = {"batch": [ids], "reversed": [ids[::-1]], "split": [ids[:half], ids[half:]]}
+    for serving in scenarios.SERVINGS["batch"]:
+        log: list = []
+        served = scenarios.served_runs(engine, golden, serving, _recording(log))
+        submits = [requests for calls, requests in log if calls != "max_batch"]
+        assert submits == expected[serving.name], serving.name
+        assert [run.spec.id for run in served.runs] == ids, serving.name
+
+
+def test_the_pressure_lane_serves_every_case_in_waves_two_steps_apart(goldens) -> None:
+    """`pressure`: at least PRESSURE_IN_FLIGHT + 2 (18) requests, PRESSURE_COPIES copies of
+    every case at least (the tiny file's 4 short cases: 5 copies), one wave of every case's
+    copy each PRESSURE_WAVE_STEPS steps, and every copy but the first returned for judging in
+    Served.copies (one run per case, in order). Catches waves submitted every step, the copies
+    rounded down (4 waves, 16 requests) and the last copy left unjudged."""
+    variant, golden = _tiny_short(goldens, "float32")
+    engine = engine_runs.load_engine(variant, "cpu")
+    (pressure,) = scenarios.SERVINGS["pressure"]
+    ids = [case.id for case in golden.cases]
+    copies = max(scenarios.PRESSURE_COPIES, -(-18 // len(ids)))
+    assert copies * len(ids) >= 18
+    log: list = []
+    served = scenarios.served_runs(engine, golden, pressure, _recording(log))
+    waves = [(calls, requests) for calls, requests in log if calls != "max_batch"]
+    assert waves == [
+        (k * scenarios.PRESSURE_WAVE_STEPS, [i if k == 0 else f"{i}/copy{k}" for i in ids])
+        for k in range(copies)
+    ]
+    assert len(served.copies) == copies - 1
+    assert all([run.spec.id for run in runs] == ids for runs in [served.runs, *served.copies])
+
+
+def test_prefix_siblings_share_the_blocks_before_the_last_position_and_shift_the_second() -> None:
+    """`_siblings` (the `prefix` lane): `/shifted` holds the case's second block's tokens at its
+    start (when the case has two full blocks before its last prompt position), then `/sharing`
+    holds the case's full blocks before its last prompt position (its prompt positions inside
+    them) and 3 other tokens; each generates one token. No model. Catches the shifted sibling
+    dropped for a case of two such blocks, and the sharing sibling holding the block of the
+    case's last position (a prompt of whole blocks then read whole from the cache)."""
+
+    def siblings(length: int) -> list[tuple[str, list[int], int, tuple[int, ...]]]:
+        prompt = list(range(80, 80 + length))  # a vocabulary of 91: token 90 + 1 wraps to 0
+        request = Request("c", prompt, 4, prompt_positions=tuple(range(length - 1)))
+        return [
+            (r.id, r.prompt, r.max_new_tokens, r.prompt_positions)
+            for r in scenarios._siblings(request, 2, 91)
+        ]
+
+    other = [84, 85, 86]  # the last three tokens (83, 84, 85) + 1
+    assert siblings(6) == [
+        ("c/shifted", [82, 83, *other], 1, ()),
+        ("c/sharing", [80, 81, 82, 83, *other], 1, (0, 1, 2, 3)),
+    ]
+    other = [89, 90, 0]
+    assert siblings(11) == [
+        ("c/shifted", [82, 83, *other], 1, ()),
+        ("c/sharing", [*range(80, 90), *other], 1, tuple(range(10))),
+    ]
+    assert siblings(4) == [("c/sharing", [80, 81, 82, 83, 84], 1, (0, 1))]
+    assert siblings(2) == []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Output:
+    prompt_logits: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _Result:
+    output: _Output
+    prompt_positions: list
+
+
+def _computed(source: float, positions: list[int]) -> _Result:
+    """A served result whose prompt rows at `positions` are each filled with `source`."""
+    rows = torch.full((len(positions), 4), source) if positions else None
+    return _Result(_Output(rows), positions)
+
+
+def _sources(result) -> dict[int, float]:
+    rows = result.output.prompt_logits
+    return {p: float(rows[i, 0]) for i, p in enumerate(result.prompt_positions)}
+
+
+def test_a_served_case_keeps_its_own_prompt_rows_and_takes_only_the_others_rows_it_lacks() -> None:
+    """`_with_siblings_rows` (`prefix`): the case's own rows win where its `/sharing` sibling
+    computed one too; `_with_rows_of` (`pressure`): a copy's own rows, and each row it did not
+    compute from the first of the copies that did. Positions in the request's order, one
+    nobody computed left out. No model. Catches the sibling's rows winning, and the last copy's
+    row taking the place of the copy's own and the first's."""
+    request = Request("c", list(range(10)), 1, prompt_positions=(0, 1, 3, 5, 7))
+    served = {"c": _computed(1.0, [3, 5]), "c/sharing": _computed(2.0, [0, 1, 3])}
+    merged = scenarios._with_siblings_rows(served, request)
+    assert merged.prompt_positions == [0, 1, 3, 5]
+    assert _sources(merged) == {0: 2.0, 1: 2.0, 3: 1.0, 5: 1.0}
+
+    ids = ["c", "c/copy1", "c/copy2"]
+    results = {
+        "c": _computed(0.0, [0, 3]),
+        "c/copy1": _computed(1.0, [0, 1, 3]),
+        "c/copy2": _computed(2.0, [3, 5]),
+    }
+    assert _sources(scenarios._with_rows_of(results, "c/copy2", ids, request)) == {
+        0: 0.0,
+        1: 1.0,
+        3: 2.0,
+        5: 2.0,
+    }
+    assert _sources(scenarios._with_rows_of(results, "c", ids, request)) == {
+        0: 0.0,
+        1: 1.0,
+        3: 0.0,
+        5: 2.0,
+    }
+
+
+def test_sampled_prefix_requests_are_served_in_turns_over_their_prompts(goldens) -> None:
+    """`served_outputs` in `prefix`: as many requests at a time as there are prompts, taken in
+    turns over the prompts (each prompt's first request, then each one's second, ...), so a
+    prompt's later requests read its blocks from the cache. Catches the requests served as
+    given (a prompt's requests one after the other)."""
+    variant, _ = _tiny_short(goldens, "float32")
+    engine = engine_runs.load_engine(variant, "cpu")
+    prompts = {"a": list(range(5, 12)), "b": list(range(20, 27)), "c": list(range(40, 45))}
+    requests = [
+        Request(f"{p}{k}", prompts[p], 2) for p, k in (("a", 1), ("a", 2), ("b", 1), ("b", 2))
+    ]
+    requests.append(Request("c1", prompts["c"], 2))
+    (prefix,) = scenarios.SERVINGS["prefix"]
+    log: list = []
+    outputs = scenarios.served_outputs(engine, requests, prefix, _recording(log))
+    assert log == [("max_batch", 3), (0, ["a1", "b1", "c1", "a2", "b2"])]
+    assert sorted(outputs) == ["a1", "a2", "b1", "b2", "c1"]
+
+
+class _LosesAFreedBlock(ServingEngine):
+    """A planted leak: a finished sequence's last block is released (no reference left) but
+    never returned to the free list."""
+
+    def _release(self, seq) -> None:
+        last = seq.table[-1] if seq.table else None
+        super()._release(seq)
+        if last is not None and self.pool.refs[last] == 0 and last in self.pool.free:
+            self.pool.free.remove(last)
+
+
+def test_a_serving_that_loses_a_released_block_is_raised(goldens) -> None:
+    """Every block of the pool is given back after a serve: free or cached and evictable
+    (`_check_pool_given_back`), not only unreferenced. A block released but never returned
+    to the free list is raised as BlocksHeld. Catches a check that raises only when a block is
+    both still referenced and missing from the free and evictable blocks."""
+    variant, golden = _tiny_short(goldens, "float32")
+    engine = engine_runs.load_engine(variant, "cpu")
+    (batch, *_) = scenarios.SERVINGS["batch"]
+    scenarios.served_runs(engine, golden, batch)
+    with pytest.raises(scenarios.BlocksHeld, match=r"_LosesAFreedBlock: 0 of \d+ blocks still"):
+        scenarios.served_runs(engine, golden, batch, _LosesAFreedBlock)
+
+
+def test_a_prompt_row_moved_alone_sets_the_served_gap() -> None:
+    """max_logprob_delta compares the served prompt rows with the solo run's at the same
+    positions: a served prompt row moved by a finite amount (the step rows the same bits) is
+    its largest |Δ log-prob|, to 1e-12. No model. Catches the prompt rows compared with the
+    served run's own (a gap of 0: only a NaN had shown)."""
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((3, 60)).astype(np.float32)
+    solo_prompt = (rng.standard_normal((1, 60)) * 3).astype(np.float32)
+    served_prompt = solo_prompt.copy()
+    served_prompt[0, 17] += 0.3
+
+    def log_softmax(rows):
+        rows = rows.astype(np.float64)
+        shifted = rows - rows.max(axis=-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+    expected = np.abs(log_softmax(served_prompt) - log_softmax(solo_prompt)).max()
+    got = scenarios.max_logprob_delta(
+        [_run(logits.copy(), served_prompt)], [_run(logits, solo_prompt)]
+    )
+    assert expected > 0.1 and abs(got - expected) < 1e-12, (got, expected)
