@@ -203,6 +203,18 @@ BATCHED_TABLE = """
 """
 
 
+def _fake_batched_bench(tmp_path, monkeypatch):
+    """A llama-batched-bench on the PATH that prints BATCHED_TABLE and writes its arguments
+    to the file it returns; bench_serving's SmolLM2 file a name in tmp_path."""
+    argv = tmp_path / "argv"
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {argv}\ncat <<'EOF'\n{BATCHED_TABLE}\nEOF\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(serving, "smollm2_gguf", lambda: tmp_path / "model.gguf")
+    return argv
+
+
 def test_llama_cpp_runs_the_engines_forwards_and_is_counted_as_the_engine_is(
     tmp_path, monkeypatch
 ) -> None:
@@ -211,12 +223,7 @@ def test_llama_cpp_runs_the_engines_forwards_and_is_counted_as_the_engine_is(
     after its prefill and its S t/s counts PROMPT + TG. It gets -ntg NEW - 1 and its rate is
     B x (PROMPT + NEW) over its T s: the same forwards, the same tokens (it got -ntg NEW, one
     decode step more than the engine, before)."""
-    argv = tmp_path / "argv"
-    fake = tmp_path / "llama-batched-bench"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" > {argv}\ncat <<'EOF'\n{BATCHED_TABLE}\nEOF\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    monkeypatch.setattr(serving, "smollm2_gguf", lambda: tmp_path / "model.gguf")
+    argv = _fake_batched_bench(tmp_path, monkeypatch)
     args = serving._parser().parse_args(["--prompt-tokens=8", "--new-tokens=4"])
     totals, why = serving.llama_cpp_batched(args, [1, 2])
     assert why == "" and "-npp 8 -ntg 3 " in argv.read_text() + " "
@@ -623,12 +630,7 @@ def test_bench_serving_runs_llama_batched_bench_again_with_no_repack(tmp_path, m
     """README.md:87 (the `no-repack` column: llama-batched-bench again with `--no-repack`):
     the default run passes no `--no-repack`, the no-repack run does. Planted: the condition
     inverted (the llama.cpp column then measured without repacking)."""
-    argv = tmp_path / "argv"
-    fake = tmp_path / "llama-batched-bench"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" > {argv}\ncat <<'EOF'\n{BATCHED_TABLE}\nEOF\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    monkeypatch.setattr(serving, "smollm2_gguf", lambda: tmp_path / "model.gguf")
+    argv = _fake_batched_bench(tmp_path, monkeypatch)
     args = serving._parser().parse_args(["--prompt-tokens=8", "--new-tokens=4"])
     assert serving.llama_cpp_batched(args, [1, 2])[1] == ""
     assert "--no-repack" not in argv.read_text().split()

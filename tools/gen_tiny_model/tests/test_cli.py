@@ -306,22 +306,29 @@ def test_a_write_that_fails_late_exits_2_naming_output(tmp_path, capsys, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_default_seed_is_2_and_seed_reaches_the_writer(tmp_path, monkeypatch):
-    """docs/architecture.md:85 ("Default seed 2"): without --seed the command writes the
-    weights of seed 2 (tiny_llama.gguf's README command gives none), with --seed=N those of
-    N. Planted, DEFAULT_SEED 3: only the slow regenerate_testdata_test saw the other bytes."""
-    seeds = []
+def _recorded_writes(monkeypatch) -> list:
+    """gen_tiny_model's writer replaced by one that records (config, seed) in the list it
+    returns and writes 4 bytes; no tokenizer is built."""
+    writes = []
 
     def write(path, config, encoding, seed, vocab):
-        seeds.append(seed)
+        writes.append((config, seed))
         pathlib.Path(path).write_bytes(b"gguf")
 
     monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "build_tokenizer", lambda: None)
     monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "gguf_vocab", lambda tokenizer: None)
     monkeypatch.setattr(gen_tiny_model, "write_gguf", write)
+    return writes
+
+
+def test_the_default_seed_is_2_and_seed_reaches_the_writer(tmp_path, monkeypatch):
+    """docs/architecture.md:85 ("Default seed 2"): without --seed the command writes the
+    weights of seed 2 (tiny_llama.gguf's README command gives none), with --seed=N those of
+    N. Planted, DEFAULT_SEED 3: only the slow regenerate_testdata_test saw the other bytes."""
+    writes = _recorded_writes(monkeypatch)
     assert main(_with(f"--output={tmp_path / 'default.gguf'}")) == 0
     assert main(_with(f"--output={tmp_path / 'seven.gguf'}", "--seed=7")) == 0
-    assert seeds == [2, 7]
+    assert [seed for _, seed in writes] == [2, 7]
 
 
 def test_the_intermediate_dim_defaults_to_four_times_the_hidden_dim(tmp_path, monkeypatch):
@@ -329,20 +336,12 @@ def test_the_intermediate_dim_defaults_to_four_times_the_hidden_dim(tmp_path, mo
     4 x --hidden-dim wide (tiny_llama.gguf's README command gives none: 64 for hidden 16), with
     it the width given; the other flags reach the config as given. Planted, 2 x hidden: only
     the slow regenerate_testdata_test saw the other bytes."""
-    configs = []
-
-    def write(path, config, encoding, seed, vocab):
-        configs.append(config)
-        pathlib.Path(path).write_bytes(b"gguf")
-
-    monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "build_tokenizer", lambda: None)
-    monkeypatch.setattr(gen_tiny_model.llama3_tokenizer, "gguf_vocab", lambda tokenizer: None)
-    monkeypatch.setattr(gen_tiny_model, "write_gguf", write)
+    writes = _recorded_writes(monkeypatch)
     gqa = ("--n-layers=3", "--n-heads=4", "--n-kv-heads=2")
     assert main(_with(f"--output={tmp_path / 'default.gguf'}", *gqa)) == 0
     assert main(_with(f"--output={tmp_path / 'given.gguf'}", "--intermediate-dim=24")) == 0
     shapes = [
-        (c.n_layers, c.n_heads, c.n_kv_heads, c.hidden_dim, c.intermediate_dim) for c in configs
+        (c.n_layers, c.n_heads, c.n_kv_heads, c.hidden_dim, c.intermediate_dim) for c, _ in writes
     ]
     assert shapes == [(3, 4, 2, 16, 64), (1, 1, 1, 16, 24)]
 
