@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -378,3 +380,123 @@ def test_on_a_float_file_the_ggml_mode_is_eager(tmp_path) -> None:
     eager = Llama3Engine.from_gguf(path)
     ids = list(range(1, 40))
     assert torch.equal(engine.forward_logits(ids), eager.forward_logits(ids))
+
+
+# --- ggml_attention's arithmetic, transcribed: every rounding as ggml_dot.c writes it ----------
+F32 = np.float32
+
+
+def _f32(exact: Fraction) -> np.float32:
+    """`exact` rounded once to float32, to nearest, ties to even."""
+    near = F32(float(exact))
+    around = (np.nextafter(near, F32(-np.inf)), near, np.nextafter(near, F32(np.inf)))
+    return min(around, key=lambda f: (abs(Fraction(float(f)) - exact), int(f.view(np.uint32)) & 1))
+
+
+def _fmaf(a, b, c) -> np.float32:
+    """C's fmaf: a * b + c rounded once (exactly, through fractions)."""
+    return _f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
+
+
+def _hex32(text: str) -> np.float32:
+    value = F32(float.fromhex(text))
+    assert float(value) == float.fromhex(text)
+    return value
+
+
+# ggml_expf's constants: log2(e), ln 2 (low part, high part), the polynomial's c5 .. c1
+_EXPF_HEX = (
+    "0x1.715476p+0", "0x1.7f7d1cp-20", "0x1.62e4p-1", "0x1.0e4020p-7",
+    "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1",
+)  # fmt: skip
+_EXPF = [_hex32(t) for t in _EXPF_HEX]
+
+
+def _ggml_expf(x: np.float32) -> np.float32:
+    """ggml_dot.c's ggml_expf where |n| <= 126 (softmax's shifted scores here)."""
+    log2e, ln2_lo, ln2_hi, c5, c4, c3, c2, c1 = _EXPF
+    shift = F32(12582912.0)  # 0x1.8p23
+    z = _fmaf(x, log2e, shift)
+    n = F32(z - shift)
+    assert abs(n) <= 126
+    b = _fmaf(-n, ln2_lo, _fmaf(-n, ln2_hi, x))
+    bits = ((int(z.view(np.uint32)) << 23) + 0x3F800000) & 0xFFFFFFFF
+    k = np.uint32(bits).view(F32)
+    u = F32(b * b)
+    j = _fmaf(_fmaf(_fmaf(c5, b, c4), u, _fmaf(c3, b, c2)), u, F32(c1 * b))
+    return _fmaf(j, k, k)
+
+
+def _dot_lanes(a: np.ndarray, b: np.ndarray) -> np.float32:
+    """dot_lanes: eight lanes of fmaf in order, summed as hsum_float_8."""
+    lane = [F32(0.0)] * 8
+    for i in range(0, len(a), 8):
+        lane = [_fmaf(a[i + k], b[i + k], lane[k]) for k in range(8)]
+    r = [F32(lane[k + 4] + lane[k]) for k in range(4)]
+    return F32(F32(r[0] + r[2]) + F32(r[1] + r[3]))
+
+
+def _ggml_decode_row(qkv, cos, sin, cache_k, cache_v, n_heads, n_kv, start, scale):
+    """ggml_attention for one row at position `start`, transcribed: (rotated qkv, caches, out)."""
+    qkv, cache_k, cache_v = qkv.copy(), cache_k.copy(), cache_v.copy()
+    hd = cos.shape[0]
+    heads = qkv.reshape(-1, hd)  # a view: rotated in place
+    for x in heads[: n_heads + n_kv]:
+        for d in range(hd // 2):
+            a, b = x[d], x[d + hd // 2]
+            x[d] = _fmaf(a, cos[d], -F32(b * sin[d]))
+            x[d + hd // 2] = _fmaf(a, sin[d + hd // 2], F32(b * cos[d + hd // 2]))
+    cache_k[:, start] = heads[n_heads : n_heads + n_kv]
+    cache_v[:, start] = heads[n_heads + n_kv :]
+    out = np.zeros((n_heads, hd), F32)
+    for h in range(n_heads):
+        keys, values = cache_k[h // (n_heads // n_kv)], cache_v[h // (n_heads // n_kv)]
+        scores = [F32(_dot_lanes(heads[h], keys[j]) * scale) for j in range(start + 1)]
+        peak = max(scores)
+        p = [_ggml_expf(F32(s - peak)) for s in scores]
+        total = 0.0  # double, in order
+        for value in p:
+            total += float(value)
+        inv = F32(1.0 / total)  # (float)(1 / sum)
+        for j in range(start + 1):
+            pj = F32(p[j] * inv)
+            out[h] = [_fmaf(pj, values[j, d], out[h, d]) for d in range(hd)]
+    return qkv, cache_k, cache_v, out.reshape(-1)
+
+
+def test_a_decode_rows_attention_is_ggmls_arithmetic_bit_for_bit() -> None:
+    """ggml_attention's header promises each rounding: the rotation x0' = fma(x0, cos, -(x1
+    sin)), x1' = fma(x0, sin, x1 cos); scores over eight fmaf lanes summed as hsum_float_8,
+    times the scale; softmax by ggml_expf, the sum in double in order, each probability times
+    (float)(1 / sum); out = one fmaf per key in order. A Python transcription with exact fmaf
+    (fractions) gives the bits, and every build must give them: four KV heads of SmolLM2's
+    group of three query heads at head dim 64 (the AVX-512 builds' three-heads value loop),
+    seven keys (a tile of four scores, then three alone). Twelve heads: the planted factor
+    below moves about a quarter of the heads' (float)(1 / sum). The attention test above
+    compares the builds with each other and the output with float64 softmax attention within
+    1e-5: it passes the factor planted as 1.0f / (float)sum on every build, and failed the
+    rotation planted as two roundings (a * c - b * s) by 2e-8 (1.0023e-5); both fail here."""
+    rng = np.random.default_rng(21)
+    n_heads, n_kv, hd, start = 12, 4, 64, 6
+    qkv = (rng.standard_normal((n_heads + 2 * n_kv) * hd) * 2).astype(F32)
+    angles = np.tile(rng.uniform(0.0, 6.0, hd // 2), 2)
+    cos, sin = np.cos(angles).astype(F32), np.sin(angles).astype(F32)
+    cache_k = rng.standard_normal((n_kv, start + 2, hd)).astype(F32)
+    cache_v = rng.standard_normal((n_kv, start + 2, hd)).astype(F32)
+    scale = F32(hd**-0.5)
+    expected = _ggml_decode_row(qkv, cos, sin, cache_k, cache_v, n_heads, n_kv, start, scale)
+    for isa in ISAS:
+        got = [torch.from_numpy(t.copy()) for t in (qkv, cache_k, cache_v)]
+        out = torch.zeros(n_heads * hd)
+        kernel_library.load(isa).ggml_attention(
+            got[0].data_ptr(), 1, torch.from_numpy(cos).data_ptr(),
+            torch.from_numpy(sin).data_ptr(), got[1].data_ptr(), got[2].data_ptr(), n_heads,
+            n_kv, hd, start + 2, start, float(scale), out.data_ptr(), 1,
+        )  # fmt: skip
+        for name, mine, theirs in zip(
+            ("qkv", "cache_k", "cache_v", "out"), [*got, out], expected, strict=True
+        ):
+            assert mine.numpy().view(np.uint32).tolist() == theirs.view(np.uint32).tolist(), (
+                isa,
+                name,
+            )

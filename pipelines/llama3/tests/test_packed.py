@@ -719,3 +719,44 @@ def test_bfloat16_compute_stays_as_in_eager(mode, tmp_path) -> None:
     assert not any(isinstance(m, products) for m in engine.model.modules())
     eager = Llama3Engine.from_gguf(path, dtype=torch.bfloat16)
     assert torch.equal(engine.forward_logits([1, 2, 3]), eager.forward_logits([1, 2, 3]))
+
+
+class _DecodeWrittenOverItsLastKey(ServingEngine):
+    """A decode row's keys and values written over its own previous position's (a serving bug
+    of the kind the serving lane plants): the row's write slot is then not the last slot of
+    its context, the one case where the two differ."""
+
+    def _write_slot(self, seq, position: int, decoding: bool) -> int:
+        if decoding and position > 0:
+            return self._slot(seq, position - 1)
+        return super()._write_slot(seq, position, decoding)
+
+
+@pytest.mark.parametrize("mode", ["quantized", "ggml"])
+def test_the_one_call_serving_step_reads_a_rows_new_keys_at_its_write_slot(mode, fused_files):
+    """packed_decode_paged reads row r over its context's slots with its own position's slot
+    replaced by write[r] (where its new keys and values go), as the modules' decode_paged
+    (PackedAttention.forward_paged: slots[-1] = batch.write); ggml_decode_paged attends over
+    the row's new keys and copies them to write[r]. A serving bug can move the write slot
+    (here: over the row's previous position), and the one call must then still compute the
+    modules' bits, or the bug would show one way on the one-call path and another on the
+    modules'. (A write into another row's context in the same step is another matter: the
+    quantized one call stores every row's keys before any row attends, the modules row by
+    row.) Normal serving writes each row at its context's last
+    slot, where no other test looks. Planted, packed_gemm.c decode_rows without the row_slots
+    replacement (the row reads its context's last slot, which was never written): the tokens
+    and logits move, in the quantized mode."""
+    engine = Llama3Engine.from_gguf(fused_files[0], mode=mode)
+    fused = engine.model.fused_decode
+    requests = [
+        Request(f"r{i}", [1, 17, 99, 5, 42, 7][: 2 + i], max_new_tokens=6 + 2 * i) for i in range(5)
+    ]
+
+    def served(step, serving_class=_DecodeWrittenOverItsLastKey) -> dict:
+        engine.model.fused_decode = step
+        results = serving_class(engine, block_size=4).serve(requests)
+        return {r: (s.output.tokens, s.output.logits.numpy().tobytes()) for r, s in results.items()}
+
+    modules = served(None)
+    assert modules != served(None, ServingEngine)  # the moved write slot changes the numbers
+    assert served(fused) == modules
