@@ -1,19 +1,23 @@
 """The OpenAI-compatible adapter against a fake server on loopback: both answer shapes, the
 errors a user meets (nothing listening, no log-probabilities, ids only as text, too few,
-an HTTP error, a timeout), and a judged verdict that passes and fails on the model's numbers."""
+an HTTP error, a timeout), and a judged verdict that passes and fails on the model's numbers;
+retries counted, choices matched by index, the URL and key sent, llama.cpp's tokenizer calls."""
 
 from __future__ import annotations
 
+import io
 import socket
 import threading
 import time
+import urllib.error
 
 import numpy as np
 import pytest
 
 from goldens import compare
+from goldens.engines import openai
 from goldens.engines.base import EngineError, forced_run
-from goldens.engines.openai import OpenAIEngine
+from goldens.engines.openai import LlamaCppEngine, OpenAIEngine
 from goldens.engines.tests.fake_server import FakeServer, logits_of
 from goldens.record import CaseSpec, record_case
 from goldens.tolerances import Tolerance
@@ -167,3 +171,128 @@ def test_every_request_is_the_documented_completion_of_token_ids():
         {**every, "prompt": [PROMPT[:2], PROMPT[:3]]},
         {**every, "prompt": PROMPT},  # a lone prefix is sent as one prompt, not a list of one
     ]
+
+
+def test_one_log_probability_short_of_the_goldens_k_is_an_error():
+    """A row must hold at least the golden's k log-probabilities (base.Engine.teacher_forced:
+    "at least `top_k`"): a server that answers k - 1 cannot be judged and says so, naming k.
+    Planted, caught here: the count check off by one (`len(pairs) < top_k - 1`)."""
+    with FakeServer() as server:
+        engine = OpenAIEngine(server.url)
+        engine.extra_body = lambda: {"logprobs": 7}  # a server that caps k at 7
+        with pytest.raises(EngineError, match=r"returned 7 log-probabilities .* needs 8"):
+            engine.next_token_rows(PROMPT, [4], 8)
+
+
+def test_every_retry_is_counted_and_the_message_says_how_many():
+    """`retries=N` is N retries after the first try, N + 1 requests in all, and the error
+    says so ("after N + 1 tries"). Planted, caught here: the loop giving up one try early
+    (`attempt == self.retries - 1`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    engine = OpenAIEngine(f"http://127.0.0.1:{port}/v1", retries=2)
+    with pytest.raises(EngineError, match=r"\(after 3 tries\)"):
+        engine.next_token_rows(PROMPT, [4], 8)
+    assert engine.requests == 3
+
+
+def test_a_connect_timeout_is_a_timeout_error_and_not_retried(monkeypatch):
+    """A request that times out while connecting (urllib wraps it in a URLError) is the
+    documented timeout error naming --timeout, at once: a timeout is not retried as a refused
+    connection is. Planted, caught here: the URLError's timeout reason not looked at (then
+    it is retried and reported as "nothing answers")."""
+    calls = []
+
+    def urlopen(request, timeout):
+        calls.append(timeout)
+        raise urllib.error.URLError(TimeoutError("timed out"))
+
+    monkeypatch.setattr(openai.urllib.request, "urlopen", urlopen)
+    engine = OpenAIEngine("http://127.0.0.1:9/v1", timeout=0.5, retries=2)
+    with pytest.raises(EngineError, match=r"did not answer within 0\.5 s \(--timeout\)"):
+        engine.next_token_rows(PROMPT, [4], 8)
+    assert calls == [0.5]
+
+
+def test_choices_are_matched_to_prefixes_by_their_index_not_their_order():
+    """A batched answer's choices belong to the prompts by `index` (OpenAI's completions API;
+    a server may list them in any order): a reversed list gives the same rows as the ordered
+    one. Planted, caught here: the choices taken in the order listed (no sort by index)."""
+    with FakeServer("token_ids") as server:
+        ordered = OpenAIEngine(server.url, batch=4)
+        expected = ordered.next_token_rows(PROMPT, [1, 2, 3, 4], 8)
+        shuffled = OpenAIEngine(server.url, batch=4)
+        post = shuffled.post
+
+        def reversed_post(path, body):
+            answer = post(path, body)
+            return {**answer, "choices": answer["choices"][::-1]}
+
+        shuffled.post = reversed_post
+        got = shuffled.next_token_rows(PROMPT, [1, 2, 3, 4], 8)
+    assert [r.ids for r in got] == [r.ids for r in expected]
+    assert [r.logprobs for r in got] == [r.logprobs for r in expected]
+    assert got[0].ids[0] == int(np.argmax(logits_of(PROMPT[:2])))
+
+
+def test_an_echo_answer_shorter_than_the_prompt_says_to_run_without_echo():
+    """With --echo, a server whose prompt log-probabilities do not cover every prompt token
+    (a server that ignores "echo" answers one entry, for the generated token) is one
+    EngineError saying to run without --echo, not an IndexError. Planted, caught here: the
+    length check dropped (`if not top:`)."""
+    engine = OpenAIEngine("http://127.0.0.1:9/v1", echo=True)
+    engine.post = lambda path, body: {
+        "choices": [{"index": 0, "logprobs": {"top_logprobs": [{"token_id:4": -0.1}]}}]
+    }
+    with pytest.raises(EngineError, match=r"\(1 entries for 5 tokens\): run without --echo"):
+        engine.next_token_rows(PROMPT, [0, 2], 1)
+
+
+def test_requests_go_to_the_url_given_with_the_bearer_key(monkeypatch):
+    """`{url}/completions` for a --url with or without its trailing slash (README: "--url=
+    http://127.0.0.1:8080/v1"), with `Authorization: Bearer KEY` when an API key is given
+    (the OpenAI convention). Planted, each caught here: the trailing slash kept (requests to
+    `/v1//completions`), the key sent without "Bearer "."""
+    seen = []
+
+    def urlopen(request, timeout):
+        seen.append((request.full_url, request.get_header("Authorization")))
+        raise urllib.error.HTTPError(request.full_url, 401, "no", {}, io.BytesIO(b"denied"))
+
+    monkeypatch.setattr(openai.urllib.request, "urlopen", urlopen)
+    engine = OpenAIEngine("http://127.0.0.1:9/v1/", api_key="sk-1")
+    assert engine.url == "http://127.0.0.1:9/v1"
+    with pytest.raises(EngineError, match=r"/v1/completions answered HTTP 401: denied"):
+        engine.next_token_rows(PROMPT, [4], 8)
+    assert seen == [("http://127.0.0.1:9/v1/completions", "Bearer sk-1")]
+
+
+def test_llama_cpp_tokenizes_at_its_root_with_bos_and_biases_a_plain_token():
+    """`LlamaCppEngine` (its docstring): the prompt is tokenized by the server at its root's
+    `/tokenize` (not under /v1) with its special tokens (BOS), and every completion carries a
+    `logit_bias` of +100 on the single token of "a", tokenized without them. Planted, each
+    caught here: tokenize() without add_special, the bias token tokenized with it."""
+    seen = []
+
+    def post(self, path, body):
+        seen.append((self.url + path, body))
+        if path == "/tokenize":
+            ids = [ord(c) for c in body["content"]]
+            return {"tokens": [1, *ids] if body["add_special"] else ids}
+        k = body["logprobs"]
+        entries = [{"id": i, "logprob": -float(i)} for i in range(k)]
+        return {"choices": [{"index": 0, "logprobs": {"content": [{"top_logprobs": entries}]}}]}
+
+    engine = LlamaCppEngine("http://127.0.0.1:9/v1")
+    engine.post = post.__get__(engine)
+    assert engine.tokenize("hi") == [1, ord("h"), ord("i")]
+    engine.next_token_rows(PROMPT, [4], 2)
+    assert [url for url, _ in seen] == [
+        "http://127.0.0.1:9/tokenize",
+        "http://127.0.0.1:9/tokenize",
+        "http://127.0.0.1:9/v1/completions",
+    ]
+    assert seen[0][1] == {"content": "hi", "add_special": True}
+    assert seen[1][1] == {"content": "a", "add_special": False}
+    assert seen[2][1]["logit_bias"] == {str(ord("a")): 100}
