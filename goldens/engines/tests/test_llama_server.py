@@ -19,6 +19,7 @@ import pytest
 
 from goldens.engines import llama_server
 from goldens.engines.base import EngineError
+from testing.processes import exited
 
 INSTALL = Path(os.environ.get("LLAMA_CPP_INSTALL", "tools/llama_cpp/install.sh"))
 
@@ -127,17 +128,6 @@ def fake_server(tmp_path, monkeypatch):
             os.kill(launch["pid"], signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not reaped) is not running.
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    return False
-
-
 def test_a_server_runs_with_the_golden_numerics_and_is_stopped_on_exit(
     fake_server, monkeypatch
 ) -> None:
@@ -159,7 +149,7 @@ def test_a_server_runs_with_the_golden_numerics_and_is_stopped_on_exit(
         assert pairs["--threads"] == pairs["--threads-batch"] == pairs["--parallel"] == "1"
         assert pairs["--flash-attn"] == "off"
         assert pairs["--cache-type-k"] == pairs["--cache-type-v"] == "f32"
-    assert server.pid is None and not _alive(pid)
+    assert server.pid is None and exited(pid)
     assert not log.exists()
     assert "fake llama-server starting" in server.log_tail()
 
@@ -177,7 +167,7 @@ def test_a_server_never_ready_is_stopped_and_started_once(fake_server, monkeypat
     assert "fake llama-server starting" in str(error.value)
     assert len(launches()) == 1
     assert server.pid is None
-    assert not any(_alive(launch["pid"]) for launch in launches())
+    assert all(exited(launch["pid"]) for launch in launches())
 
 
 def test_a_server_that_exits_fails_at_once_with_its_log(fake_server, monkeypatch) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from testing.processes import exited
 from tools.remote import deps, processes, stack
 
 
@@ -156,15 +157,6 @@ def test_a_second_start_reports_the_running_stack(capsys, tmp_path, sleeper):
     assert not (tmp_path / "stack.json").exists()
 
 
-def _gone(pid: int) -> bool:
-    """Whether `pid` has exited (no process, or a zombie nobody reaped yet)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True
-    return "\nState:\tZ" in status
-
-
 def test_stop_kills_what_is_left_of_the_process_group(tmp_path):
     """stop ends the recorded process and its process group (a worker's running action): a
     child left behind when its parent died of the first signal gets SIGKILL (planted: no
@@ -180,12 +172,12 @@ def test_stop_kills_what_is_left_of_the_process_group(tmp_path):
         assert processes.stop(tmp_path, "worker-1", grace_s=5) is True
         proc.wait(timeout=5)
         deadline = time.monotonic() + 5
-        while not _gone(child) and time.monotonic() < deadline:
+        while not exited(child) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _gone(child), f"the group's child {child} outlived stop"
+        assert exited(child), f"the group's child {child} outlived stop"
         assert not processes.pid_file(tmp_path, "worker-1").exists()
     finally:
-        if not _gone(child):
+        if not exited(child):
             os.kill(child, signal.SIGKILL)
 
 
