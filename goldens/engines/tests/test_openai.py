@@ -127,11 +127,16 @@ def test_a_server_that_cannot_be_judged_says_why(shape, message):
         assert server.url in str(error.value)
 
 
-def test_too_few_log_probabilities_ask_for_the_goldens_k():
+@pytest.mark.parametrize("cap", [5, 7])
+def test_too_few_log_probabilities_ask_for_the_goldens_k(cap):
+    """A row must hold at least the golden's k log-probabilities (base.Engine.teacher_forced:
+    "at least `top_k`"): a server that caps k below it (at 5, or one short at 7) cannot be
+    judged and says so, naming k. Planted, caught at 7: the count check off by one
+    (`len(pairs) < top_k - 1`)."""
     with FakeServer() as server:
         engine = OpenAIEngine(server.url)
-        engine.extra_body = lambda: {"logprobs": 5}  # a server that caps k at 5
-        with pytest.raises(EngineError, match=r"returned 5 log-probabilities .* needs 8"):
+        engine.extra_body = lambda: {"logprobs": cap}  # a server that caps k
+        with pytest.raises(EngineError, match=rf"returned {cap} log-probabilities .* needs 8"):
             engine.next_token_rows(PROMPT, [4], 8)
 
 
@@ -171,17 +176,6 @@ def test_every_request_is_the_documented_completion_of_token_ids():
         {**every, "prompt": [PROMPT[:2], PROMPT[:3]]},
         {**every, "prompt": PROMPT},  # a lone prefix is sent as one prompt, not a list of one
     ]
-
-
-def test_one_log_probability_short_of_the_goldens_k_is_an_error():
-    """A row must hold at least the golden's k log-probabilities (base.Engine.teacher_forced:
-    "at least `top_k`"): a server that answers k - 1 cannot be judged and says so, naming k.
-    Planted, caught here: the count check off by one (`len(pairs) < top_k - 1`)."""
-    with FakeServer() as server:
-        engine = OpenAIEngine(server.url)
-        engine.extra_body = lambda: {"logprobs": 7}  # a server that caps k at 7
-        with pytest.raises(EngineError, match=r"returned 7 log-probabilities .* needs 8"):
-            engine.next_token_rows(PROMPT, [4], 8)
 
 
 def test_every_retry_is_counted_and_the_message_says_how_many():
