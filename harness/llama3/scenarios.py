@@ -542,8 +542,9 @@ def _row_gap(served: np.ndarray, alone: np.ndarray) -> float:
     rows = (served != alone).any(axis=-1)
     if not rows.any():
         return 0.0
-    a = (served if rows.all() else served[rows]).astype(np.float64)
-    b = (alone if rows.all() else alone[rows]).astype(np.float64)
+    if not rows.all():
+        served, alone = served[rows], alone[rows]
+    a, b = served.astype(np.float64), alone.astype(np.float64)
     with np.errstate(invalid="ignore"):  # inf - inf: NaN
         shift = _logsumexp(a) - _logsumexp(b)
         a -= b
