@@ -74,19 +74,22 @@ def test_echo_mode_reads_prompt_log_probabilities_in_one_request_per_case():
         assert len(server.requests) == 1 and server.requests[0]["echo"] is True
 
 
-def test_nothing_listening_is_one_error_naming_the_url():
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed again)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+        return s.getsockname()[1]
+
+
+def test_nothing_listening_is_one_error_naming_the_url():
+    port = _closed_port()
     engine = OpenAIEngine(f"http://127.0.0.1:{port}/v1", retries=1)
     with pytest.raises(EngineError, match=f"nothing answers at http://127.0.0.1:{port}/v1"):
         engine.next_token_rows(PROMPT, [4], 8)
 
 
 def test_a_connection_refused_at_first_is_retried():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _closed_port()
     server = FakeServer()
     server.httpd.server_close()
 
@@ -182,9 +185,7 @@ def test_every_retry_is_counted_and_the_message_says_how_many():
     """`retries=N` is N retries after the first try, N + 1 requests in all, and the error
     says so ("after N + 1 tries"). Planted, caught here: the loop giving up one try early
     (`attempt == self.retries - 1`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = _closed_port()
     engine = OpenAIEngine(f"http://127.0.0.1:{port}/v1", retries=2)
     with pytest.raises(EngineError, match=r"\(after 3 tries\)"):
         engine.next_token_rows(PROMPT, [4], 8)
