@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -147,3 +149,59 @@ def wait_for(check, timeout_s: float, still_alive) -> bool:
             return bool(check())
         time.sleep(0.1)
     return False
+
+
+MOUNTS = Path("/proc/self/mounts")
+
+
+def _unescape_mount_path(field: str) -> str:
+    """A path as /proc/self/mounts spells it: space, tab, newline and backslash as octal."""
+    return re.sub(r"\\([0-7]{3})", lambda code: chr(int(code.group(1), 8)), field)
+
+
+def mounts_under(folder: Path, mounts: str) -> list[tuple[str, str]]:
+    """(mount point, file system type) of each mount at or below `folder` in a
+    /proc/self/mounts text, deepest first (so a mount inside another is undone first)."""
+    root = str(folder)
+    found = []
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = _unescape_mount_path(fields[1])
+        if point == root or point.startswith(root.rstrip("/") + "/"):
+            found.append((point, fields[2]))
+    return sorted(found, key=lambda mount: mount[0].count("/"), reverse=True)
+
+
+def unmount_under(folder: Path) -> tuple[list[str], list[str]]:
+    """Detaches every mount at or below `folder`: (unmounted, left with the reason why).
+
+    A worker staging an action's inputs through FUSE mounts them below the state folder; a
+    worker killed mid-action leaves the mount behind with no process to answer it ("Transport
+    endpoint is not connected"), and nothing below it can be listed or deleted. A lazy
+    unmount (`fusermount -u -z`, `umount -l` for other types) detaches it even then.
+    """
+    try:
+        text = MOUNTS.read_text()
+    except OSError:
+        return [], []
+    done, left = [], []
+    for point, fs_type in mounts_under(folder, text):
+        if fs_type.startswith("fuse"):
+            cmd = ["fusermount3" if shutil.which("fusermount3") else "fusermount", "-u", "-z"]
+        else:
+            cmd = ["umount", "-l"]
+        try:
+            result = subprocess.run(
+                [*cmd, point], capture_output=True, text=True, timeout=30, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            left.append(f"{point} ({' '.join(cmd)}: {error})")
+            continue
+        if result.returncode == 0:
+            done.append(point)
+        else:
+            why = (result.stderr or result.stdout).strip().splitlines()
+            left.append(f"{point} ({' '.join(cmd)}: {why[-1] if why else result.returncode})")
+    return done, left

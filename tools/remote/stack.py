@@ -21,10 +21,12 @@
 
 --cache-only starts BuildGrid alone (CAS and ActionCache, no database, no workers).
 README.md ("Scaling out") says how Bazel uses the stack. A second `start` reports the running
-stack and exits 0; `stop` stops every recorded process and its children; `status` exits 0
-when every process runs. Missing programs are installed on Debian as root (deps.py).
-Exit status: 0 done, 1 a port is taken (the line names it and its option) or a start failed
-(the line names the log), 2 bad input or a dependency that cannot be installed here.
+stack and exits 0; `stop` stops every recorded process and its children, and detaches the
+FUSE mounts a worker killed mid-action leaves below the state folder; `status` exits 0 when
+every process runs. Missing programs are installed on Debian as root (deps.py).
+Exit status: 0 done, 1 a port is taken (the line names it and its option), a start failed
+(the line names the log) or `stop` could not detach a mount (the line names it), 2 bad input
+or a dependency that cannot be installed here.
 """
 
 from __future__ import annotations
@@ -296,8 +298,9 @@ def _start(state: Path, args) -> dict:
     return stack
 
 
-def _stop(state: Path) -> int:
-    """Stops the recorded processes, workers first; deletes the database. How many ran."""
+def _stop(state: Path) -> tuple[int, list[str], list[str]]:
+    """Stops the recorded processes, workers first; detaches what they left mounted below the
+    state folder; deletes the database. (How many ran, mounts detached, mounts left.)"""
     stack = _read_stack(state) or {}
     names = stack.get("started") or []
     names += [n for n in processes.recorded_names(state) if n not in names]
@@ -307,13 +310,25 @@ def _stop(state: Path) -> int:
             stopped += processes.stop(state, name, first_signal=signal.SIGINT, grace_s=20)
         else:
             stopped += processes.stop(state, name, grace_s=10)
+    unmounted, left = processes.unmount_under(state)
     pg_dir_file = state / "postgres.dir"
     if pg_dir_file.exists():
         shutil.rmtree(pg_dir_file.read_text().strip(), ignore_errors=True)
         pg_dir_file.unlink()
     (state / "casd.sock").unlink(missing_ok=True)
     (state / "stack.json").unlink(missing_ok=True)
-    return stopped
+    return stopped, unmounted, left
+
+
+def _report_stop(state: Path, stopped: int, unmounted: list[str], left: list[str]) -> int:
+    """Prints what `stop` did; 1 when a mount below the state folder could not be detached."""
+    line = f"stack: stopped {stopped} process{'es' if stopped != 1 else ''}"
+    if unmounted:
+        line += f", detached {len(unmounted)} stale mount{'s' if len(unmounted) != 1 else ''}"
+    print(f"{line}; state folder {state}")
+    for mount in left:
+        print(f"stack: could not detach {mount}; as root: umount -l PATH", file=sys.stderr)
+    return 1 if left else 0
 
 
 def _describe(state: Path, stack: dict) -> str:
@@ -385,11 +400,7 @@ def _command(args, state: Path) -> int:
             print(f"stack: not running; state folder {state}")
         return 1
     if args.command == "stop":
-        stopped = _stop(state)
-        print(
-            f"stack: stopped {stopped} process{'es' if stopped != 1 else ''}; state folder {state}"
-        )
-        return 0
+        return _report_stop(state, *_stop(state))
     if stack and running and not dead:
         print(f"stack: already running ({len(running)} processes); state folder {state}")
         print(_describe(state, stack))

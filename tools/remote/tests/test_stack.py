@@ -343,6 +343,95 @@ def test_stop_ends_every_recorded_process_and_deletes_the_database_keeping_the_l
             proc.wait()
 
 
+def test_mounts_under_a_folder_are_read_as_the_kernel_escapes_them_deepest_first():
+    """/proc/self/mounts spells a space in a path as \040 and a backslash as \134; a mount
+    inside another is detached first; a sibling folder sharing the name's prefix is not
+    below the folder. Planted: a prefix test without the separator (state-other counted)."""
+    mounts = "\n".join(
+        [
+            "/dev/vda / ext4 rw 0 0",
+            "tmpfs /s tmpfs rw 0 0",
+            "/dev/fuse /s/state/cache/a\\040b/mnt fuse rw,user_id=0 0 0",
+            "tmpfs /s/state tmpfs rw 0 0",
+            "/dev/fuse /s/state/x\\134040 fuse.buildbox rw 0 0",
+            "/dev/fuse /s/state-other/mnt fuse rw 0 0",
+        ]
+    )
+    assert processes.mounts_under(Path("/s/state"), mounts) == [
+        ("/s/state/cache/a b/mnt", "fuse"),
+        ("/s/state/x\\040", "fuse.buildbox"),
+        ("/s/state", "tmpfs"),
+    ]
+
+
+def _stale_fuse_mount(point: Path) -> None:
+    """A mount as a worker killed mid-action leaves it: buildbox-fuse mounts, is SIGKILLed,
+    and the mount stays attached with nothing to answer it."""
+    if not (Path("/dev/fuse").exists() and shutil.which("buildbox-fuse")):
+        pytest.skip("needs /dev/fuse and buildbox-fuse (tools/remote/stack.sh start installs it)")
+    empty = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855/0"
+    cas = point.parent / "cas"
+    cas.mkdir()
+    fuse = subprocess.Popen(
+        ["buildbox-fuse", f"--local={cas}", f"--input-digest-value={empty}", str(point)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not processes.mounts_under(
+        point, processes.MOUNTS.read_text()
+    ):
+        time.sleep(0.05)
+    fuse.kill()
+    fuse.wait()
+
+
+def _tmpfs_mount(point: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(point)], check=False, timeout=30)
+
+
+@pytest.mark.parametrize("mount", [_stale_fuse_mount, _tmpfs_mount], ids=["fuse", "tmpfs"])
+def test_stop_detaches_what_a_killed_worker_left_mounted_below_the_state(capsys, tmp_path, mount):
+    """A worker killed mid-action leaves its FUSE staging mounted below the state folder, where
+    nothing can list or delete it (seen after a disk-full CI run). `stop` detaches it and says
+    so. Planted: `_stop` without its unmount_under call (the mount stays; rmtree fails)."""
+    state = tmp_path / "state"
+    point = state / "casd-cache" / "staging dir" / "mnt"
+    point.mkdir(parents=True)
+    mount(point)
+    mounted = [p for p, _ in processes.mounts_under(state, processes.MOUNTS.read_text())]
+    if mounted != [str(point)]:
+        pytest.skip(f"this process cannot mount below {tmp_path} (mounts there: {mounted})")
+    try:
+        assert run(capsys, "stop", f"--state={state}") == (
+            0,
+            f"stack: stopped 0 processes, detached 1 stale mount; state folder {state}\n",
+        )
+        assert processes.mounts_under(state, processes.MOUNTS.read_text()) == []
+        shutil.rmtree(state)
+    finally:
+        processes.unmount_under(state)
+
+
+def test_a_mount_stop_cannot_detach_is_named_and_exits_1(capsys, tmp_path, monkeypatch):
+    """A mount point the unmount refuses (here: one the mounts file lists that is not
+    mounted) is named with the command to run, and `stop` exits 1. Planted: the refusal
+    dropped (exit 0, the mount not named)."""
+    state = tmp_path / "state"
+    point = state / "mnt"
+    point.mkdir(parents=True)
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/fuse {point} fuse rw 0 0\n")
+    monkeypatch.setattr(processes, "MOUNTS", mounts)
+    code, out = run(capsys, "stop", f"--state={state}")
+    assert code == 1
+    assert f"stack: stopped 0 processes; state folder {state}\n" in out
+    assert f"stack: could not detach {point} (fusermount" in out
+    assert "as root: umount -l PATH" in out
+
+
 def test_the_gpu_property_is_registered_with_the_scheduler(tmp_path):
     """docs/environment.md:58-60: every platform property an action carries must be listed in
     the scheduler's match-property-keys, or Execute fails with "Unregistered platform
