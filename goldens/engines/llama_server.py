@@ -7,11 +7,11 @@ The server runs with the numerics the goldens compare best with (`GOLDEN_ARGS`):
 one slot, no flash attention and float32 KV cache (llama.cpp's defaults, flash attention and
 an f16 cache, move log-probabilities by 6e-3 to 3e-2 on the float32 tiny file, against 5e-5
 with these). It is started in a process group of its own and stopped on exit from the block
-(SIGTERM, then SIGKILL after 5 s), also when the block raises; its output goes to a log file
-whose tail is in any error. Debian's package `llama.cpp-tools` provides the binary
-(tools/llama_cpp/install.sh, which installs `PINNED_VERSION`); `LLAMA_SERVER` names another
-one. `version()` is what the binary says it is; `pin_mismatch()` says when that is not the
-version the llama.cpp lane's figures were measured with.
+(SIGTERM, then SIGKILL to the group after `STOP_GRACE_S`), also when the block raises; its
+output goes to a log file whose tail is in any error. Debian's package `llama.cpp-tools`
+provides the binary (tools/llama_cpp/install.sh, which installs `PINNED_VERSION`);
+`LLAMA_SERVER` names another one. `version()` is what the binary says it is; `pin_mismatch()`
+says when that is not the version the llama.cpp lane's figures were measured with.
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ def pin_mismatch(path: str | None = None) -> str | None:
     )
 
 
+STOP_GRACE_S = 5.0  # from SIGTERM to SIGKILL
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -173,7 +176,7 @@ class LlamaServer:
         if process is not None and process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
             try:
-                process.wait(timeout=5)
+                process.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()

@@ -85,6 +85,12 @@ if mode == "crash":
 if mode == "hang":
     time.sleep(60)
     sys.exit(0)
+if mode == "deaf":  # ignores SIGTERM, and so does the child it leaves in its group
+    import signal, subprocess
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(os.environ["FAKE_LLAMA_RECORD"], "a") as f:
+        f.write(json.dumps({"pid": child.pid, "argv": ["child"]}) + "\\n")
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -168,6 +174,25 @@ def test_a_server_never_ready_is_stopped_and_started_once(fake_server, monkeypat
     assert len(launches()) == 1
     assert server.pid is None
     assert all(exited(launch["pid"]) for launch in launches())
+
+
+def test_a_server_that_ignores_sigterm_is_killed_with_its_group(fake_server, monkeypatch) -> None:
+    """The module docstring: SIGTERM, then SIGKILL to the group after STOP_GRACE_S. A server
+    (and a child in its group) that ignore SIGTERM are killed once the grace runs out, and
+    stop() returns. Planted, each caught here: the escalation dropped (the server left
+    running), SIGKILL to the server alone (its child left running)."""
+    gguf, launches = fake_server
+    monkeypatch.setenv("FAKE_LLAMA_MODE", "deaf")
+    monkeypatch.setattr(llama_server, "STOP_GRACE_S", 0.3)
+    with llama_server.LlamaServer(gguf, startup_s=10) as server:
+        process = server.process
+    assert process.returncode == -signal.SIGKILL
+    pids = [launch["pid"] for launch in launches()]
+    assert len(pids) == 2  # the server and its child
+    deadline = time.monotonic() + 5
+    while not all(exited(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)  # the child is reaped by init once its parent is gone
+    assert all(exited(pid) for pid in pids)
 
 
 def test_a_server_that_exits_fails_at_once_with_its_log(fake_server, monkeypatch) -> None:
