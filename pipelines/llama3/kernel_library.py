@@ -127,8 +127,8 @@ def _locate(isa: str) -> pathlib.Path:
     built = BAZEL_BIN / name
     if not built.is_file():
         raise KernelUnavailable(
-            f"mode 'quantized' needs its kernel library {name}, built by Bazel: run "
-            f"`{BUILD_COMMAND}` in {BAZEL_BIN.parents[2]} (looked in {beside.parent} and "
+            f"the quantized and ggml modes need their kernel library {name}, built by Bazel: "
+            f"run `{BUILD_COMMAND}` in {BAZEL_BIN.parents[3]} (looked in {beside.parent} and "
             f"{BAZEL_BIN}; ${DIRECTORY_ENV} names another folder), or use mode 'eager'"
         )
     _check_fresh(built)
@@ -158,15 +158,18 @@ _PACKERS = ("pack_q4_0", "pack_q4_1", "pack_q4_k", "pack_q8_0")
 
 @functools.cache
 def load(isa: str) -> ctypes.CDLL:
-    """The `isa` build ("avx512", "avx2" or "portable"), with its functions' signatures."""
+    """The `isa` build ("vnni", "avx512", "avx2" or "portable"), with its functions'
+    signatures; refused unless the library reports the instruction sets of `isa`."""
     if isa not in REQUIRED_FLAGS:
         raise KernelUnavailable(f"no kernel build {isa!r} (one of {', '.join(REQUIRED_FLAGS)})")
     path = _locate(isa)
     lib = ctypes.CDLL(str(path))
-    if lib.packed_gemm_simd() != SIMD_BITS[isa] or lib.ggml_dot_isa() != DOT_ISA[isa]:
+    reported = (lib.packed_gemm_simd(), lib.ggml_dot_isa())
+    if reported != (SIMD_BITS[isa], DOT_ISA[isa]):
         raise KernelUnavailable(
-            f"{path} reports {lib.packed_gemm_simd()}-bit vectors, not {isa}'s "
-            f"{SIMD_BITS[isa]}: run `{BUILD_COMMAND}`"
+            f"{path} reports {reported[0]}-bit vectors and dot products of level "
+            f"{reported[1]}, not {isa}'s {SIMD_BITS[isa]} and {DOT_ISA[isa]}: run "
+            f"`{BUILD_COMMAND}`"
         )
     # Arrays go as plain addresses (tensor.data_ptr()): converting an int is a tenth of the
     # cost of a typed ctypes pointer, and a decode step makes a few hundred calls. Every

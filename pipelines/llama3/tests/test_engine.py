@@ -416,3 +416,78 @@ def test_is_causal_names_the_plain_mask_and_no_other(seqlen: int, start_pos: int
         flipped = plain.clone()
         flipped[row, key] = not flipped[row, key]  # hides a key it showed, or shows a future one
         assert not is_causal(flipped, seqlen, start_pos), (row, key)
+
+
+def test_compiled_mode_compiles_once_for_every_prompt_length(tmp_path: pathlib.Path) -> None:
+    """The compiled blocks take the rows as a dynamic dimension (compiled.compile_blocks:
+    dynamic=True): after the first prefill and the first decode steps have compiled, prompts
+    of other lengths and decode steps at other positions compile nothing more. Planted: the
+    blocks compiled with dynamic=False recompiled at every new prompt length and decode
+    position (4 graphs more here, ~14 s), silently until the recompile limit."""
+    import torch._dynamo.utils
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    engine = Llama3Engine.from_gguf(path, mode="compiled")
+    engine.generate(PROMPT, 3, stop_on_eos=False)  # the prefill and the decode graphs
+    torch._dynamo.utils.counters.clear()
+    engine.generate(PROMPT[:5], 6, stop_on_eos=False)
+    engine.generate(PROMPT + PROMPT, 4, stop_on_eos=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    assert dict(torch._dynamo.utils.counters["frames"]) == {}
+
+
+def test_a_compiled_load_makes_the_process_wide_settings(tmp_path: pathlib.Path) -> None:
+    """Loading a compiled engine sets what compile_blocks' docstring promises for the whole
+    process, whatever was set before: inductor rounds bfloat16 intermediates as eager does
+    (emulate_precision_casts), and a block that keeps recompiling raises at a limit of at
+    least 64 rather than run eagerly (fail_on_recompile_limit_hit); a higher limit is kept.
+    Planted: fail_on_recompile_limit_hit left False (a recompiling block would silently run
+    eager under the compiled mode's name); emulate_precision_casts False (bfloat16 logits
+    move; the tiny-bfloat16 compiled golden also tells, in ~35 s)."""
+    import torch._dynamo.config
+    import torch._inductor.config
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    # The config modules' own patch: it puts the values back (pytest's monkeypatch deletes
+    # them, which hides a torch config entry).
+    before = torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=False)
+    with before, torch._inductor.config.patch(emulate_precision_casts=False):
+        Llama3Engine.from_gguf(path, mode="compiled")
+        assert torch._inductor.config.emulate_precision_casts is True
+        assert torch._dynamo.config.recompile_limit == 64
+        assert torch._dynamo.config.fail_on_recompile_limit_hit is True
+        with torch._dynamo.config.patch(recompile_limit=100):
+            Llama3Engine.from_gguf(path, mode="compiled")
+            assert torch._dynamo.config.recompile_limit == 100
+
+
+def test_compile_blocks_refuses_a_model_of_another_class(tmp_path: pathlib.Path) -> None:
+    """compile_blocks takes only the compiled mode's model (CompiledTransformer): another
+    model's blocks have no compiled paged parts, so a ragged batch would run them eagerly
+    under the compiled mode's name. It is refused by name, its blocks left uncompiled.
+    Planted: the class check dropped compiled the eager model's blocks without a word."""
+    from pipelines.llama3.compiled import compile_blocks
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    model = Llama3Engine.from_gguf(path).model
+    with pytest.raises(TypeError) as error:
+        compile_blocks(model)
+    assert str(error.value) == "compile_blocks takes a CompiledTransformer, not Transformer"
+    assert [layer._compiled_call_impl for layer in model.layers] == [None] * len(model.layers)
+
+
+def test_a_compiled_load_leaves_pathlib_as_it_was(tmp_path: pathlib.Path) -> None:
+    """The compiled mode imports setuptools with a missing 'Lorem ipsum.txt' read as a sample
+    text (compiled._import_setuptools, for Bazel's runfiles), and puts pathlib back after the
+    import: a missing file of that name read later still raises. Planted: pathlib restored only
+    when the import failed left the tolerant read_text in place for the whole process."""
+    read_text = pathlib.Path.read_text
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    Llama3Engine.from_gguf(path, mode="compiled")
+    assert pathlib.Path.read_text is read_text
+    with pytest.raises(FileNotFoundError):
+        (tmp_path / "Lorem ipsum.txt").read_text()
