@@ -225,7 +225,7 @@ def test_a_missing_or_stale_library_says_how_to_build_it(tmp_path, monkeypatch) 
     monkeypatch.setattr(kernel_library, "BAZEL_BIN", bazel_bin)
     with pytest.raises(kernel_library.KernelUnavailable) as error:
         kernel_library._locate("portable")
-    assert "run `./bazelw build //pipelines/llama3/kernels`" in str(error.value)
+    assert f"run `./bazelw build //pipelines/llama3/kernels` in {tmp_path} (" in str(error.value)
     bazel_bin.mkdir(parents=True)
     (bazel_bin / "packed_gemm_portable.so").write_bytes(b"")
     (bazel_bin / "kernels.sha256").write_text("0" * 64 + "\n")
