@@ -10,6 +10,8 @@ fewer instructions to unpack), in kernels/ggml_dot.c (whose header gives each ru
 
     GgmlLinear       y = x . W^T: x quantized per row as ggml does, integer block dots,
                      float accumulation in the order of ggml's AVX2 vec_dot kernels
+    GgmlParts        fused q/k/v or gate/up parts of several weight types, each its own
+                     GgmlLinear
     GgmlRMSNorm      RMSNorm with ggml's double sum of squares
     GgmlFeedForward  SwiGLU with ggml's SiLU (its AVX2 expf algorithm, lane by lane)
     GgmlAttention    rope, cache writes and attention in one call, prefill and decode:
@@ -186,8 +188,46 @@ class GgmlLinear(packed.RowProduct):
         return y
 
 
-def ggml_linear(parts: list[RawMatrix], splits: tuple[int, ...] | None = None) -> GgmlLinear:
-    return GgmlLinear(GgmlMatrix(parts), splits)
+class GgmlParts(packed.RowProduct):
+    """Fused parts of several weight types (a file whose q/k/v or gate/up mix Q4_0, Q4_1, Q4_K
+    and Q8_0, as `llama-quantize --tensor-type` writes): each part's GgmlLinear, its rows
+    after the previous part's. llama.cpp multiplies each tensor on its own, its activations
+    quantized to that tensor's vec_dot_type, and so does each part here: the same bits as
+    separate products. No one-call decode step takes it (FusedDecode.applies)."""
+
+    what = "the ggml mode's products"
+
+    @dataclasses.dataclass(frozen=True)
+    class Shape:
+        rows: int
+        cols: int
+        nbytes: int
+
+    def __init__(self, parts: list[GgmlLinear], splits: tuple[int, ...] | None = None) -> None:
+        cols = parts[0].in_features
+        if any(part.in_features != cols for part in parts):
+            raise ValueError("fused parts must share the column count")
+        rows = sum(part.out_features for part in parts)
+        nbytes = sum(part.weight.nbytes for part in parts)
+        super().__init__(self.Shape(rows, cols, nbytes), splits)
+        self.parts = nn.ModuleList(parts)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part._product(x) for part in self.parts], dim=1)
+
+
+def ggml_linear(
+    parts: list[RawMatrix], splits: tuple[int, ...] | None = None
+) -> GgmlLinear | GgmlParts:
+    """One product over `parts`' rows: fused into one GgmlLinear when they share a weight
+    type, else a GgmlParts of one GgmlLinear each."""
+    if len({part.qtype for part in parts}) == 1:
+        return GgmlLinear(GgmlMatrix(parts), splits)
+    return GgmlParts([GgmlLinear(GgmlMatrix([part])) for part in parts], splits)
+
+
+def _same_width(matrix: RawMatrix) -> int:
+    return matrix.cols
 
 
 class GgmlRMSNorm(packed.KernelRMSNorm):
@@ -412,4 +452,5 @@ def install(model: nn.Module, matrices: dict[str, RawMatrix]) -> None:
         feed_forward=GgmlFeedForward,
         attention=GgmlAttention,
         fused_decode=FusedDecode,
+        fuse_key=_same_width,  # parts of several weight types: GgmlParts
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
@@ -55,11 +55,13 @@ def write_gguf(
     file_type: int | None = None,
     quantization_version: int | None = None,
     architecture: str = ARCHITECTURE,
+    tensor_types: Mapping[str, GGMLQuantizationType] | None = None,
 ) -> None:
     """Write `weights` ((GGUF tensor name, float32 weight in Hugging Face layout), in file
     order) and `config`'s hyperparameters to `path`.
 
-    2-D weights are stored as `weight_type` (`quantize` makes the blocks: gguf-py's by
+    2-D weights are stored as `weight_type`, or as `tensor_types` names for a tensor (as
+    `llama-quantize --tensor-type` mixes them; `quantize` makes the blocks: gguf-py's by
     default), 1-D ones as float32. The metadata is what `read_config` reads; Llama 3.1 rope
     scaling travels as the rope_freqs tensor among `weights`, the token ids in `vocab`.
     `name` (general.type and general.name), `file_type` and `quantization_version` are only
@@ -96,10 +98,11 @@ def write_gguf(
         writer.add_quantization_version(quantization_version)
     for tensor_name, weight in weights:
         stored = file_layout(tensor_name, weight, config)
-        if stored.ndim == 1 or weight_type == GGMLQuantizationType.F32:
+        qtype = (tensor_types or {}).get(tensor_name, weight_type)
+        if stored.ndim == 1 or qtype == GGMLQuantizationType.F32:
             writer.add_tensor(tensor_name, stored)
         else:
-            writer.add_tensor(tensor_name, quantize(stored, weight_type), raw_dtype=weight_type)
+            writer.add_tensor(tensor_name, quantize(stored, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

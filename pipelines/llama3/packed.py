@@ -451,14 +451,17 @@ class FusedDecode:
     @classmethod
     def applies(cls, model: Transformer) -> bool:
         """Whether every layer is the mode's own: its attention with a fused q/k/v product, its
-        feed-forward with a fused gate/up product, its products for wo and w2, its norms
-        (exactly the mode's classes, `layer_classes`: a subclass computes otherwise)."""
+        feed-forward with a fused gate/up product, its products for wqkv, wo, w13 and w2, its
+        norms (exactly the mode's classes, `layer_classes`: a subclass computes otherwise; the
+        ggml mode's product of parts of several weight types has no kernel table entry)."""
         attention, linear, feed_forward, norm = cls.layer_classes
         for layer in model.layers:
             parts = [
                 (layer.attention, attention),
+                (getattr(layer.attention, "wqkv", None), linear),
                 (getattr(layer.attention, "wo", None), linear),
                 (layer.feed_forward, feed_forward),
+                (getattr(layer.feed_forward, "w13", None), linear),
                 (getattr(layer.feed_forward, "w2", None), linear),
                 (layer.attention_norm, norm),
                 (layer.ffn_norm, norm),
@@ -589,10 +592,17 @@ class PackedTransformer(Transformer):
         return super().run_layers(h, start_pos, cos, sin, mask, batch)
 
 
-def _fusable(matrices: dict[str, RawMatrix], names: list[str]) -> list[RawMatrix] | None:
-    """The matrices of `names` when all are packed and of one kind and width, else None."""
+def _same_kind_and_width(matrix: RawMatrix) -> tuple:
+    return matrix.kind, matrix.cols
+
+
+def _fusable(
+    matrices: dict[str, RawMatrix], names: list[str], key=_same_kind_and_width
+) -> list[RawMatrix] | None:
+    """The matrices of `names` when all are packed and alike by `key` (default: one kind and
+    width, which pack_rows needs), else None."""
     parts = [matrices.get(name) for name in names]
-    if all(parts) and len({(m.kind, m.cols) for m in parts}) == 1:
+    if all(parts) and len({key(m) for m in parts}) == 1:
         return parts
     return None
 
@@ -619,15 +629,17 @@ def install(
     feed_forward=None,
     attention=None,
     fused_decode: type[FusedDecode] | None = None,
+    fuse_key=_same_kind_and_width,
 ) -> None:
     """Put `matrices` (parameter name -> RawMatrix) into a Transformer whose other
     parameters are loaded, each product made by `linear(parts, splits=None)`
     (`packed_linear`: the quantized mode; ggml_mode.py passes its own, with its own `norm`,
-    `feed_forward`, `attention` and `fused_decode` classes).
+    `feed_forward`, `attention`, `fused_decode` classes and `fuse_key`).
 
     A layer's attention becomes a PackedAttention (wq/wk/wv fused into `wqkv`) and its
-    feed-forward a PackedFeedForward (w1/w3 into `w13`) when all their parts are packable
-    alike; otherwise each packable projection becomes a `linear` in the plain module.
+    feed-forward a PackedFeedForward (w1/w3 into `w13`) when all their parts are packed and
+    alike by `fuse_key` (default: one kind and width); otherwise each packed projection
+    becomes a `linear` in the plain module.
     Float32 CPU norms become KernelRMSNorm (or `norm`). Where every layer came out the mode's
     own, a PackedTransformer's decode steps run through them in one call (`fused_decode`).
     """
@@ -648,13 +660,13 @@ def install(
             layer.attention_norm = norm.of(layer.attention_norm)
             layer.ffn_norm = norm.of(layer.ffn_norm)
         attention, ffn = f"layers.{i}.attention", f"layers.{i}.feed_forward"
-        qkv = _fusable(matrices, [f"{attention}.{p}.weight" for p in ("wq", "wk", "wv")])
+        qkv = _fusable(matrices, [f"{attention}.{p}.weight" for p in ("wq", "wk", "wv")], fuse_key)
         if qkv is not None:
             wqkv = linear(qkv)  # one tensor: the attention splits it
             layer.attention = attention_class(config, wqkv, layer.attention.wo)
         else:
             _pack_each(layer.attention, attention, ("wq", "wk", "wv"), matrices, linear)
-        gate_up = _fusable(matrices, [f"{ffn}.{p}.weight" for p in ("w1", "w3")])
+        gate_up = _fusable(matrices, [f"{ffn}.{p}.weight" for p in ("w1", "w3")], fuse_key)
         if gate_up is not None:
             w13 = linear(gate_up, tuple(m.rows for m in gate_up))
             layer.feed_forward = feed_forward_class(

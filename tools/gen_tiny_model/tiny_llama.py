@@ -422,10 +422,12 @@ def write_tiny_llama(
     architecture: str = ARCHITECTURE,
     with_tokenizer: bool = True,
     tokenizer_pre: str = "llama-bpe",
+    tensor_types: dict[str, GGMLQuantizationType] | None = None,
 ) -> dict[str, np.ndarray]:
     """A small random checkpoint for tests (milliseconds to write and to load): the byte
     vocabulary, an output matrix of its own unless `tied`, plain RoPE unless `rope_freqs`
-    are given. Returns the weights (float32, Hugging Face layout) by GGUF tensor name."""
+    are given, 2-D weights as `weight_type` but those `tensor_types` names (GGUF tensor name
+    -> type). Returns the weights (float32, Hugging Face layout) by GGUF tensor name."""
     vocab = byte_vocab(tokenizer_pre)
     config = TinyLlamaConfig(
         n_layers=n_layers,
@@ -449,4 +451,5 @@ def write_tiny_llama(
         vocab=vocab if with_tokenizer else None,
         rope_freqs=rope_freqs,
         architecture=architecture,
+        tensor_types=tensor_types,
     )

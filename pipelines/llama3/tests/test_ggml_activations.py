@@ -103,3 +103,73 @@ def test_q8_0_ref_is_gguf_pys_quantizer():
     packed = quantize(blocks, GGMLQuantizationType.Q8_0).reshape(-1, 34)
     assert packed[:, :2].tobytes() == d.numpy().reshape(-1).tobytes()
     assert packed[:, 2:].view(np.int8).tolist() == q.numpy().reshape(-1, ga.QK8_0).tolist()
+
+
+def test_q8_k_takes_the_first_not_the_last_of_equal_magnitudes():
+    """The module's promise "the first, on ties", where first and last differ in sign: blocks
+    whose largest magnitude comes twice, once of each sign, in either order, at the block's
+    ends and inside it. Block 2 above holds -3 both first and last, so it cannot tell them
+    apart: planted, q8_k taking the last of equals (a `>=` in the C loop's comparison) passed
+    every other test here and in test_ggml_mode.py; it negates q and d of each block here."""
+    rng = np.random.default_rng(3)
+    blocks = rng.uniform(-2.5, 2.5, (4, ga.QK_K)).astype(np.float32)
+    firsts = [(0, 255, -3.0), (0, 255, 3.0), (17, 200, -3.0), (5, 9, 3.0)]  # first, last, sign
+    for row, (first, last, value) in enumerate(firsts):
+        blocks[row, first], blocks[row, last] = value, -value
+    q, d = ga.q8_k(torch.from_numpy(blocks))
+    q, d = q.reshape(-1, ga.QK_K).numpy(), d.reshape(-1).numpy()
+    for i, block in enumerate(blocks):
+        expected_q, expected_d = _q8_k_loop(block)
+        assert q[i].tolist() == expected_q, f"block {i}"
+        assert d[i].tobytes() == np.float32(expected_d).tobytes(), f"block {i}"
+        # the first is ggml's signed maximum: it maps to -127, the last to +127
+        assert (q[i, firsts[i][0]], q[i, firsts[i][1]]) == (-127, 127), f"block {i}"
+
+
+def _near_ties(size: int, count: int, inverse, seed: int) -> np.ndarray:
+    """Blocks whose values sit on, or one float32 step beside, x * inverse(amax) = k + 0.5:
+    where a scale 1 ulp off moves q. Value 0 of each block is its (positive) maximum amax."""
+    rng = np.random.default_rng(seed)
+    amax = (rng.uniform(1.0, 2.0, count) * 10.0 ** rng.integers(-3, 3, count)).astype(F)
+    blocks = np.empty((count, size), F)
+    for i, a in enumerate(amax):
+        x = ((rng.integers(0, 127, size - 1) + F(0.5)) / inverse(a)).astype(F)
+        step = rng.integers(-1, 2, size - 1)
+        x = np.where(step > 0, np.nextafter(x, F(np.inf)), x)
+        x = np.where(step < 0, np.nextafter(x, F(-np.inf)), x)
+        sign = np.where(rng.random(size - 1) < 0.5, F(1.0), F(-1.0))
+        blocks[i, 0], blocks[i, 1:] = a, np.minimum(x, a) * sign
+    return blocks
+
+
+@pytest.mark.parametrize("path", ["x86", "ref"])
+def test_q8_0_scales_are_correctly_rounded_divisions_on_near_ties(path):
+    """The x86 path's id = 127 / amax and d = amax / 127 (the ref path's id = 1 / d) are one
+    correctly rounded float32 division each, as C's: on values whose x * id lands within a
+    float32 step of k + 0.5, a scale 1 ulp off moves q. The random blocks above rarely land
+    there. Planted and passing every other test here and in test_ggml_mode.py, failing this:
+    x86's inverse as `127.0 / amax` (torch multiplies by the reciprocal: _div's reason; 122 of
+    512 blocks), and d as `amax * (1.0 / 127.0)` (the ref path; 25 of 512 blocks)."""
+    if path == "x86":
+        blocks = _near_ties(ga.QK8_0, 512, lambda a: F(F(127.0) / a), seed=5)
+    else:
+        blocks = _near_ties(ga.QK8_0, 512, lambda a: F(F(1.0) / F(a / F(127.0))), seed=6)
+    q, d = ga.q8_0(torch.from_numpy(blocks.reshape(16, -1)), path=path)
+    q, d = q.reshape(-1, ga.QK8_0).numpy(), d.reshape(-1).numpy()
+    for i, block in enumerate(blocks):
+        expected_q, expected_d = _q8_0_loop(block, path)
+        assert q[i].tolist() == expected_q, f"block {i} ({path})"
+        assert d[i].tobytes() == expected_d.tobytes(), f"block {i} ({path})"
+
+
+def test_q8_k_scales_are_correctly_rounded_divisions_on_near_ties():
+    """Q8_K's iscale = -127 / max and d = 1 / iscale, one correctly rounded division each, on
+    values whose iscale * x lands within a float32 step of k + 0.5 (as the Q8_0 test above).
+    Planted: _div as `numerator / denominator` (torch's reciprocal product) fails here."""
+    blocks = _near_ties(ga.QK_K, 64, lambda a: F(F(-127.0) / a), seed=7)
+    q, d = ga.q8_k(torch.from_numpy(blocks.reshape(4, -1)))
+    q, d = q.reshape(-1, ga.QK_K).numpy(), d.reshape(-1).numpy()
+    for i, block in enumerate(blocks):
+        expected_q, expected_d = _q8_k_loop(block)
+        assert q[i].tolist() == expected_q, f"block {i}"
+        assert d[i].tobytes() == np.float32(expected_d).tobytes(), f"block {i}"

@@ -11,15 +11,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize
 
 from pipelines.llama3 import Llama3Engine, ggml_activations, ggml_mode, kernel_library, quants
-from pipelines.llama3.model import Transformer
+from pipelines.llama3.config import LlamaConfig
+from pipelines.llama3.model import Transformer, precompute_rope
 from pipelines.llama3.packing import RawMatrix
 from tools.gen_tiny_model.tiny_llama import write_tiny_llama
 
@@ -380,6 +383,157 @@ def test_on_a_float_file_the_ggml_mode_is_eager(tmp_path) -> None:
     eager = Llama3Engine.from_gguf(path)
     ids = list(range(1, 40))
     assert torch.equal(engine.forward_logits(ids), eager.forward_logits(ids))
+
+
+def test_fused_parts_of_another_type_or_width_are_refused() -> None:
+    """GgmlMatrix's promise: fused parts share the weight type and the column count, else a
+    ValueError. Q4_0 and Q4_K rows of 256 columns have the same bytes (144), so nothing else
+    would notice: planted, the check without its type test fuses them silently (the Q4_K rows
+    read as Q4_0 blocks) and passed every other fast test."""
+    q4_0 = _weights(GGMLQuantizationType.Q4_0, 8, 256, seed=30)
+    q4_k = _weights(GGMLQuantizationType.Q4_K, 8, 256, seed=31)
+    assert q4_0.shape == q4_k.shape
+    with pytest.raises(ValueError, match="share the weight type"):
+        ggml_mode.GgmlMatrix(
+            [RawMatrix(q4_0, GGMLQuantizationType.Q4_0, 8, 256),
+             RawMatrix(q4_k, GGMLQuantizationType.Q4_K, 8, 256)]
+        )  # fmt: skip
+    narrow = _weights(GGMLQuantizationType.Q8_0, 8, 64, seed=32)
+    wide = _weights(GGMLQuantizationType.Q8_0, 8, 128, seed=33)
+    with pytest.raises(ValueError, match="share the weight type and the column count"):
+        ggml_mode.GgmlMatrix(
+            [RawMatrix(narrow, GGMLQuantizationType.Q8_0, 8, 64),
+             RawMatrix(wide, GGMLQuantizationType.Q8_0, 8, 128)]
+        )  # fmt: skip
+
+
+def test_a_file_mixing_weight_types_in_fused_parts_runs_each_part_as_its_own_product(
+    tmp_path,
+) -> None:
+    """A file whose q/k/v mix Q4_K and Q4_0 (wv) and whose gate/up mix Q4_K and Q8_0 (up), as
+    `llama-quantize --tensor-type` writes them. The quantized mode loaded it; the ggml mode
+    refused it (its int4 parts were fused, and GgmlMatrix refuses two types). Now each layer
+    keeps ggml's attention and SwiGLU with a GgmlParts product (each part its own GgmlLinear,
+    as llama.cpp runs a product per tensor), no one-call decode step applies, and the logits
+    are eager's but for the 8-bit activations (within 0.15 of their spread, as for a Q8_0
+    file above). Planted, each FAILED here: the parts concatenated in reverse order (the
+    logits off by about their spread); FusedDecode.applies not looking at wqkv (the kernel
+    table reads a GgmlParts as one matrix)."""
+    path = tmp_path / "mixed.gguf"
+    types = {}
+    for i in range(2):
+        types[f"blk.{i}.attn_v.weight"] = GGMLQuantizationType.Q4_0
+        types[f"blk.{i}.ffn_up.weight"] = GGMLQuantizationType.Q8_0
+    write_tiny_llama(
+        path, dim=256, ffn_dim=512, weight_type=GGMLQuantizationType.Q4_K, tensor_types=types
+    )
+    ggml = Llama3Engine.from_gguf(path, mode="ggml")
+    for layer in ggml.model.layers:
+        assert type(layer.attention) is ggml_mode.GgmlAttention
+        assert type(layer.feed_forward) is ggml_mode.GgmlFeedForward
+        assert [p.weight.qtype for p in layer.attention.wqkv.parts] == [
+            GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_0
+        ]  # fmt: skip
+        assert [p.weight.qtype for p in layer.feed_forward.w13.parts] == [
+            GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0
+        ]  # fmt: skip
+    assert not ggml_mode.FusedDecode.applies(ggml.model)
+    assert ggml.model.fused_decode is None
+    ids, forced = [5, 17, 200, 33, 260, 7], [9, 12, 40]
+    ran = ggml.generate(ids, 3, forced_tokens=forced, prompt_positions=[1, 3])
+    eager = Llama3Engine.from_gguf(path, mode="eager")
+    plain = eager.generate(ids, 3, forced_tokens=forced, prompt_positions=[1, 3])
+    spread = plain.logits.std().item()
+    assert (ran.logits - plain.logits).abs().max().item() < 0.15 * spread
+    assert (ran.prompt_logits - plain.prompt_logits).abs().max().item() < 0.15 * spread
+
+
+def _rope_config(**scaling) -> LlamaConfig:
+    plain = LlamaConfig(vocab_size=256, dim=512, n_layers=1, n_heads=4, n_kv_heads=1,
+                        ffn_dim=512, head_dim=128, rope_theta=5e5, rms_norm_eps=1e-5,
+                        context_length=8192, tie_word_embeddings=True)  # fmt: skip
+    return dataclasses.replace(plain, **scaling)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_freq_factors": tuple(torch.linspace(1.0, 8.0, 64).tolist())},
+        {"rope_scaling_type": "llama3", "rope_scaling_factor": 8.0},
+        {"rope_scaling_type": "linear", "rope_scaling_factor": 4.0},
+    ],
+    ids=["rope_freqs", "llama3", "linear"],
+)
+def test_the_rope_tables_scale_the_frequencies_as_the_model_does(scaling) -> None:
+    """rope_tables' promise: the file's rope_freqs factors, or without them the ones Llama
+    3.1's (or linear) scaling implies, divide the frequencies as model.py's tables do: the
+    two tables within 1e-3 through 2,048 positions (they differ by ggml's angles, 2.4e-4
+    here), while the scaling moves them by more than 0.1. The rope tables' other tests run no
+    scaled config (test_same_bits' holds a file's rope_freqs, but no Llama 3.1 scaling without
+    them): planted, the factors inverted (scaled / plain: a Llama 3.1 model's long wavelengths
+    sped up 64 times) passed every fast test and test_same_bits' table check, and the file's
+    factors ignored every fast one; each is off by 2 here."""
+    config, positions = _rope_config(**scaling), 2048
+    cos, sin = ggml_mode.rope_tables(config, positions, torch.device("cpu"))
+    model_cos, model_sin = precompute_rope(config, positions, torch.device("cpu"))
+    assert (cos - model_cos).abs().max() < 1e-3 and (sin - model_sin).abs().max() < 1e-3
+    plain_cos, _ = ggml_mode.rope_tables(_rope_config(), positions, torch.device("cpu"))
+    assert (cos - plain_cos).abs().max() > 0.1  # the scaling is seen
+
+
+def test_the_one_call_decode_step_reads_each_products_weight_type(tmp_path) -> None:
+    """FusedDecode's promise ("the same functions, in the same order, as this mode's modules,
+    so the same bits") on a model whose products are not all of one type: a tiny Q4_K file
+    with each layer's wo requantized to Q4_0 and w2 to Q4_1 (Q4_0's rows have Q4_K's bytes,
+    Q4_1's more). Every test file is of one type per model, where a table entry's type code
+    taken from another product changes nothing: planted, fill giving w2 w13's code (or wo
+    wqkv's) passed every fast test; here the one-call step's tokens and logits then part from
+    the modules'."""
+    path = tmp_path / "tiny_q4_k.gguf"
+    weights = write_tiny_llama(path, dim=256, ffn_dim=512, weight_type=GGMLQuantizationType.Q4_K)
+    engine = Llama3Engine.from_gguf(path, mode="ggml")
+    for i, layer in enumerate(engine.model.layers):
+        for owner, name, tensor, qtype in (
+            (layer.attention, "wo", f"blk.{i}.attn_output.weight", GGMLQuantizationType.Q4_0),
+            (layer.feed_forward, "w2", f"blk.{i}.ffn_down.weight", GGMLQuantizationType.Q4_1),
+        ):
+            w = weights[tensor].astype(np.float32)
+            raw = RawMatrix(quantize(w, qtype), qtype, *w.shape)
+            setattr(owner, name, ggml_mode.ggml_linear([raw]))
+    assert ggml_mode.FusedDecode.applies(engine.model)
+
+    def run(fused):
+        engine.model.fused_decode = fused
+        out = engine.generate([1, 17, 99, 5, 42, 7], 12, stop_on_eos=False)
+        return out.tokens, out.logits
+
+    modules_tokens, modules_logits = run(None)
+    fused_tokens, fused_logits = run(ggml_mode.FusedDecode(engine.model))
+    assert fused_tokens == modules_tokens
+    assert torch.equal(fused_logits, modules_logits)
+
+
+def test_a_batch_of_two_sequences_gives_each_its_own_logits(q8_checkpoint) -> None:
+    """GgmlAttention's promise: its kernel computes one sequence; a batch takes
+    PackedAttention's path. Two sequences prefilled and decoded together through the model
+    give each the logits it gets alone (within 1e-3 of their spread: another attention's
+    summation order). No fast test ran a batch: planted, `bsz == 1` dropped from forward's
+    test sent the batch to the kernel, which filled the second sequence's rows with another
+    computation (off by about 5 times the spread) and passed every fast test."""
+    model = Llama3Engine.from_gguf(q8_checkpoint, mode="ggml").model
+    rows, steps = [[5, 17, 200, 33, 260, 7], [9, 12, 40, 1, 2, 3]], [11, 13]
+    alone = []
+    with torch.no_grad():
+        for row, step in zip(rows, steps, strict=True):
+            model.setup_caches(8, 1)
+            prefill = model.forward(torch.tensor([row]), 0)[0]
+            alone.append(torch.cat([prefill, model.forward(torch.tensor([[step]]), 6)[0]]))
+        model.setup_caches(8, 2)
+        prefill = model.forward(torch.tensor(rows), 0)
+        both = torch.cat([prefill, model.forward(torch.tensor([[s] for s in steps]), 6)], dim=1)
+    for i in range(2):
+        spread = alone[i].std().item()
+        assert (both[i] - alone[i]).abs().max().item() < 1e-3 * spread, i
 
 
 # --- ggml_attention's arithmetic, transcribed: every rounding as ggml_dot.c writes it ----------
