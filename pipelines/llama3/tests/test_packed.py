@@ -760,3 +760,194 @@ def test_the_one_call_serving_step_reads_a_rows_new_keys_at_its_write_slot(mode,
     modules = served(None)
     assert modules != served(None, ServingEngine)  # the moved write slot changes the numbers
     assert served(fused) == modules
+
+
+# Promises of packing.py and packed.py that the mutation sweep (helper 1) found unchecked.
+
+
+def test_a_non_finite_q4_k_scale_or_min_is_found() -> None:
+    """RawMatrix.scales_finite reads both float16 fields of a Q4_K block, its scale d (byte 0)
+    and its min dmin (byte 2): an infinite or NaN one in either is found, -65504 is finite.
+    (gguf-py cannot quantize Q4_K, so test_a_non_finite_scale_is_found leaves it out; this uses
+    the committed Q4_K file's blocks.) Planted: _SCALE_OFFSETS[Q4_K] = (0,) (a NaN min then
+    reaches the packed weights unreported)."""
+    reader = GGUFFile(Q4_K_FILE)
+    name = "blk.0.attn_k.weight"
+    info = reader.tensors[name]
+    assert info.tensor_type == GGMLQuantizationType.Q4_K
+    matrix = packing.RawMatrix(reader.tensor_data(name), info.tensor_type, *info.shape)
+    assert matrix.scales_finite()
+    block_bytes = gguf.GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K][1]
+    for offset in (0, 2):
+        for value, finite in ((np.inf, False), (-np.inf, False), (np.nan, False), (-65504, True)):
+            blocks = np.asarray(matrix.raw).view(np.uint8).reshape(-1, block_bytes).copy()
+            blocks[5, offset : offset + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+            changed = dataclasses.replace(matrix, raw=blocks)
+            assert changed.scales_finite() == finite, (offset, value)
+
+
+def test_parts_of_other_widths_are_not_fused() -> None:
+    """pack_rows refuses parts of different column counts as it refuses other kinds ("fused
+    parts must share the packed kind and the column count"): one buffer has one row width.
+    Planted: the check on the kind alone (the second part's rows then packed at the first's
+    width, into a buffer sized for it)."""
+    parts = [_raw(GGMLQuantizationType.Q4_0, 8, 64, 6), _raw(GGMLQuantizationType.Q4_1, 8, 96, 7)]
+    with pytest.raises(ValueError, match="fused parts must share"):
+        packing.pack_rows(parts)
+    with pytest.raises(ValueError, match="fused parts must share"):
+        packing.pack_rows(parts[::-1])
+
+
+def test_a_tensor_without_a_packed_form_is_refused() -> None:
+    """packing.pack refuses what can_pack refuses, with a ValueError naming the type and the
+    shape: a float16 matrix, a Q8_0 vector. Planted: pack without its can_pack check (a
+    KeyError from the kernel table, or a vector packed as a matrix)."""
+    half = np.zeros((4, 64), dtype=np.float16)
+    with pytest.raises(ValueError, match=r"^F16 \(4, 64\) has no packed form$"):
+        packing.pack(half, GGMLQuantizationType.F16, (4, 64))
+    vector = _gguf_py_tensor(GGMLQuantizationType.Q8_0, 1, 64, 3).reshape(-1)
+    with pytest.raises(ValueError, match=r"^Q8_0 \(64,\) has no packed form$"):
+        packing.pack(vector, GGMLQuantizationType.Q8_0, (64,))
+
+
+@pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=lambda t: t.name)
+def test_packed_bytes_are_6_bits_an_int4_weight_and_9_an_int8(qtype) -> None:
+    """packed.py's docstring: per 32 weights int4 keeps 16 bytes of nibbles and a float32
+    scale and offset (6 bits a weight), int8 32 bytes and a float32 scale (9 bits);
+    PackedWeight.nbytes (weight_bytes_per_token, the threads' choice) counts exactly those.
+    Planted: nbytes counting the scales one byte each (only the slow SmolLM2 test saw it)."""
+    rows, cols = 48, 256
+    weight = packing.pack(_gguf_py_tensor(qtype, rows, cols, 2), qtype, (rows, cols))
+    bits = 9 if qtype == GGMLQuantizationType.Q8_0 else 6
+    assert weight.kind == ("int8" if bits == 9 else "int4")
+    assert weight.nbytes == rows * cols * bits // 8
+
+
+def test_a_product_uses_threads_from_parallel_rows_rows() -> None:
+    """RowProduct.parallel_rows is the fewest rows whose product uses threads (rows x weight
+    bytes >= PARALLEL_BYTES): that many rows get torch's threads, one row fewer one thread.
+    Planted: `rows > self.parallel_rows` (the threshold's own row count on one thread)."""
+    raw = _gguf_py_tensor(GGMLQuantizationType.Q4_0, 72, 320, 4)
+    linear = packed.PackedLinear(packing.pack(raw, GGMLQuantizationType.Q4_0, (72, 320)))
+    rows = linear.parallel_rows
+    assert rows * linear.weight.nbytes >= packed.PARALLEL_BYTES
+    assert (rows - 1) * linear.weight.nbytes < packed.PARALLEL_BYTES
+    assert 1 < rows < packed.DENSE_ROWS  # both calls below take the kernel
+    threads, lib = [], linear._lib
+
+    class Recording:
+        def __getattr__(self, name):
+            function = getattr(lib, name)
+            if name != "q4_gemm":
+                return function
+
+            def call(*args):
+                threads.append(args[-1])
+                return function(*args)
+
+            return call
+
+    linear._lib = Recording()
+    x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(5))
+    with _threads(2):
+        linear(x[: rows - 1])
+        linear(x)
+    assert threads == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_packed_products_refuse_activations_other_than_float32(dtype) -> None:
+    """RowProduct.unsplit: the kernels read float32 rows, so other activations are refused
+    with a ValueError naming their dtype, never handed to the kernel as bytes to misread.
+    Planted: the check on the device alone (float64 rows read as twice as many floats)."""
+    raw = _gguf_py_tensor(GGMLQuantizationType.Q4_1, 8, 64, 5)
+    linear = packed.PackedLinear(packing.pack(raw, GGMLQuantizationType.Q4_1, (8, 64)))
+    x = torch.randn(2, 64, dtype=torch.float64).to(dtype)
+    with pytest.raises(ValueError, match=f"take float32 CPU activations, not {dtype}"):
+        linear(x)
+
+
+@pytest.mark.parametrize("mode", ["quantized", "ggml"])
+def test_a_subclass_of_a_layers_module_turns_the_one_call_decode_step_off(mode, fused_files):
+    """FusedDecode.applies takes exactly the mode's classes (`type(part) is kind`): a subclass
+    of any of a layer's modules (how a planted bug or a variant computes otherwise) turns the
+    one call off, so that the modules, which the call would bypass, run. Planted:
+    isinstance(part, kind) (a subclass of a norm, product, attention or feed-forward then
+    bypassed by the one call)."""
+    engine = Llama3Engine.from_gguf(fused_files[0], mode=mode)
+    model = engine.model
+    step = type(model.fused_decode)
+    assert step.applies(model)
+    layer = model.layers[-1]
+    parts = {
+        "attention": layer.attention,
+        "wo": layer.attention.wo,
+        "feed_forward": layer.feed_forward,
+        "w2": layer.feed_forward.w2,
+        "attention_norm": layer.attention_norm,
+        "ffn_norm": layer.ffn_norm,
+    }
+    for name, part in parts.items():
+        original = type(part)
+        part.__class__ = type(f"Planted{original.__name__}", (original,), {})
+        try:
+            assert not step.applies(model), name
+        finally:
+            part.__class__ = original
+        assert step.applies(model), name
+
+
+def test_every_float32_norm_of_the_quantized_mode_is_a_kernel_norm() -> None:
+    """install: "Float32 CPU norms become KernelRMSNorm", the final norm as well as each
+    layer's two, each sharing the loaded norm's weight (the kernel's rms_norm, not torch's:
+    the mode's logits are the kernel's bits). Planted: install leaving model.norm as it was."""
+    quantized = Llama3Engine.from_gguf(Q4_K_FILE, mode="quantized").model
+    eager = Llama3Engine.from_gguf(Q4_K_FILE).model
+    pairs = [(quantized.norm, eager.norm)]
+    for mine, theirs in zip(quantized.layers, eager.layers, strict=True):
+        pairs += [(mine.attention_norm, theirs.attention_norm), (mine.ffn_norm, theirs.ffn_norm)]
+    x = torch.randn(3, quantized.config.dim, generator=torch.Generator().manual_seed(7))
+    for norm, loaded in pairs:
+        assert type(norm) is packed.KernelRMSNorm
+        assert torch.equal(norm.weight, loaded.weight) and norm.eps == loaded.eps
+        kernel = packed.KernelRMSNorm.of(loaded)
+        assert torch.equal(norm(x), kernel(x))
+
+
+def test_a_tied_head_shares_the_embeddings_packed_weight() -> None:
+    """install: a head tied to a packed embedding is a PackedLinear on the lookups' packed
+    copy, shared ("the lookups' packed copy, shared"): one copy of the packed matrix in
+    memory (the committed Q4_K file's 128k x 256 head: 24.6 MB more otherwise), its logits
+    those of the embedding's rows. Planted: the head packed again from the raw blocks."""
+    model = Llama3Engine.from_gguf(Q4_K_FILE, mode="quantized").model
+    assert model.config.tie_word_embeddings
+    assert type(model.output) is packed.PackedLinear
+    assert model.output.weight is model.tok_embeddings.weight
+    x = torch.randn(1, model.config.dim, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(model.output(x), packed.PackedLinear(model.tok_embeddings.weight)(x))
+
+
+def test_a_batch_of_two_sequences_decodes_each_as_alone() -> None:
+    """PackedAttention's one-call decode step and PackedTransformer's one call through every
+    layer take one sequence's step; a batch's decode step (two sequences, one position each)
+    takes Attention's path, and each row's logits are the sequence's own, computed alone
+    (within 1e-5 of the largest logit: SDPA against the kernel; measured 9.5e-7 at most, every
+    build). Planted: PackedAttention.forward or run_layers taking the one-sequence step for
+    any batch size (`x.shape[1] == 1`: the second row got the first row's attention, or no
+    layers at all)."""
+    engine = Llama3Engine.from_gguf(Q4_K_FILE, mode="quantized")
+    model = engine.model
+    assert model.fused_decode is not None
+    prompts, steps = [[1, 17, 99, 5], [42, 7, 3, 11]], [[8], [9]]
+    model.setup_caches(16, 2)
+    with torch.inference_mode():
+        model.forward(torch.tensor(prompts), 0)
+        batch = model.forward(torch.tensor(steps), 4)
+        alone = []
+        for prompt, step in zip(prompts, steps, strict=True):
+            model.forward(torch.tensor([prompt]), 0)
+            alone.append(model.forward(torch.tensor([step]), 4)[0])
+    for row, expected in enumerate(alone):
+        error = (batch[row] - expected).abs().max()
+        assert error <= 1e-5 * expected.abs().max(), (row, error.item())
+    assert not torch.allclose(alone[0], alone[1])  # two rows that would show a mix-up
