@@ -79,15 +79,19 @@ def test_q8_k_takes_the_first_of_equal_magnitudes():
     assert q.reshape(-1)[0].item() == -127 and q.reshape(-1)[6].item() == 127
 
 
-@pytest.mark.parametrize("path", ["x86", "ref"])
-def test_q8_0_is_ggml_bit_for_bit_on_each_path(path):
-    blocks = _blocks(ga.QK8_0, count=256)
+def _assert_q8_0_is_the_loop(blocks: np.ndarray, path: str) -> None:
+    """ga.q8_0 of `blocks` (16 rows of them) equals ggml's loop, block by block, bit for bit."""
     q, d = ga.q8_0(torch.from_numpy(blocks.reshape(16, -1)), path=path)
     q, d = q.reshape(-1, ga.QK8_0).numpy(), d.reshape(-1).numpy()
     for i, block in enumerate(blocks):
         expected_q, expected_d = _q8_0_loop(block, path)
         assert q[i].tolist() == expected_q, f"block {i} ({path})"
         assert d[i].tobytes() == expected_d.tobytes(), f"block {i} ({path})"
+
+
+@pytest.mark.parametrize("path", ["x86", "ref"])
+def test_q8_0_is_ggml_bit_for_bit_on_each_path(path):
+    _assert_q8_0_is_the_loop(_blocks(ga.QK8_0, count=256), path)
 
 
 def test_the_two_q8_0_paths_part_on_ties():
@@ -154,12 +158,7 @@ def test_q8_0_scales_are_correctly_rounded_divisions_on_near_ties(path):
         blocks = _near_ties(ga.QK8_0, 512, lambda a: F(F(127.0) / a), seed=5)
     else:
         blocks = _near_ties(ga.QK8_0, 512, lambda a: F(F(1.0) / F(a / F(127.0))), seed=6)
-    q, d = ga.q8_0(torch.from_numpy(blocks.reshape(16, -1)), path=path)
-    q, d = q.reshape(-1, ga.QK8_0).numpy(), d.reshape(-1).numpy()
-    for i, block in enumerate(blocks):
-        expected_q, expected_d = _q8_0_loop(block, path)
-        assert q[i].tolist() == expected_q, f"block {i} ({path})"
-        assert d[i].tobytes() == expected_d.tobytes(), f"block {i} ({path})"
+    _assert_q8_0_is_the_loop(blocks, path)
 
 
 def test_q8_k_scales_are_correctly_rounded_divisions_on_near_ties():
