@@ -491,3 +491,158 @@ def test_a_compiled_load_leaves_pathlib_as_it_was(tmp_path: pathlib.Path) -> Non
     assert pathlib.Path.read_text is read_text
     with pytest.raises(FileNotFoundError):
         (tmp_path / "Lorem ipsum.txt").read_text()
+
+
+def test_prompt_logits_are_the_full_forwards_rows_at_the_positions_asked(
+    engine: Llama3Engine,
+) -> None:
+    """generate's docstring and GenerationOutput: `prompt_positions` returns the prefill's
+    logits at those positions, row j after input_ids[: prompt_positions[j] + 1], in the order
+    asked, and the first step still reads the last prompt position. Planted (engine.py): the
+    rows taken as prefill[1:] instead of prefill[:-1], and the last position put first in the
+    head's outputs; both passed test_engine.py and test_decoder.py."""
+    positions = [5, 1, 3]
+    out = engine.generate(PROMPT, 3, stop_on_eos=False, prompt_positions=positions)
+    full = engine.forward_logits(PROMPT)
+    assert out.prompt_logits.shape == (3, engine.config.vocab_size)
+    torch.testing.assert_close(out.prompt_logits, full[positions], atol=5e-5, rtol=0)
+    torch.testing.assert_close(out.logits[0], full[-1], atol=5e-5, rtol=0)
+    assert out.tokens == engine.generate(PROMPT, 3, stop_on_eos=False).tokens
+    assert engine.generate(PROMPT, 3, stop_on_eos=False).prompt_logits is None
+
+
+def test_generate_refuses_bad_inputs_with_their_messages(engine: Llama3Engine) -> None:
+    """generate's input validation: an empty prompt ("input_ids is empty"), a prompt position
+    outside 0..len-2 (the last position is the first step, not a prompt position), and a
+    forced token outside the vocabulary are refused by name; forced id 0 and prompt position
+    0 and len-2 are accepted. Planted (engine.py): the empty check dropped, the position
+    bound `< len(input_ids)`, the forced-token bound `0 < t`; all passed test_engine.py and
+    test_decoder.py."""
+    vocab = engine.config.vocab_size
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        engine.generate([], 2)
+    with pytest.raises(ValueError, match=r"must lie in 0\.\.6 \(a 8-token prompt"):
+        engine.generate(PROMPT, 2, prompt_positions=[len(PROMPT) - 1])
+    with pytest.raises(ValueError, match="must lie in 0"):
+        engine.generate(PROMPT, 2, prompt_positions=[-1])
+    with pytest.raises(ValueError, match=rf"forced tokens \[{vocab}\] are outside"):
+        engine.generate(PROMPT, 2, forced_tokens=[3, vocab])
+    with pytest.raises(ValueError, match=r"forced tokens \[-1\] are outside"):
+        engine.generate(PROMPT, 2, forced_tokens=[-1, 3])
+    out = engine.generate(
+        PROMPT, 2, forced_tokens=[0, vocab - 1], prompt_positions=[0, len(PROMPT) - 2]
+    )
+    assert len(out.tokens) == 2 and out.prompt_logits.shape == (2, vocab)
+
+
+def test_text_leaves_out_only_a_final_end_of_sequence_of_a_stopped_sequence(
+    engine: Llama3Engine,
+) -> None:
+    """Llama3Engine.text: a sequence `stopped` on an end-of-sequence id loses that last id
+    from its text; a stopped sequence ending in another token (a stop string) and a sequence
+    that ran to its length keep every token, an end-of-sequence id included. Planted
+    (engine.py): the eos check dropped (a stop-string run lost its last token), and the
+    `stopped` check dropped (a length run lost a final eos); both passed test_engine.py and
+    test_decoder.py (test_server.py compares against the engine's own text)."""
+    (eos,) = engine.eos_ids
+    body = [261, 83, 257]
+    decode = engine.tokenizer.decode
+    assert decode(body) != decode(body[:-1])
+    assert engine.text([*body, eos], stopped=True) == decode(body)
+    assert engine.text(body, stopped=True) == decode(body)
+    assert engine.text([*body, eos], stopped=False) == decode([*body, eos]) != decode(body)
+    assert engine.text([], stopped=True) == ""
+
+
+def test_weight_bytes_per_token_counts_each_matrix_in_its_own_dtype(
+    tmp_path: pathlib.Path,
+) -> None:
+    """weight_bytes_per_token: the bytes one decode step reads, every Linear matrix at its
+    own element size: a bfloat16 engine's layers 2 bytes an element, its float32 LM head 4.
+    Planted (engine.py): 4 bytes an element whatever the dtype; test_engine.py, test_decoder.py
+    and test_packed.py passed (they check float32 and packed engines only)."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    f32 = Llama3Engine.from_gguf(path)
+    bf16 = Llama3Engine.from_gguf(path, dtype=torch.bfloat16)
+    linears = [m for m in f32.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 7 * len(f32.model.layers) + 1  # q k v o, gate up down; the head
+    head = f32.model.output.weight.numel()
+    everything = sum(m.weight.numel() for m in linears)
+    assert f32.weight_bytes_per_token == 4 * everything
+    assert bf16.weight_bytes_per_token == 2 * (everything - head) + 4 * head
+
+
+def test_decode_tokens_per_second_counts_the_steps_after_the_first() -> None:
+    """GenerationOutput.decode_tokens_per_second: decode_seconds covers the forwards after
+    prefill, one per token but the first, so 5 tokens over 2 s are 2 tokens a second; no
+    decode time is nan. Planted (engine.py): len(tokens) counted (2.5); passed test_engine.py
+    and test_decoder.py."""
+    logits = torch.zeros(5, 3)
+    out = engine_module.GenerationOutput([1, 2, 3, 4, 5], logits, 0.5, 2.0)
+    assert out.decode_tokens_per_second == 2.0
+    assert engine_module.GenerationOutput([], logits[:0], 0.5, 1.0).decode_tokens_per_second == 0
+    assert np.isnan(
+        engine_module.GenerationOutput([7], logits[:1], 0.5, 0.0).decode_tokens_per_second
+    )
+
+
+def test_device_problem_names_each_unusable_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.device_problem: the engine runs on cpu and cuda[:N] where torch sees device N;
+    another device type torch knows (meta, mps) is not a device here, and with one CUDA
+    device cuda:1 is refused while cuda and cuda:0 pass. Planted (engine.py): the type check
+    dropped (meta passed), the index bound `>` (cuda:1 of one device passed); both passed
+    test_engine.py and test_decoder.py (test_profiling.py checks tpu, which torch refuses)."""
+    assert engine_module.device_problem("cpu") is None
+    for device in ("meta", "mps"):
+        problem = engine_module.device_problem(device)
+        assert (
+            problem == f"--device={device} is not a device here: the engine runs on cpu or cuda[:N]"
+        )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert engine_module.device_problem("cuda") is None
+    assert engine_module.device_problem("cuda:0") is None
+    assert engine_module.device_problem("cuda:1") == (
+        "--device=cuda:1: torch sees 1 CUDA device(s); pass a smaller index"
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "this torch has no CUDA device" in engine_module.device_problem("cuda:0")
+
+
+def test_overrides_replace_config_fields_and_an_unknown_one_is_refused(
+    tmp_path: pathlib.Path,
+) -> None:
+    """from_gguf's `overrides` replace LlamaConfig fields after reading (the mutation tests'
+    wrong settings), in the engine's config and its model's numerics; an unknown name is a
+    TypeError; the file's parsed config is untouched for the next load. Planted (engine.py):
+    the overrides ignored; passed test_engine.py and test_decoder.py."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, rope_theta=10000.0)
+    plain = Llama3Engine.from_gguf(path)
+    moved = Llama3Engine.from_gguf(path, overrides={"rope_theta": 500.0})
+    assert moved.config.rope_theta == 500.0
+    assert moved.model.config.rope_theta == 500.0
+    assert (moved.forward_logits(PROMPT) - plain.forward_logits(PROMPT)).abs().max() > 1e-3
+    assert Llama3Engine.from_gguf(path).config.rope_theta == 10000.0
+    with pytest.raises(TypeError):
+        Llama3Engine.from_gguf(path, overrides={"no_such_field": 1})
+
+
+def test_a_file_without_a_vocabulary_stops_on_its_config_eos_or_never(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Llama3Engine.eos_ids without a tokenizer: the checkpoint's eos_token_id, and with
+    none an empty set (nothing stops early: every step runs). Planted (engine.py): the
+    `- {None}` dropped, so eos_ids was {None}; passed test_engine.py and test_decoder.py."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, with_tokenizer=False)
+    bare = Llama3Engine.from_gguf(path)
+    assert bare.tokenizer is None and bare.config.eos_token_id is None
+    assert bare.eos_ids == frozenset()
+    out = bare.generate(PROMPT, 8)
+    assert len(out.tokens) == 8
+    eos = out.tokens[3]
+    stopping = Llama3Engine.from_gguf(path, overrides={"eos_token_id": eos})
+    assert stopping.eos_ids == frozenset({eos})
+    assert stopping.generate(PROMPT, 8).tokens == out.tokens[: out.tokens.index(eos) + 1]
