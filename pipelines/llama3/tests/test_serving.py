@@ -1059,3 +1059,136 @@ def test_pooled_head_rows_keep_each_pieces_bits(
 
         monkeypatch.setattr(type(head), "_product", dense_past_the_switch)
     assert _moved_pieces(model, 1) != []
+
+
+def test_slots_of_is_a_view_of_consecutive_slots_and_a_gather_of_any_other() -> None:
+    """model.slots_of: the rows `context` of one layer's cache, in the context's order, a view
+    where the slots are consecutive ascending (an empty context: an empty view) and a
+    contiguous gather of any other (blocks handed out of order), the same values either way.
+    Planted, consecutiveness judged by the context's ends alone: blocks 0, 2, 1, 3 (ends 0
+    and 15, 16 slots) took the view of slots 0..15 in order, their keys in the wrong places."""
+    cache = torch.randn(32, 2, 4, generator=torch.Generator().manual_seed(3))
+
+    def blocks(*ids: int) -> torch.Tensor:
+        return torch.cat([torch.arange(4 * b, 4 * b + 4) for b in ids])
+
+    cases = {  # context: whether it is consecutive
+        "in order": (blocks(2, 3, 4), True),
+        "one slot": (torch.tensor([9]), True),
+        "out of order, ends spanning it": (blocks(0, 2, 1, 3), False),
+        "one block moved": (blocks(1, 0, 2, 3), False),
+        "reversed": (torch.arange(7, -1, -1), False),
+        "empty": (torch.zeros(0, dtype=torch.long), True),
+    }
+    for name, (context, consecutive) in cases.items():
+        got = model_module.slots_of(cache, context)
+        assert torch.equal(got, cache[context]), name
+        assert got.is_contiguous(), name
+        shares = got.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+        assert shares == consecutive, name
+
+
+class _CountingHead(torch.nn.Module):
+    """An LM head that records the rows of each call, pooling up to `pool_rows` rows."""
+
+    def __init__(self, head: torch.nn.Module, pool_rows: int) -> None:
+        super().__init__()
+        self.head, self.weight, self.pool_rows = head, head.weight, pool_rows
+        self.calls: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        return self.head(x)
+
+
+def test_the_pooled_head_makes_as_few_calls_as_pool_rows_allows(eager, monkeypatch) -> None:
+    """Transformer._piece_logits pools the pieces' rows into as few head calls as the head's
+    `pool_rows` allows (each pooled call fewer rows than it), a piece of `pool_rows` rows or
+    more called alone, a piece asking for no rows given None, and every piece its own rows'
+    logits. Planted: the pooled count not reset after a flush (every later piece called
+    alone: 6 calls, not 4), the flush at `>` instead of `>=` (a pooled call of 4 rows, on the
+    head's other path), an empty piece pooled (an empty tensor, not None), the slice start
+    not advanced (every piece of a call given the first piece's rows)."""
+    model = eager.model
+    head = _CountingHead(model.output, pool_rows=4)
+    monkeypatch.setattr(model, "output", head)
+    h = torch.randn(11, model.config.dim, generator=torch.Generator().manual_seed(5))
+    outputs = [[0], [], [1, 2], [3], [4, 5, 6, 7], [8], [9], [10]]
+    with torch.inference_mode():
+        logits = model._piece_logits(h, outputs)
+        alone = [model._logits(h[rows]) if rows else None for rows in outputs]
+    assert head.calls[:4] == [3, 4, 3, 1], head.calls
+    assert logits[1] is None
+    for piece, (got, expected) in enumerate(zip(logits, alone, strict=True)):
+        if expected is not None:
+            assert got.shape == expected.shape, piece
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_with_masks_finds_each_pieces_mask_and_whether_all_are_plain(eager, monkeypatch) -> None:
+    """Transformer.with_masks gives each piece attention_mask of its rows after its earlier
+    positions (None for one query, and for a chunk from position 0), `plain` true only where
+    every mask is None or causal, found too for a batch whose masks were given without it;
+    unmasked_decode_rows names the rows of unmasked one-row pieces only. Planted: `plain`
+    as any() of the pieces (a windowed chunk beside a decode row passed as plain), a batch
+    with given masks returned with `plain` unknown, a decode row from a cached position given
+    the explicit mask, a chunk from 0 given it, a one-row count dropped from
+    unmasked_decode_rows (a prefill from 0 sent to the decode kernels)."""
+    model, cpu = eager.model, torch.device("cpu")
+    k = torch.zeros(1, 16, 1, 2)
+    batch = model_module.PagedBatch(
+        k=k, v=k, counts=[1, 3, 2],
+        contexts=[torch.arange(5), torch.arange(5, 10), torch.arange(10, 12)],
+        write=torch.tensor([4, 7, 8, 9, 10, 11]), fresh=torch.ones(6, dtype=torch.bool),
+    )  # fmt: skip
+    plain = model.with_masks(batch)
+    assert plain.masks[0] is None and plain.masks[2] is None
+    assert torch.equal(plain.masks[1], model_module.causal_mask(3, 2, cpu))
+    assert plain.plain is True
+    assert plain.unmasked_decode_rows().tolist() == [True] + [False] * 5
+    window = _window(2)
+
+    def windowed(seqlen: int, start_pos: int, device: torch.device) -> torch.Tensor | None:
+        return None if seqlen == 1 else window(seqlen, start_pos, device)
+
+    monkeypatch.setattr(model, "attention_mask", windowed)
+    got = model.with_masks(batch)
+    assert got.masks[0] is None and torch.equal(got.masks[1], window(3, 2, cpu))
+    assert got.plain is False
+    assert got.unmasked_decode_rows().tolist() == [True] + [False] * 5
+    given = model.with_masks(dataclasses.replace(batch, masks=got.masks))
+    assert given.masks is got.masks and given.plain is False
+    assert model.with_masks(plain) is plain  # masks and plain known: nothing recomputed
+
+
+def test_setup_caches_grows_each_dimension_alone_and_keeps_the_larger() -> None:
+    """Transformer.setup_caches allocates caches for the larger of the asked and the current
+    positions and batch, each dimension on its own, does nothing where they are big enough,
+    and grows the rope tables with the positions (the shared positions' values unchanged);
+    forward serves positions up to max_seq_len exactly and refuses one more. Planted: the
+    early return where either dimension fits (a larger batch refused), the positions not
+    kept at the larger (a batch grown shrank the caches), the rope tables never regrown, the
+    bound of forward at `>=` (the last position refused)."""
+    model = Llama3Engine.from_gguf(TESTDATA / "tiny_llama.gguf", mode="eager").model
+    config = model.config
+    with torch.inference_mode():
+        model.setup_caches(16, 1)
+        cos16 = model.rope_cos.clone()
+        model.setup_caches(8, 2)
+        assert (model.max_seq_len, model.max_batch_size) == (16, 2)
+        shape = (2, config.n_kv_heads, 16, config.head_dim)
+        for layer in model.layers:
+            assert layer.attention.cache_k.shape == layer.attention.cache_v.shape == shape
+        cache = model.layers[0].attention.cache_k
+        model.setup_caches(16, 2)
+        assert model.layers[0].attention.cache_k is cache  # big enough: nothing reallocated
+        model.setup_caches(40, 1)
+        assert (model.max_seq_len, model.max_batch_size) == (40, 2)
+        assert model.layers[0].attention.cache_k.shape[:3] == (2, config.n_kv_heads, 40)
+        assert model.rope_cos.shape[0] == model.rope_sin.shape[0] == 40
+        assert torch.equal(model.rope_cos[:16], cos16)
+        tokens = torch.tensor([[5, 6], [7, 8]])
+        model.forward(tokens, 0)
+        assert model.forward(tokens, 38).shape == (2, 2, config.vocab_size)
+        with pytest.raises(ValueError, match="call setup_caches first"):
+            model.forward(tokens, 39)
