@@ -749,3 +749,136 @@ def test_bench_speculative_defaults_and_llama_servers_drafts(tmp_path, monkeypat
     out = capsys.readouterr().out
     assert "greedy, 64 new tokens, K=4, 2 threads (engine mode quantized)" in out
     assert "30-layer self-draft" in out
+
+
+def test_the_table_rows_are_each_sides_rates_weights_and_bandwidth(capsys) -> None:
+    """bench.py's docstring (the table gives load seconds, prefill and decode tokens/s, the
+    bytes of weights one decoded token reads and the bandwidth that implies): prefill is
+    prompt tokens over the prefill's seconds, decode is NEW - 1 steps over the decode's seconds
+    (the prefill chose the first token), MB at 1e6 bytes, GB/s at 1e9. Two sides whose
+    numbers all differ. Planted: decode over NEW tokens (an off-by-one), prefill over the
+    decode's seconds (a column swap)."""
+    eager = _side("eager", prefill_tps=100.0, decode_tps=10.0)
+    transformers = _side("transformers", load=10.0, prefill_tps=200.0, decode_tps=5.0)
+    transformers.weight_bytes = 4 * 10**8
+    bench._print_table([eager, transformers], PROMPT, NEW)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [
+        ["load", "seconds", "1.00", "10.00"],
+        ["prefill", "tok/s", "100.00", "200.00"],
+        ["decode", "tok/s", "10.00", "5.00"],
+        ["weights", "MB/token", "100.00", "400.00"],
+        ["implied", "GB/s", "1.00", "2.00"],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--repeats=0", "--repeats=0 must be at least 1"),
+        ("--new-tokens=1", "--new-tokens=1 must be at least 2 (one prefill, then decode steps)"),
+    ],
+)
+def test_bench_refuses_no_repeats_or_no_decode_step_before_any_timing(
+    option, message, monkeypatch, capsys
+) -> None:
+    """bench.main's checks: no alternating generation (--repeats=0 left every side's time
+    inf, a table of 0.00) or no decode step (--new-tokens=1: decode tok/s 0 / 0) exits 2
+    naming the flag before anything loads. Planted: `args.repeats < 0`, `args.new_tokens <
+    1`. torch.set_num_threads raises if it is reached."""
+
+    def reached(*_):
+        raise AssertionError("the bench went past its argument checks")
+
+    monkeypatch.setattr(torch, "set_num_threads", reached)
+    monkeypatch.setattr(bench, "freeze_imported_objects", lambda: None)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([option])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_sampled_section_keeps_each_sides_fastest_and_compares_like_with_like() -> None:
+    """sampled.py's docstring: each side keeps its fastest of `repeats` alternating runs, the
+    engine's decode rate is its new tokens after the first over the decode seconds, and each
+    mode's line gives sampled over llama-server's sampled and greedy over llama-server's
+    greedy. Made-up engine (5 tokens, 4 decode steps) and llama-server. Planted: the slowest
+    run kept (`min` in _max), len(tokens) steps counted, the greedy ratio taken on the
+    sampled rates."""
+    from tools.bench import sampled
+
+    engine_seconds = iter([2.0, 4.0, 0.5, 1.0, 1.0, 2.0])  # greedy, sampled, per round
+
+    def generate(ids, n, stop_on_eos, sampling=None):
+        return types.SimpleNamespace(tokens=[1] * n, decode_seconds=next(engine_seconds))
+
+    server_rates = {False: iter([50.0, 70.0, 60.0]), True: iter([30.0, 20.0, 40.0])}
+    llama = types.SimpleNamespace(
+        decode_tps=lambda ids, n, sampler=None: next(server_rates[sampler is not None])
+    )
+    sampler = {"temperature": 0.8, "top_k": 40}
+    engine = types.SimpleNamespace(generate=generate)
+    rows = sampled.measure({"quantized": engine}, llama, [1, 2], 5, 3, sampler)
+    assert [(r.name, r.greedy, r.sampled) for r in rows] == [
+        ("quantized", 8.0, 4.0),
+        ("llama-server", 70.0, 40.0),
+    ]
+    out = sampled.lines(rows, sampler, 3)
+    assert out[-1] == "quantized/llama-server sampled decode: 0.100 (greedy 0.114)"
+
+
+def test_bench_serving_server_rows_count_prompt_and_new_tokens(monkeypatch, capsys) -> None:
+    """serving.py's docstring: each server round's total tokens/s is its clients' prompt and
+    generated tokens over the round's wall time, with p50/p99 latency; the warm-up round is
+    not counted. Made-up clients: 2 prompts of 8 + 4 tokens, 2 s then 1 s. Planted: the
+    generated tokens alone counted."""
+    times = iter([(9.0, [9.0, 9.0]), (2.0, [0.3, 0.1]), (1.0, [0.05, 0.25])])
+    monkeypatch.setattr(serving, "_clients", lambda url, prompts, new: next(times))
+    args = serving._parser().parse_args(["--prompt-tokens=8", "--new-tokens=4"])
+    rounds = {name: [[1] * 8, [2] * 8] for name in ("warm-up", *serving.ROUNDS)}
+    totals = serving._server_rows("llama-server", "http://x/v1", rounds, args)
+    assert totals == {"new prompts": 12.0, "repeated prompts": 24.0}
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert rows == [
+        ["llama-server", "new", "prompts", "2", "12.0", "200", "300"],
+        ["llama-server", "repeated", "prompts", "2", "24.0", "150", "250"],
+    ]
+
+
+def test_bench_serving_batch_rows_give_each_rate_and_the_served_ratios(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """serving.py's docstring: per mode and batch, total tokens/s (B x (prompt + new) over
+    the wall time) served, sequential, llama.cpp and no-repack, then served/sequential,
+    served/llama.cpp, served/no-repack and the scheduler's ms a step. Made-up engine, runs
+    and llama-batched-bench (no no-repack number at batch 2: '-'). Planted: the ratio
+    inverted (sequential/served)."""
+    engine = types.SimpleNamespace()
+    monkeypatch.setattr(serving.Llama3Engine, "from_gguf", lambda *a, **k: engine)
+    monkeypatch.setattr(serving, "smollm2_gguf", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(serving, "_ggml_backend", lambda: "CPU")
+    monkeypatch.setattr(serving, "_prompts", lambda e, count, length: [[1] * length] * count)
+    monkeypatch.setattr(serving, "_sequential", lambda e, prompts, new: 2.0 * len(prompts))
+    monkeypatch.setattr(serving, "_served", lambda e, prompts, new: (1.0 * len(prompts), 0.004))
+    peers = {True: ({1: 20.0, 2: 40.0}, ""), False: ({1: 10.0}, "")}
+    monkeypatch.setattr(serving, "llama_cpp_batched", lambda a, b, repack=True: peers[repack])
+    args = serving._parser().parse_args(["--prompt-tokens=8", "--new-tokens=4", "--batches=1,2"])
+    serving.batched(args, ["quantized"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:4]]
+    assert rows == [
+        ["quantized", "1", "12.0", "6.0", "20.0", "10.0", "2.00", "0.60", "1.20", "4.00"],
+        ["quantized", "2", "12.0", "6.0", "40.0", "nan", "2.00", "0.30", "-", "4.00"],
+    ]
+
+
+@pytest.mark.parametrize(("clients", "served"), [(22, [22]), (0, [])])
+def test_bench_serving_accepts_22_clients_and_0_for_no_server_rows(
+    clients, served, monkeypatch
+) -> None:
+    """--clients help ("at most 22 (0: no server rows)"): 22 clients are accepted and reach
+    the server rows, 0 runs none. Planted: `args.clients < len(WORDS) // 2` (22 refused)."""
+    reached = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+    monkeypatch.setattr(serving, "servers", lambda args: reached.append(args.clients))
+    assert serving.main(["--modes=", f"--clients={clients}"]) == 0
+    assert reached == served

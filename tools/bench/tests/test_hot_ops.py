@@ -242,3 +242,45 @@ def test_the_defaults_are_the_readmes(monkeypatch) -> None:
     assert (args.context, args.rows_list) == (1024, [1, 64, 512])
     assert args.mode_list == ["eager", "quantized", "ggml"]
     assert args.build_list == [b for b in hot_ops.BUILDS if kernel_library.runnable(b)]
+
+
+def test_bytes_and_flops_are_the_docstrings(run) -> None:
+    """hot_ops.py's docstring: a product reads its weights (eager: float32) and its input
+    rows and does 2 x rows x in x out FLOPs (swiglu's gate and up: out 2 x ffn); attention
+    reads q, k, v and the cached keys and values of the positions it sees (decode: --context
+    cached and the new one; prefill: its rows) and does 4 x heads x head_dim per query and
+    key it sees (prefill: causal, rows x (rows + 1) / 2 pairs). Planted: swiglu's out ffn,
+    the values' cache left out of the bytes, prefill counting rows x rows pairs."""
+    tiny = hot_ops.SHAPES["tiny"]
+    heads, kv_heads, head_dim = tiny.n_heads, tiny.n_kv_heads, tiny.head_dim
+    qkv_width = (heads + 2 * kv_heads) * head_dim
+    eager = {(r["op"], r["rows"]): r for r in run[1]["results"] if r["mode"] == "eager"}
+    for rows in (1, 64):
+        swiglu = eager["swiglu", rows]
+        assert swiglu["flops"] == 2 * rows * tiny.dim * 2 * tiny.ffn_dim
+        assert swiglu["bytes"] == 2 * tiny.ffn_dim * tiny.dim * 4 + rows * tiny.dim * 4
+        qkv = eager["qkv", rows]
+        assert qkv["bytes"] == qkv_width * tiny.dim * 4 + rows * tiny.dim * 4
+    for op, rows, keys, seen in (("decode_attn", 1, 33, 33), ("prefill_attn", 64, 64, 2080)):
+        for r in run[1]["results"]:
+            if (r["op"], r["rows"]) == (op, rows):
+                assert r["context"] == keys
+                assert r["flops"] == 4 * heads * head_dim * seen
+                assert r["bytes"] == rows * qkv_width * 4 + 2 * kv_heads * keys * head_dim * 4
+
+
+def test_an_ops_time_is_its_fastest_batch(monkeypatch) -> None:
+    """hot_ops.py's docstring: an op's time is the fastest of --repeats batches (per call),
+    one batch when its untimed call was slow; time_pair keeps each side's fastest of its
+    alternating batches. Made-up batches. Planted: the mean of the batches kept."""
+    batches = iter([0.3, 0.1, 0.2])
+    monkeypatch.setattr(hot_ops, "_calibrate", lambda run: (4, False))
+    monkeypatch.setattr(hot_ops, "_batch", lambda run, calls: next(batches))
+    assert hot_ops.time_call(lambda: None, 3) == 0.1
+    times = {"op": iter([0.3, 0.1, 0.2]), "peer": iter([0.5, 0.6, 0.4])}
+    monkeypatch.setattr(hot_ops, "_batch", lambda run, calls: next(times[run()]))
+    assert hot_ops.time_pair(lambda: "op", lambda: "peer", 3) == (0.1, 0.4)
+    monkeypatch.setattr(hot_ops, "_calibrate", lambda run: (1, True))
+    batches = iter([0.7, 0.01])
+    monkeypatch.setattr(hot_ops, "_batch", lambda run, calls: next(batches))
+    assert hot_ops.time_call(lambda: None, 3) == 0.7
