@@ -27,12 +27,16 @@ PROPERTY = re.compile(
     re.I,
 )
 CODE = re.compile(r"`([^`\n]+)`")
-# A test-like name, not a flag (`--test_env`, `--test_arg`).
-TEST_NAME = re.compile(r"(?<![-\w])(test_\w+|\w+_test)\b")
-# Names a document may put in backticks that look like tests and are not: the golden archives.
-NOT_TESTS = {"test_llama_golden", "py_test"}
 # What a macro makes of a target's name (bazel/pytest.bzl gpu_pytest_test: NAME and NAME_on_cpu).
 GENERATED_SUFFIXES = ("_on_cpu",)
+# A test-like name, not a flag (`--test_env`, `--test_arg`): test_X, X_test, X_test_on_cpu.
+TEST_NAME = re.compile(
+    r"(?<![-\w])(test_\w+|\w+_test(?:"
+    + "|".join(re.escape(suffix) for suffix in GENERATED_SUFFIXES)
+    + r")?)\b"
+)
+# Names a document may put in backticks that look like tests and are not: the golden archives.
+NOT_TESTS = {"test_llama_golden", "py_test"}
 
 
 @dataclasses.dataclass(frozen=True)
