@@ -29,8 +29,13 @@ The problems:
   by no shard, every shard passing. The runner records each shard's count and sha256 of the
   list as the `shard_collection` property of its testsuite; those of a target must agree.
 - A report the run names that is missing, or is not XML.
+- With `--allowed-skips FILE` (.ci/run: bazel/allowed_skips.txt), a skipped test whose reason
+  matches none of the file's regular expressions: a skip counts as green in every report, so
+  a test that stopped running where CI runs (a planted `pytest.skip`, a `pytest.fail` turned
+  into one, a required input missing without its gate) would pass unseen.
 
-  python3 -m bazel.test_summary BEP_FILE   # .ci/run, tools/remote/e2e.sh
+  python3 -m bazel.test_summary BEP_FILE   # tools/remote/e2e.sh
+  python3 -m bazel.test_summary --allowed-skips bazel/allowed_skips.txt BEP_FILE   # .ci/run
   python3 -m bazel.test_summary --passed TEST_FUNCTION BEP_FILE   # exit 1 unless it passed
 
 A remotely executed or remotely cached test's event names its report by the remote cache's
@@ -159,14 +164,44 @@ def _parse(xml: Path, target: str) -> ET.Element:
         raise _Unreadable(f"{target}: its report {xml} is not JUnit XML ({error})") from None
 
 
+def allowed_skips(path: Path) -> list[re.Pattern]:
+    """The regular expressions of an allowed-skips file: one a line, `#` lines and blank lines
+    aside (each pattern's reason is the comment above it)."""
+    if not path.is_file():
+        raise BadInput(f"--allowed-skips {path} is not a file; pass bazel/allowed_skips.txt")
+    patterns = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            patterns.append(re.compile(line))
+        except re.error as error:
+            raise BadInput(
+                f"{path}, line {number}: {line!r} is no regular expression ({error})"
+            ) from None
+    return patterns
+
+
+def _skip_reason(skipped: ET.Element) -> str:
+    """The reason pytest gave a skip: the `message` attribute (pytest's JUnit XML), else the
+    element's text after pytest's `file:line: ` prefix."""
+    message = skipped.get("message")
+    if message is not None:
+        return message
+    return re.sub(r"^\S+:\d+: ", "", (skipped.text or "").strip())
+
+
 def _short(collection: str) -> str:
     """`6 tests, sha256 1f0c8e2d9a4b...`: a collection with its digest cut to 12 digits."""
     return re.sub(r"([0-9a-f]{12})[0-9a-f]+", r"\1...", collection)
 
 
-def summarize(run: Run) -> tuple[dict[str, int], list[str]]:
+def summarize(
+    run: Run, allowed: list[re.Pattern] | None = None
+) -> tuple[dict[str, int], list[str]]:
     """The counts over every report of the run, and the problems (module docstring), each
-    counted as one failed test."""
+    counted as one failed test; with `allowed` (allowed_skips), every skip's reason must match
+    one of them."""
     counts = {"passed": 0, "failed": 0, "skipped": 0, "ambiguous": 0, "checks": 0}
     problems = []
     for target in sorted(set(run.reports) | set(run.status) | set(run.missing)):
@@ -182,8 +217,16 @@ def summarize(run: Run) -> tuple[dict[str, int], list[str]]:
                 continue
             for case in root.iter("testcase"):
                 cases += 1
-                if case.find("skipped") is not None:
+                skipped = case.find("skipped")
+                if skipped is not None:
                     counts["skipped"] += 1
+                    reason = _skip_reason(skipped)
+                    if allowed is not None and not any(p.search(reason) for p in allowed):
+                        problems.append(
+                            f"{target}: {case.get('name')} skipped ({reason!r}), a reason the "
+                            "allowed skips do not list: make it run here, or fail where it "
+                            "cannot, or add its reason to bazel/allowed_skips.txt with why"
+                        )
                 elif case.find("failure") is not None or case.find("error") is not None:
                     counts["failed"] += 1
                     failed += 1
@@ -258,8 +301,8 @@ def passed(run: Run, name: str) -> bool:
 
 
 USAGE = (
-    "usage: python3 -m bazel.test_summary BEP_FILE (the run's --build_event_json_file), "
-    "or --passed TEST_FUNCTION BEP_FILE"
+    "usage: python3 -m bazel.test_summary [--allowed-skips FILE] BEP_FILE (the run's "
+    "--build_event_json_file), or --passed TEST_FUNCTION BEP_FILE"
 )
 
 
@@ -276,6 +319,10 @@ def main(argv: list[str]) -> int:
                 return 0
             print(f"test_summary: {argv[1]} did not pass in {argv[2]} (skipped, failed or absent)")
             return 1
+        allowed = None
+        if len(argv) == 3 and argv[0] == "--allowed-skips":
+            allowed = allowed_skips(Path(argv[1]))
+            argv = argv[2:]
         if len(argv) != 1 or argv[0].startswith("-"):
             print(f"{USAGE} (got {argv})")
             return 2
@@ -283,7 +330,7 @@ def main(argv: list[str]) -> int:
     except BadInput as error:
         print(f"test_summary: {error}")
         return 2
-    c, problems = summarize(run)
+    c, problems = summarize(run, allowed)
     print(
         f"tests: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, "
         f"{c['ambiguous']} ambiguous steps, {c['checks']} golden checks (steps and prompt "

