@@ -567,3 +567,37 @@ def _scratch_repository(root: Path) -> Path:
 def _store_path(url: str) -> Path:
     """artifacts/NAME/VERSION/SHA/NAME.tar.gz of a pinned local-store URL."""
     return Path("artifacts", *url.split("/artifacts/", 1)[1].split("/"))
+
+
+def test_the_readers_of_documents_and_help_texts_on_made_up_inputs(tmp_path: Path) -> None:
+    """This file's own readers, on text whose answer is known, so that a reader that finds
+    nothing cannot pass for documents that are fine. Plants each FAILED here (a sweep had them
+    pass the lanes above): a fence indented under a list item not read; an operator not
+    ending the argument words; a BUILD file taken to declare every name; a `~` path other
+    than ~/.cache let through; a line break inside quotes on a help example's first line
+    missed."""
+    document = tmp_path / "doc.md"
+    document.write_text(
+        "1. Run:\n\n   ```sh\n   ./bazelw run //a:b -- --x 1 \\\n     --y 2\n   ```\n"
+        "Prose with `./bazelw test //c:d`.\n"
+    )
+    assert _code(document) == ["./bazelw run //a:b -- --x 1 --y 2", "./bazelw test //c:d"]
+    assert _argv("--a 1 | tail -3") == ["--a", "1"]
+    assert _argv("--a 1; done") == ["--a", "1"]
+    assert _argv("--a $(ls)") is None
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "BUILD.bazel").write_text('py_binary(\n    name = "other",\n)\n')
+    assert _declared(tmp_path, "//pkg:other")
+    assert not _declared(tmp_path, "//pkg:absent")
+    assert not _declared(tmp_path, "//nowhere:other")
+    help_text = (
+        "  bazel run //pkg:tool -- --model ~/models/m.gguf\n"
+        '  bazel run //pkg:tool -- --prompt "two \\\n'
+        '      words" --model testdata/absent.gguf\n'
+    )
+    problems = _help_example_problems(help_text, tmp_path)
+    assert problems == [
+        "//pkg:tool: ~/models/m.gguf names a file under ~, absent on a fresh machine",
+        '//pkg:tool: a line break inside quotes: bazel run //pkg:tool -- --prompt "two \\',
+        "//pkg:tool: testdata/absent.gguf is not a file of the checkout",
+    ]
