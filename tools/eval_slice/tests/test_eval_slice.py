@@ -101,7 +101,7 @@ def test_a_planted_scoring_bug_fails_the_golden(
 
 
 def test_a_changed_checkpoint_fails_the_golden(family, text, golden, logits, tmp_path) -> None:
-    """One weight matrix of the Q4_0 member scaled by 1.02 (checkpoint_mutations.weight_scaled):
+    """One weight matrix of the Q4_0 member scaled by 1.002 (checkpoint_mutations.weight_scaled):
     its row's figures move, the base's do not (the changed file is another checkpoint: its
     forwards are computed, the base's read from the module's)."""
     mutation = checkpoint_mutations.BY_NAME["weight_scaled"]

@@ -432,3 +432,126 @@ def test_a_report_under_bazel_names_the_outputs_zip_of_its_shard() -> None:
         sharded = {**target, "TEST_TOTAL_SHARDS": "2", "TEST_SHARD_INDEX": index}
         assert bazel_outputs_zip(sharded) == f"{logs}/{folder}/test.outputs/outputs.zip"
     assert bazel_outputs_zip({}) is None  # not under bazel test: the report line has no zip
+
+
+# checkpoint_mutations itself: each planted edit is the one its docstring names, by its factor,
+# and nothing else in the file moves.
+def _tensors_and_fields(path):
+    from gguf import GGUFReader
+
+    from testing import gguf_reader
+
+    gguf_reader.install()
+    reader = GGUFReader(path)
+    tensors = {t.name: (t.tensor_type, t.data.tobytes()) for t in reader.tensors}
+    fields = {key: field.contents() for key, field in reader.fields.items()}
+    return tensors, fields
+
+
+def _tiny_with_attn_v(folder, attn_v_type):
+    """A 1-layer tiny checkpoint (dim 256: a Q4_K row) whose blk.0.attn_v is `attn_v_type`."""
+    from tools.gen_tiny_model.tiny_llama import write_tiny_llama
+
+    path = folder / f"tiny_attn_v_{attn_v_type.name}.gguf"
+    write_tiny_llama(
+        path, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=256,
+        tensor_types={"blk.0.attn_v.weight": attn_v_type},
+    )  # fmt: skip
+    return path
+
+
+def _only_change(original, copy, tensor=None, field=None):
+    """The copy's tensors and fields, asserting every other one is the original's."""
+    tensors, fields = _tensors_and_fields(original)
+    changed_tensors, changed_fields = _tensors_and_fields(copy)
+    assert changed_tensors.keys() == tensors.keys() and changed_fields.keys() == fields.keys()
+    for name in tensors:
+        if name != tensor:
+            assert changed_tensors[name] == tensors[name], name
+    for key in fields:
+        if key != field:
+            assert changed_fields[key] == fields[key], key
+    return (tensors, fields), (changed_tensors, changed_fields)
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_weight_scaled_scales_every_attn_v_weight_by_1_002_and_nothing_else(kind, tmp_path):
+    """checkpoint_mutations' weight_scaled: blk.0.attn_v.weight x1.002, float values directly
+    (rounded to nearest, BF16 to nearest even as torch rounds), block-quantized ones through
+    every float16 scale of each block (Q4_1's m and Q4_K's dmin too: an offset m left alone is
+    not a scale of the weights), and every other tensor and field byte for byte. Planted:
+    Q4_1's or Q4_K's second scale dropped, F16 refused, BF16 truncated, the factor 1.02."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[kind]
+    original = _tiny_with_attn_v(tmp_path, qtype)
+    mutation = checkpoint_mutations.BY_NAME["weight_scaled"]
+    assert mutation.what == "blk.0.attn_v.weight x1.002"
+    copy = checkpoint_mutations.mutated_copy(original, mutation, tmp_path)
+    assert copy == tmp_path / f"tiny_attn_v_{kind}.weight_scaled.gguf"
+    name = "blk.0.attn_v.weight"
+    (tensors, _), (changed, _) = _only_change(original, copy, tensor=name)
+    assert changed[name][0] == tensors[name][0] == qtype
+    before, after = tensors[name][1], changed[name][1]
+    assert before != after
+    if kind in ("F32", "F16"):
+        dtype = np.float32 if kind == "F32" else np.float16
+        old = np.frombuffer(before, dtype)
+        expected = (old.astype(np.float32) * np.float32(1.002)).astype(dtype)
+        assert np.frombuffer(after, dtype).tobytes() == expected.tobytes()
+        return
+    if kind == "BF16":
+        old = torch.from_numpy(np.frombuffer(before, np.int16).copy()).view(torch.bfloat16)
+        expected = (old.float() * 1.002).to(torch.bfloat16)
+        assert torch.equal(torch.from_numpy(np.frombuffer(after, np.int16).copy()),
+                           expected.view(torch.int16))  # fmt: skip
+        return
+    old = dequantize(np.frombuffer(before, np.uint8), qtype)
+    new = dequantize(np.frombuffer(after, np.uint8), qtype)
+    # Each float16 scale rounds to 2**-11 relative: the weights move by 1.002 within that
+    # (|d q| + |m| <= 2 max |w|, so 1.002 * 2**-10 of the largest weight at worst).
+    error = np.abs(new - np.float32(1.002) * old)
+    assert error.max() <= 1.01 * 2**-10 * np.abs(old).max(), error.max()
+    ratio = float(np.dot(new, old) / np.dot(old, old))
+    assert ratio == pytest.approx(1.002, abs=2e-4)
+    # The bounds above let an unscaled offset (0.002 |m|) through: within each 32 weights (a
+    # block, a Q4_K sub-block) the new weights are a * old + b, and b is only the two scales'
+    # roundings apart (1.002 * 2**-10 of the block's largest weight at most), never 0.002 |m|.
+    old_blocks, new_blocks = old.reshape(-1, 32), new.reshape(-1, 32)
+    centred = old_blocks - old_blocks.mean(axis=1, keepdims=True)
+    slope = (centred * new_blocks).sum(axis=1) / (centred * centred).sum(axis=1)
+    offset = np.abs(new_blocks.mean(axis=1) - slope * old_blocks.mean(axis=1))
+    bound = 1.01 * 2**-10 * np.abs(old_blocks).max(axis=1) + 1e-7
+    assert (offset <= bound).all(), offset.max()
+
+
+def test_norm_weight_and_rope_theta_change_their_one_value_by_their_factor(tmp_path):
+    """norm_weight: blk.0.attn_norm.weight[0] x1.05 (float32), nothing else; rope_theta:
+    llama.rope.freq_base x1.01, nothing else. Planted: the norm element shifted (+1.05) instead
+    of scaled, the theta divided, the ffn norm changed instead of the attention norm."""
+    import numpy as np
+
+    from tools.gen_tiny_model.tiny_llama import write_tiny_llama
+
+    original = tmp_path / "tiny.gguf"
+    write_tiny_llama(original, n_layers=1, rope_theta=10000.0)
+    norm = checkpoint_mutations.mutated_copy(
+        original, checkpoint_mutations.BY_NAME["norm_weight"], tmp_path
+    )
+    name = "blk.0.attn_norm.weight"
+    (tensors, _), (changed, _) = _only_change(original, norm, tensor=name)
+    old = np.frombuffer(tensors[name][1], np.float32)
+    new = np.frombuffer(changed[name][1], np.float32)
+    assert new[0] == old[0] * np.float32(1.05) and new[0] != old[0]
+    assert new[1:].tobytes() == old[1:].tobytes()
+
+    theta = checkpoint_mutations.mutated_copy(
+        original, checkpoint_mutations.BY_NAME["rope_theta"], tmp_path
+    )
+    key = "llama.rope.freq_base"
+    (_, fields), (_, changed_fields) = _only_change(original, theta, field=key)
+    assert fields[key] == 10000.0
+    assert changed_fields[key] == pytest.approx(10100.0, rel=1e-7)

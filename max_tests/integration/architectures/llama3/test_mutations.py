@@ -549,3 +549,81 @@ def test_rope_freqs_transformers_cannot_reproduce_exit_2_naming_the_file(
         "parameters), or judge this file by its own goldens only (golden_check --golden=own)"
     )
     assert message + "\n" in capsys.readouterr().err
+
+
+def test_the_model_only_copy_follows_a_checkpoint_rewritten_in_place(tmp_path: Path) -> None:
+    """model_only_copy is made once per file and process, keyed by the file's path, size and
+    modification time: a checkpoint regenerated in place (same path, same size, other weights,
+    as gen_tiny_model rewrites one) gets a fresh copy with the new tensors, not the first
+    one's. Planted: the modification time dropped from the key (the old weights were served
+    to transformers)."""
+    import os
+
+    path = tmp_path / "tiny_rewritten.gguf"
+    write_tiny_llama(path, n_layers=1, seed=0)
+
+    def tensor_bytes(file: Path) -> dict[str, bytes]:
+        return {t.name: t.data.tobytes() for t in gguf.GGUFReader(file).tensors}
+
+    first = tensor_bytes(torch_reference.model_only_copy(path))
+    assert first == tensor_bytes(path)
+    mtime_ns = path.stat().st_mtime_ns
+    size = path.stat().st_size
+    write_tiny_llama(path, n_layers=1, seed=1)
+    os.utime(path, ns=(mtime_ns + 10**9, mtime_ns + 10**9))  # however coarse the clock
+    assert path.stat().st_size == size
+    second = tensor_bytes(torch_reference.model_only_copy(path))
+    assert second == tensor_bytes(path)
+    assert second != first
+
+
+def test_a_bfloat16_reference_keeps_its_dtype_and_computes_attention_in_float32(
+    tmp_path: Path,
+) -> None:
+    """A bfloat16 checkpoint loads in bfloat16 with transformers' SDPA computed in float32 and
+    rounded once to bfloat16 (as the engine's attention), and load_reference keeps the
+    variant's dtype; float32_head then runs the final norm in float32 (eps included) and
+    yields the LM head in float32, and takes its hook off after. Planted: the float32 SDPA
+    chosen for float32 models only, its output left in float32, load_reference loading
+    float32, the norm's eps dropped, the hook left on."""
+    from transformers import AttentionInterface
+
+    path = tmp_path / "tiny_bf16.gguf"
+    write_tiny_llama(path, n_layers=1, weight_type=gguf.GGMLQuantizationType.BF16)
+    variant = Variant("tinyllama", "bfloat16", "tiny", "llama3_1", path)
+    assert variant.dtype == torch.bfloat16
+    model, _ = torch_reference.load_reference(variant, "cpu")
+    assert model.dtype == torch.bfloat16
+    assert model.config._attn_implementation == torch_reference.FLOAT32_SDPA
+
+    # The registered attention: float32 SDPA of the bfloat16 inputs, rounded once.
+    attention = AttentionInterface()[torch_reference.FLOAT32_SDPA]
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 16, generator=generator).bfloat16()  # 4 heads, 2 kv heads
+    k, v = (torch.randn(1, 2, 5, 16, generator=generator).bfloat16() for _ in range(2))
+    module = model.model.layers[0].self_attn
+    out, _ = attention(module, q, k, v, None, dropout=0.0, scaling=0.25, is_causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1),
+        is_causal=True, scale=0.25,
+    ).transpose(1, 2)  # fmt: skip
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-6)
+
+    ids = torch.tensor([[0, 5, 9, 200, 17]])
+    with torch.inference_mode():
+        logits = model(ids).logits
+        assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+        x = torch.randn(1, 3, 64, generator=generator).bfloat16() * 1e-3  # eps matters here
+        norm = model.model.norm
+        with torch_reference.float32_head(model) as head:
+            assert head.dtype == torch.float32
+            assert torch.equal(head, model.lm_head.weight.float())
+            hooked = norm(x)
+        xf = x.float()
+        expected = norm.weight.float() * (
+            xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        )
+        assert hooked.dtype == torch.float32
+        assert torch.equal(hooked, expected)
+        assert norm(x).dtype == torch.bfloat16  # the hook is off again
