@@ -29,10 +29,10 @@ def test_without_the_marker():
 """
 
 
-def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    """pytest over TESTS, with max_tests/conftest.py's hooks as the folder's conftest."""
+def _run(tmp_path: Path, tests: str = TESTS, **env: str) -> subprocess.CompletedProcess:
+    """pytest over `tests`, with max_tests/conftest.py's hooks as the folder's conftest."""
     (tmp_path / "conftest.py").write_text("from max_tests.conftest import *  # noqa: F403\n")
-    (tmp_path / "test_gated.py").write_text(TESTS)
+    (tmp_path / "test_gated.py").write_text(tests)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_TEST", "CUDA_"))}
     child_env["PYTHONPATH"] = os.pathsep.join([str(REPO), *sys.path])
@@ -197,20 +197,6 @@ def test_the_device_fixture_turns_tf32_off_for_the_test_and_back_after(tmp_path)
     """The `device` fixture: TF32 off during the test (the float32 tolerances assume IEEE
     float32) and the flag as it was after it. Plants caught: the switch-off dropped, the
     restore dropped (the flag leaks into the tests after)."""
-    (tmp_path / "conftest.py").write_text("from max_tests.conftest import *  # noqa: F403\n")
-    (tmp_path / "test_tf32.py").write_text(TF32_TESTS)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_TEST", "CUDA_"))}
-    child_env["PYTHONPATH"] = os.pathsep.join([str(REPO), *sys.path])
-    child_env["GPU_TEST_DEVICE"] = "cpu"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path,
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = _run(tmp_path, TF32_TESTS, GPU_TEST_DEVICE="cpu")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "3 passed" in done.stdout

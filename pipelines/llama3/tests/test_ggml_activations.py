@@ -61,14 +61,18 @@ def _blocks(size: int, count: int = 64, seed: int = 0) -> np.ndarray:
     return blocks
 
 
-def test_q8_k_is_ggml_quantize_row_q8_K_ref_bit_for_bit():
-    blocks = _blocks(ga.QK_K)
-    q, d = ga.q8_k(torch.from_numpy(blocks.reshape(8, -1)))
+def _assert_q8_k_is_the_loop(blocks: np.ndarray, rows: int) -> None:
+    """ga.q8_k of `blocks` (in `rows` rows) equals ggml's loop, block by block, bit for bit."""
+    q, d = ga.q8_k(torch.from_numpy(blocks.reshape(rows, -1)))
     q, d = q.reshape(-1, ga.QK_K).numpy(), d.reshape(-1).numpy()
     for i, block in enumerate(blocks):
         expected_q, expected_d = _q8_k_loop(block)
         assert q[i].tolist() == expected_q, f"block {i}"
         assert d[i].tobytes() == np.float32(expected_d).tobytes(), f"block {i}"
+
+
+def test_q8_k_is_ggml_quantize_row_q8_K_ref_bit_for_bit():
+    _assert_q8_k_is_the_loop(_blocks(ga.QK_K), rows=8)
 
 
 def test_q8_k_takes_the_first_of_equal_magnitudes():
@@ -165,10 +169,4 @@ def test_q8_k_scales_are_correctly_rounded_divisions_on_near_ties():
     """Q8_K's iscale = -127 / max and d = 1 / iscale, one correctly rounded division each, on
     values whose iscale * x lands within a float32 step of k + 0.5 (as the Q8_0 test above).
     Planted: _div as `numerator / denominator` (torch's reciprocal product) fails here."""
-    blocks = _near_ties(ga.QK_K, 64, lambda a: F(F(-127.0) / a), seed=7)
-    q, d = ga.q8_k(torch.from_numpy(blocks.reshape(4, -1)))
-    q, d = q.reshape(-1, ga.QK_K).numpy(), d.reshape(-1).numpy()
-    for i, block in enumerate(blocks):
-        expected_q, expected_d = _q8_k_loop(block)
-        assert q[i].tolist() == expected_q, f"block {i}"
-        assert d[i].tobytes() == np.float32(expected_d).tobytes(), f"block {i}"
+    _assert_q8_k_is_the_loop(_near_ties(ga.QK_K, 64, lambda a: F(F(-127.0) / a), seed=7), rows=4)
