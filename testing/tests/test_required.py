@@ -211,3 +211,17 @@ def test_an_unreadable_llama3_1_file_is_a_named_error_not_a_traceback(
         f"--llama3-1-gguf={checkpoint}: [Errno 5] Input/output error: '{checkpoint}'; "
         "give a whole Llama-3.1-8B-Instruct GGUF file"
     )
+
+
+def test_the_llama3_1_flag_wins_over_the_environment(tmp_path, monkeypatch) -> None:
+    """variants(): the file --llama3-1-gguf names is used where both it and $LLAMA3_1_GGUF are
+    set (evaluate_llama's --help says so); an unreadable one is named by the flag. Plant
+    caught: the variable read first (the flag's file ignored)."""
+    from harness.llama3 import variants
+
+    monkeypatch.setenv(variants.LLAMA3_1_ENV, str(tmp_path / "from-env.gguf"))
+    flag = tmp_path / "from-flag.gguf"
+    (llama3_1,) = variants.variants(model="llama3_1", llama3_1_gguf=flag)
+    assert llama3_1.unavailable_reason == f"{flag} does not exist"
+    (llama3_1,) = variants.variants(model="llama3_1")
+    assert llama3_1.unavailable_reason == f"{tmp_path / 'from-env.gguf'} does not exist"

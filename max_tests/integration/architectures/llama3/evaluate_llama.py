@@ -74,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output-dir", help="where to write goldens (default: the testdata folder)")
     p.add_argument(
-        "--llama3-1-gguf", type=user_path, help=f"a Llama-3.1-8B-Instruct GGUF (or ${LLAMA3_1_ENV})"
+        "--llama3-1-gguf",
+        type=user_path,
+        help=f"a Llama-3.1-8B-Instruct GGUF (else ${LLAMA3_1_ENV}; this flag wins)",
     )
     p.add_argument(
         "--full-logits",
