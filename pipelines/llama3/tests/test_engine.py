@@ -23,10 +23,16 @@ PROMPT = [261, 83, 257, 259, 260, 5, 17, 99]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Llama3Engine:
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The default tiny checkpoint, written once for the tests that only load it."""
     path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
     write_tiny_llama(path)
-    return Llama3Engine.from_gguf(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_gguf: pathlib.Path) -> Llama3Engine:
+    return Llama3Engine.from_gguf(tiny_gguf)
 
 
 def test_forward_logits_shape_and_dtype(engine: Llama3Engine) -> None:
@@ -120,10 +126,8 @@ def test_stop_on_eos_false_runs_past_an_end_of_sequence_choice(engine: Llama3Eng
     assert torch.equal(ignoring.logits, out.logits)
 
 
-def test_bfloat16_runs_and_mostly_agrees(tmp_path: pathlib.Path, engine: Llama3Engine) -> None:
-    path = tmp_path / "tiny.gguf"
-    write_tiny_llama(path)
-    bf16 = Llama3Engine.from_gguf(path, dtype=torch.bfloat16)
+def test_bfloat16_runs_and_mostly_agrees(tiny_gguf: pathlib.Path, engine: Llama3Engine) -> None:
+    bf16 = Llama3Engine.from_gguf(tiny_gguf, dtype=torch.bfloat16)
     assert bf16.model.tok_embeddings.weight.dtype == torch.bfloat16
     reference = engine.forward_logits(PROMPT)
     logits = bf16.forward_logits(PROMPT)
@@ -418,7 +422,7 @@ def test_is_causal_names_the_plain_mask_and_no_other(seqlen: int, start_pos: int
         assert not is_causal(flipped, seqlen, start_pos), (row, key)
 
 
-def test_compiled_mode_compiles_once_for_every_prompt_length(tmp_path: pathlib.Path) -> None:
+def test_compiled_mode_compiles_once_for_every_prompt_length(tiny_gguf: pathlib.Path) -> None:
     """The compiled blocks take the rows as a dynamic dimension (compiled.compile_blocks:
     dynamic=True): after the first prefill and the first decode steps have compiled, prompts
     of other lengths and decode steps at other positions compile nothing more. Planted: the
@@ -426,9 +430,7 @@ def test_compiled_mode_compiles_once_for_every_prompt_length(tmp_path: pathlib.P
     position (4 graphs more here, ~14 s), silently until the recompile limit."""
     import torch._dynamo.utils
 
-    path = tmp_path / "tiny.gguf"
-    write_tiny_llama(path)
-    engine = Llama3Engine.from_gguf(path, mode="compiled")
+    engine = Llama3Engine.from_gguf(tiny_gguf, mode="compiled")
     engine.generate(PROMPT, 3, stop_on_eos=False)  # the prefill and the decode graphs
     torch._dynamo.utils.counters.clear()
     engine.generate(PROMPT[:5], 6, stop_on_eos=False)
@@ -437,7 +439,7 @@ def test_compiled_mode_compiles_once_for_every_prompt_length(tmp_path: pathlib.P
     assert dict(torch._dynamo.utils.counters["frames"]) == {}
 
 
-def test_a_compiled_load_makes_the_process_wide_settings(tmp_path: pathlib.Path) -> None:
+def test_a_compiled_load_makes_the_process_wide_settings(tiny_gguf: pathlib.Path) -> None:
     """Loading a compiled engine sets what compile_blocks' docstring promises for the whole
     process, whatever was set before: inductor rounds bfloat16 intermediates as eager does
     (emulate_precision_casts), and a block that keeps recompiling raises at a limit of at
@@ -448,31 +450,27 @@ def test_a_compiled_load_makes_the_process_wide_settings(tmp_path: pathlib.Path)
     import torch._dynamo.config
     import torch._inductor.config
 
-    path = tmp_path / "tiny.gguf"
-    write_tiny_llama(path)
     # The config modules' own patch: it puts the values back (pytest's monkeypatch deletes
     # them, which hides a torch config entry).
     before = torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=False)
     with before, torch._inductor.config.patch(emulate_precision_casts=False):
-        Llama3Engine.from_gguf(path, mode="compiled")
+        Llama3Engine.from_gguf(tiny_gguf, mode="compiled")
         assert torch._inductor.config.emulate_precision_casts is True
         assert torch._dynamo.config.recompile_limit == 64
         assert torch._dynamo.config.fail_on_recompile_limit_hit is True
         with torch._dynamo.config.patch(recompile_limit=100):
-            Llama3Engine.from_gguf(path, mode="compiled")
+            Llama3Engine.from_gguf(tiny_gguf, mode="compiled")
             assert torch._dynamo.config.recompile_limit == 100
 
 
-def test_compile_blocks_refuses_a_model_of_another_class(tmp_path: pathlib.Path) -> None:
+def test_compile_blocks_refuses_a_model_of_another_class(tiny_gguf: pathlib.Path) -> None:
     """compile_blocks takes only the compiled mode's model (CompiledTransformer): another
     model's blocks have no compiled paged parts, so a ragged batch would run them eagerly
     under the compiled mode's name. It is refused by name, its blocks left uncompiled.
     Planted: the class check dropped compiled the eager model's blocks without a word."""
     from pipelines.llama3.compiled import compile_blocks
 
-    path = tmp_path / "tiny.gguf"
-    write_tiny_llama(path)
-    model = Llama3Engine.from_gguf(path).model
+    model = Llama3Engine.from_gguf(tiny_gguf).model
     with pytest.raises(TypeError) as error:
         compile_blocks(model)
     assert str(error.value) == "compile_blocks takes a CompiledTransformer, not Transformer"
@@ -555,16 +553,14 @@ def test_text_leaves_out_only_a_final_end_of_sequence_of_a_stopped_sequence(
 
 
 def test_weight_bytes_per_token_counts_each_matrix_in_its_own_dtype(
-    tmp_path: pathlib.Path,
+    tiny_gguf: pathlib.Path,
 ) -> None:
     """weight_bytes_per_token: the bytes one decode step reads, every Linear matrix at its
     own element size: a bfloat16 engine's layers 2 bytes an element, its float32 LM head 4.
     Planted (engine.py): 4 bytes an element whatever the dtype; test_engine.py, test_decoder.py
     and test_packed.py passed (they check float32 and packed engines only)."""
-    path = tmp_path / "tiny.gguf"
-    write_tiny_llama(path)
-    f32 = Llama3Engine.from_gguf(path)
-    bf16 = Llama3Engine.from_gguf(path, dtype=torch.bfloat16)
+    f32 = Llama3Engine.from_gguf(tiny_gguf)
+    bf16 = Llama3Engine.from_gguf(tiny_gguf, dtype=torch.bfloat16)
     linears = [m for m in f32.model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 7 * len(f32.model.layers) + 1  # q k v o, gate up down; the head
     head = f32.model.output.weight.numel()
