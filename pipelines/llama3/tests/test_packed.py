@@ -155,6 +155,27 @@ def test_an_output_has_the_same_bits_in_a_block_of_outputs_and_alone(isa, qtype,
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "vnni", "portable"])
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+def test_a_row_has_the_same_bits_alone_and_in_a_tile_of_rows(isa, qtype, monkeypatch):
+    """The vector builds compute a decode row (a call of one row, or the last row of a call
+    whose rows are one past a tile of 4) with its accumulators in registers
+    (packed_gemm.c's q4_vectors_row, q8_vectors_row), and tiles of 2 to 4 rows sharing each
+    group's unpacking. Each row must keep one set of bits either way (pooled head rows and a
+    served batch rely on it), with an even and an odd number of groups (the register loop
+    takes groups in pairs). Planted: the row path summing every group into one accumulator
+    (FAILED on each vector build, int4 and int8)."""
+    _runnable_or_skip(isa)
+    monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
+    for cols in (320, 352):  # 10 and 11 groups
+        raw = _gguf_py_tensor(qtype, 21, cols, 13)
+        product = packed.PackedLinear(packing.pack(raw, qtype, (21, cols)))
+        x = torch.randn(5, cols, generator=torch.Generator().manual_seed(14))
+        tiled = product(x)  # rows 0-3 one tile, row 4 the row path
+        alone = torch.cat([product(x[r : r + 1]) for r in range(5)])
+        assert torch.equal(tiled, alone), (qtype.name, cols)
+
+
 @pytest.mark.parametrize("isa", list(kernel_library.REQUIRED_FLAGS))
 def test_every_build_loop_runs_the_build(isa) -> None:
     """The tests that loop over ISAS (decode attention, SwiGLU, the one-call decode steps) run
