@@ -488,6 +488,11 @@ def rope_tiny(tmp_path_factory) -> Path:
     return path
 
 
+def _tensors(reader: gguf.GGUFReader) -> list[tuple[str, int, list[int], bytes]]:
+    """A GGUF's tensors as gguf-py reads them, in file order: name, type, shape and bytes."""
+    return [(t.name, t.tensor_type, t.shape.tolist(), t.data.tobytes()) for t in reader.tensors]
+
+
 def test_the_model_only_copy_keeps_every_tensor_and_model_field(rope_tiny: Path) -> None:
     """torch_reference.model_only_copy, read back by gguf-py, holds the original's tensors
     (names, types, shapes, bytes) and every metadata field but the vocabulary arrays, in
@@ -502,15 +507,12 @@ def test_the_model_only_copy_keeps_every_tensor_and_model_field(rope_tiny: Path)
             if not key.startswith("GGUF.") and key not in torch_reference._VOCABULARY_KEYS
         ]
 
-    def tensors(reader: gguf.GGUFReader) -> list[tuple[str, int, list[int], bytes]]:
-        return [(t.name, t.tensor_type, t.shape.tolist(), t.data.tobytes()) for t in reader.tensors]
-
     vocabulary = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"}
     assert vocabulary <= set(original.fields) and not vocabulary & set(copy.fields)
     assert len(fields(original)) == 16
     assert fields(copy) == fields(original)
     assert len(original.tensors) == 22
-    assert tensors(copy) == tensors(original)
+    assert _tensors(copy) == _tensors(original)
 
 
 def test_rope_freqs_transformers_cannot_reproduce_exit_2_naming_the_file(
@@ -562,18 +564,15 @@ def test_the_model_only_copy_follows_a_checkpoint_rewritten_in_place(tmp_path: P
     path = tmp_path / "tiny_rewritten.gguf"
     write_tiny_llama(path, n_layers=1, seed=0)
 
-    def tensor_bytes(file: Path) -> dict[str, bytes]:
-        return {t.name: t.data.tobytes() for t in gguf.GGUFReader(file).tensors}
-
-    first = tensor_bytes(torch_reference.model_only_copy(path))
-    assert first == tensor_bytes(path)
+    first = _tensors(gguf.GGUFReader(torch_reference.model_only_copy(path)))
+    assert first == _tensors(gguf.GGUFReader(path))
     mtime_ns = path.stat().st_mtime_ns
     size = path.stat().st_size
     write_tiny_llama(path, n_layers=1, seed=1)
     os.utime(path, ns=(mtime_ns + 10**9, mtime_ns + 10**9))  # however coarse the clock
     assert path.stat().st_size == size
-    second = tensor_bytes(torch_reference.model_only_copy(path))
-    assert second == tensor_bytes(path)
+    second = _tensors(gguf.GGUFReader(torch_reference.model_only_copy(path)))
+    assert second == _tensors(gguf.GGUFReader(path))
     assert second != first
 
 
