@@ -1,6 +1,7 @@
 """Tokenizers from a GGUF vocabulary and from a tokenizer.json folder."""
 
 import json
+import os
 import pathlib
 import types
 
@@ -10,7 +11,11 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers, processors
 
 from pipelines.llama3 import CheckpointError, Tokenizer
+from pipelines.llama3.tokenizer import _BYTE_ALPHABET
+from testing import required
 from tools.gen_tiny_model.tiny_llama import byte_vocab, write_tiny_llama
+
+TESTDATA = pathlib.Path("max_tests/integration/architectures/llama3/testdata")
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +234,33 @@ def test_folder_without_add_bos_token_follows_the_post_processor(
     tokenizer = Tokenizer.from_folder(tmp_path)
     assert tokenizer.add_bos is post_processor_adds_bos
     assert tokenizer.encode("a") == ([0, 1] if post_processor_adds_bos else [1])
+
+
+def _bytes_by_characters(backend: BackendTokenizer) -> list[bytes]:
+    """token_bytes' rule one character at a time: an added token's text, a spelling wholly in
+    GPT-2's byte alphabet read back byte by byte, any other spelling's UTF-8."""
+    alphabet = {char: byte for byte, char in _BYTE_ALPHABET.items()}
+    added = backend.get_added_tokens_decoder()
+    spelled = [backend.id_to_token(i) or "" for i in range(backend.get_vocab_size(True))]
+    return [
+        s.encode()
+        if i in added or any(c not in alphabet for c in s)
+        else bytes(alphabet[c] for c in s)
+        for i, s in enumerate(spelled)
+    ]
+
+
+def test_token_bytes_of_every_spelling_follow_the_byte_alphabet_character_by_character() -> None:
+    """token_bytes reads spellings back in C (str.translate): the same bytes as the rule taken
+    one character at a time, on the Llama 3 vocabulary (128,256 tokens), SmolLM2's and tokens
+    stored in plain UTF-8 with characters outside the alphabet below its last (a soft hyphen,
+    a DEL, a space, a no-break space: one byte each in Latin-1, two in UTF-8). Catches those
+    characters read back as Latin-1 (then "a\\xad" is 2 bytes, not 3)."""
+    backends = [_metadata_tokenizer(extra=(("a\xad", 1), ("\x7fb", 1), ("c d", 1), ("\xa0", 1)))]
+    for path in (TESTDATA / "tiny_llama.gguf", pathlib.Path(os.environ.get("SMOLLM2_GGUF", ""))):
+        if not path.is_file():
+            required.missing(f"{path} not found (testdata's README.md; SMOLLM2_GGUF)")
+        backends.append(Tokenizer.from_gguf(path))
+    for tokenizer in backends:
+        assert tokenizer.token_bytes()[0] == _bytes_by_characters(tokenizer.backend)
+    assert backends[0].token_bytes()[0][263:] == [b"a\xc2\xad", b"\x7fb", b"c d", b"\xc2\xa0"]
