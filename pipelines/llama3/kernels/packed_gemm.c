@@ -183,115 +183,86 @@ static inline vec_t vec_sums(const vec_t v[N_BLOCK]) {
 #endif
 
 #if PACKED_SIMD
-/* One group's scaled dot product added to acc: fma(scale, sum_j x_j q_j, acc), the
- * operations q4_vectors and q8_vectors apply to each row; q: the group's 16 int4 bytes
- * (`int4`) or 32 int8 values. */
-static inline vec_t group_step(const float *x, const void *q, int int4, float scale, vec_t acc) {
+/* One weight group's scaled dot products added to the rows' accumulators: the group (its 16
+ * int4 bytes, `int4`, or 32 int8 values) unpacked once, then for each row i of x (rows K
+ * apart) acc[i] = fma(scale, sum_j x_ij q_j, acc[i]). */
+static inline __attribute__((always_inline)) void group_steps(const float *x, int64_t K,
+                                                              const void *q, int int4,
+                                                              float scale, int mt, vec_t *acc) {
 #if PACKED_SIMD == 512
   __m512 lo, hi;
   if (int4)
     unpack_q4_512((const uint8_t *)q, &lo, &hi);
   else
     unpack_q8_512((const int8_t *)q, &lo, &hi);
-  return _mm512_fmadd_ps(_mm512_set1_ps(scale), group_dot_512(x, lo, hi), acc);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int i = 0; i < mt; i++) acc[i] = _mm512_fmadd_ps(s, group_dot_512(x + i * K, lo, hi), acc[i]);
 #else
   __m256 w[4];
   if (int4)
     unpack_q4((const uint8_t *)q, w);
   else
     unpack_q8((const int8_t *)q, w);
-  return _mm256_fmadd_ps(_mm256_set1_ps(scale), group_dot(x, w), acc);
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int i = 0; i < mt; i++) acc[i] = _mm256_fmadd_ps(s, group_dot(x + i * K, w), acc[i]);
 #endif
 }
 
-/* A decode row's (mt == 1) vector partial sums: the same operations in the same order as the
- * general loops below, so the same bits, with the two accumulators in registers. The general
- * loops index theirs by row and group parity at run time, which keeps them in memory: a store
- * and a load on every group's dependency chain (SmolLM2's one-row gate/up product on the
- * AVX2 build, 2 threads: 0.106-0.158 -> 0.090-0.103 ms, its Q8_0 head 1.55 -> 1.26-1.42 ms;
- * Intel Xeon). q: the row's int4 bytes or int8 values; scales: the groups' scales (int4:
- * {scale, offset} pairs). */
-static inline vec_t row_vectors(const float *x, int64_t K, const void *q, int int4,
-                                const float *scales) {
+/* The vector partial sums of `mt` rows of x (rows K apart) with one output's weight row,
+ * before the horizontal sum: each group's dot product scaled into one of two accumulators per
+ * row (even and odd groups, halving the dependency chain), which are then added; each group
+ * unpacked once for the rows. Called with mt a constant (tile_vectors), so that every
+ * accumulator stays in a register: indexed by row and group parity at run time they were
+ * kept in memory, a store and a load on every group's dependency chain (SmolLM2's one-row
+ * gate/up product on the AVX2 build, 2 threads: 0.106-0.158 -> 0.090-0.103 ms, its Q8_0 head
+ * 1.55 -> 1.26-1.42 ms; Intel Xeon). q: the row's int4 bytes or int8 values; scales: the
+ * groups' scales (int4: {scale, offset} pairs). */
+static inline __attribute__((always_inline)) void rows_vectors(const float *x, int64_t K,
+                                                               const void *q, int int4,
+                                                               const float *scales, int mt,
+                                                               vec_t out[M_TILE]) {
   const int64_t G = K / GROUP, bytes = int4 ? GROUP / 2 : GROUP, stride = int4 ? 2 : 1;
   const uint8_t *qb = (const uint8_t *)q;
-  vec_t even = vec_zero(), odd = vec_zero();
+  vec_t even[M_TILE], odd[M_TILE];
+  for (int i = 0; i < mt; i++) even[i] = odd[i] = vec_zero();
   int64_t g = 0;
   for (; g + 2 <= G; g += 2) {
-    even = group_step(x + g * GROUP, qb + g * bytes, int4, scales[g * stride], even);
-    odd = group_step(x + (g + 1) * GROUP, qb + (g + 1) * bytes, int4, scales[(g + 1) * stride],
-                     odd);
+    group_steps(x + g * GROUP, K, qb + g * bytes, int4, scales[g * stride], mt, even);
+    group_steps(x + (g + 1) * GROUP, K, qb + (g + 1) * bytes, int4, scales[(g + 1) * stride], mt,
+                odd);
   }
-  if (g < G) even = group_step(x + g * GROUP, qb + g * bytes, int4, scales[g * stride], even);
-  return vec_add(even, odd);
+  if (g < G) group_steps(x + g * GROUP, K, qb + g * bytes, int4, scales[g * stride], mt, even);
+  for (int i = 0; i < mt; i++) out[i] = vec_add(even[i], odd[i]);
 }
 
-/* The vector partial sums of rows m0 .. m0 + mt of output n, before the horizontal sum: each
- * group's dot product scaled into one of two accumulators (even and odd groups, halving the
- * dependency chain), which are then added. The weight group is unpacked once for the rows. */
+/* rows_vectors of rows m0 .. m0 + mt, with mt a constant in each call. */
+_Static_assert(M_TILE == 4, "tile_vectors has a case for each row count up to M_TILE");
+static inline void tile_vectors(const float *x, int64_t K, const void *q, int int4,
+                                const float *scales, int64_t m0, int mt, vec_t out[M_TILE]) {
+  x += m0 * K;
+  switch (mt) {
+  case 1:
+    rows_vectors(x, K, q, int4, scales, 1, out);
+    break;
+  case 2:
+    rows_vectors(x, K, q, int4, scales, 2, out);
+    break;
+  case 3:
+    rows_vectors(x, K, q, int4, scales, 3, out);
+    break;
+  default:
+    rows_vectors(x, K, q, int4, scales, M_TILE, out);
+  }
+}
+
 static inline void q4_vectors(const float *x, int64_t K, const uint8_t *qrow, const float *sorow,
                               int64_t m0, int mt, vec_t out[M_TILE]) {
-  if (mt == 1) {
-    out[0] = row_vectors(x + m0 * K, K, qrow, 1, sorow);
-    return;
-  }
-  const int64_t G = K / GROUP;
-  vec_t acc[M_TILE][2];
-  for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = vec_zero();
-  for (int64_t g = 0; g < G; g++) {
-#if PACKED_SIMD == 512
-    __m512 lo, hi;
-    unpack_q4_512(qrow + g * (GROUP / 2), &lo, &hi);
-    const __m512 scale = _mm512_set1_ps(sorow[2 * g]);
-    for (int i = 0; i < mt; i++) {
-      const float *xm = x + (m0 + i) * K + g * GROUP;
-      acc[i][g & 1] = _mm512_fmadd_ps(scale, group_dot_512(xm, lo, hi), acc[i][g & 1]);
-    }
-#else
-    __m256 w[4];
-    unpack_q4(qrow + g * (GROUP / 2), w);
-    const __m256 scale = _mm256_set1_ps(sorow[2 * g]);
-    for (int i = 0; i < mt; i++) {
-      const float *xm = x + (m0 + i) * K + g * GROUP;
-      acc[i][g & 1] = _mm256_fmadd_ps(scale, group_dot(xm, w), acc[i][g & 1]);
-    }
-#endif
-  }
-  for (int i = 0; i < mt; i++) out[i] = vec_add(acc[i][0], acc[i][1]);
+  tile_vectors(x, K, qrow, 1, sorow, m0, mt, out);
 }
 
 static inline void q8_vectors(const float *x, int64_t K, const int8_t *qrow, const float *srow,
                               int64_t m0, int mt, vec_t out[M_TILE]) {
-  if (mt == 1) {
-    out[0] = row_vectors(x + m0 * K, K, qrow, 0, srow);
-    return;
-  }
-  const int64_t G = K / GROUP;
-#if PACKED_SIMD == 512
-  __m512 acc[M_TILE][2];
-  for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; g++) {
-    __m512 lo, hi;
-    unpack_q8_512(qrow + g * GROUP, &lo, &hi);
-    const __m512 s = _mm512_set1_ps(srow[g]);
-    for (int i = 0; i < mt; i++)
-      acc[i][g & 1] =
-          _mm512_fmadd_ps(s, group_dot_512(x + (m0 + i) * K + g * GROUP, lo, hi), acc[i][g & 1]);
-  }
-  for (int i = 0; i < mt; i++) out[i] = _mm512_add_ps(acc[i][0], acc[i][1]);
-#else
-  __m256 acc[M_TILE][2];
-  for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; g++) {
-    __m256 w[4];
-    unpack_q8(qrow + g * GROUP, w);
-    const __m256 s = _mm256_set1_ps(srow[g]);
-    for (int i = 0; i < mt; i++)
-      acc[i][g & 1] =
-          _mm256_fmadd_ps(s, group_dot(x + (m0 + i) * K + g * GROUP, w), acc[i][g & 1]);
-  }
-  for (int i = 0; i < mt; i++) out[i] = _mm256_add_ps(acc[i][0], acc[i][1]);
-#endif
+  tile_vectors(x, K, qrow, 0, srow, m0, mt, out);
 }
 
 /* offset_term of one row for N_BLOCK outputs at once, lane j in output j's order and
