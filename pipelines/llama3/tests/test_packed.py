@@ -159,12 +159,12 @@ def test_an_output_has_the_same_bits_in_a_block_of_outputs_and_alone(isa, qtype,
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
 def test_a_row_has_the_same_bits_alone_and_in_a_tile_of_rows(isa, qtype, monkeypatch):
     """The vector builds compute a decode row (a call of one row, or the last row of a call
-    whose rows are one past a tile of 4) with its accumulators in registers (packed_gemm.c's
-    row_vectors), and tiles of 2 to 4 rows sharing each group's unpacking. Each row must
-    keep one set of bits either way (pooled head rows and a served batch rely on it), with an
-    even and an odd number of groups (the register loop takes groups in pairs). Planted: the
-    row path summing every group into one accumulator (FAILED on each vector build, int4 and
-    int8)."""
+    whose rows are one past a tile of 4) and tiles of 2 to 4 rows sharing each group's
+    unpacking through packed_gemm.c's rows_vectors, its row count a constant at each call.
+    Each row must keep one set of bits either way (pooled head rows and a served batch rely
+    on it), with an even and an odd number of groups (the loop takes groups in pairs).
+    Planted: the row path summing every group into one accumulator, and full tiles doing so
+    (each FAILED on each vector build, int4 and int8)."""
     _runnable_or_skip(isa)
     monkeypatch.setenv(kernel_library.KERNELS_ENV, isa)
     for cols in (320, 352):  # 10 and 11 groups
