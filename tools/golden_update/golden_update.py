@@ -71,6 +71,7 @@ GOLDEN_PRODUCERS = (schema.PRODUCERS["own"], schema.PRODUCERS["ggml"])
 PINNING = "golden_update (it pins what it publishes)"
 GOLDEN_TESTS = [
     "//max_tests/integration/architectures/llama3:test_llama",
+    "//max_tests/integration/architectures/llama3:test_llama_constrained",
     "//max_tests/integration/architectures/llama3:test_llama_long",
     "//max_tests/integration/architectures/llama3:test_golden_sanity",
 ]

@@ -462,14 +462,16 @@ def test_after_publishing_the_golden_tests_rerun_and_give_the_exit_status(
     assert _pins(repo)["test_llama_golden"] == 2
 
 
-def test_after_publishing_the_three_golden_tests_the_guide_names_rerun() -> None:
-    """docs/goldens.md:918: with --accept, `test_llama`, `test_llama_long` and
-    `test_golden_sanity` run again. The rerun test above compares with GOLDEN_TESTS itself, so
-    a target dropped from that list passed it (planted: test_llama_long removed)."""
+def test_after_publishing_the_four_golden_tests_the_guide_names_rerun() -> None:
+    """docs/goldens.md, "Changing a golden legitimately": with --accept, `test_llama`,
+    `test_llama_constrained`, `test_llama_long` and `test_golden_sanity` run again. The rerun
+    test above compares with GOLDEN_TESTS itself, so a target dropped from that list passed it
+    (planted: test_llama_long removed)."""
     package = "//max_tests/integration/architectures/llama3"
     rerun = list(golden_update.GOLDEN_TESTS)
     assert rerun == [
         f"{package}:test_llama",
+        f"{package}:test_llama_constrained",
         f"{package}:test_llama_long",
         f"{package}:test_golden_sanity",
     ]
