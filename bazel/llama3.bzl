@@ -37,7 +37,7 @@ _CONFTEST_IMPORTS = [
     "//max_tests:conftest",
 ]
 
-def llama3_test(name, size, goldens = True, gpu = False, deps = [], srcs = None, env = {}, **kwargs):
+def llama3_test(name, size, goldens = True, gpu = False, deps = [], srcs = None, env = {}, data = [], **kwargs):
     """The pytest file `<name>.py` (or the files `srcs`) with the package's conftest, over the tiny checkpoints.
 
     Every test gets what the package's conftest.py imports (`_CONFTEST_IMPORTS`) and its
@@ -56,11 +56,12 @@ def llama3_test(name, size, goldens = True, gpu = False, deps = [], srcs = None,
         process (each target pays for starting Python and importing torch), or a second
         target over the same file.
       env: more environment for the test.
+      data: more files for the test (e.g. `@llama_cpp_installed//:fingerprint`).
       **kwargs: more attributes of the test (`env_inherit`, `tags`).
     """
     kwargs = kwargs | dict(
         srcs = ["conftest.py"] + (srcs or [name + ".py"]),
-        data = _CHECKPOINTS + (_SMOLLM2 + _GOLDEN_ARCHIVES if goldens else []),
+        data = _CHECKPOINTS + (_SMOLLM2 + _GOLDEN_ARCHIVES if goldens else []) + data,
         env = _CHECKPOINTS_ENV | (_SMOLLM2_ENV | _GOLDEN_ARCHIVES_ENV if goldens else {}) | env,
         visibility = ["//max_tests/integration:__pkg__"],
         deps = _CONFTEST_IMPORTS + [dep for dep in deps if dep not in _CONFTEST_IMPORTS],
