@@ -95,8 +95,8 @@ def _impl(rctx):
         for library in _libraries(rctx, found):
             if library not in files:
                 files.append(library)
-    backends = rctx.path(BACKENDS)
-    rctx.watch(BACKENDS)
+    backends = rctx.path(rctx.attr.backends)
+    rctx.watch(rctx.attr.backends)
     if backends.exists and backends.is_dir:
         for entry in sorted([str(p) for p in backends.readdir(watch = "yes")]):
             if entry.endswith(".so"):
@@ -122,6 +122,12 @@ filegroup(
 
 llama_cpp_installed = repository_rule(
     implementation = _impl,
+    attrs = {
+        "backends": attr.string(
+            default = BACKENDS,
+            doc = "The folder of ggml's CPU backends (Debian's; a scratch one in the test).",
+        ),
+    },
     environ = ["LLAMA_SERVER", "PATH"],
     doc = "The installed llama.cpp's fingerprint (the module docstring).",
 )
