@@ -43,9 +43,9 @@ def _candidates(rctx, tool):
 def _sha256(rctx, paths):
     if not paths:
         return {}
+    # a file sha256sum cannot read keeps no digest: "unreadable" below (llama.cpp cannot load
+    # it either), rather than failing every build of the workspace
     result = rctx.execute(["sha256sum", "--"] + paths)
-    if result.return_code != 0:
-        fail("llama_cpp_installed: sha256sum failed: " + result.stderr)
     digests = {}
     for line in result.stdout.splitlines():
         digest, _, path = line.partition("  ")
