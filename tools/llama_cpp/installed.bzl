@@ -43,6 +43,7 @@ def _candidates(rctx, tool):
 def _sha256(rctx, paths):
     if not paths:
         return {}
+
     # a file sha256sum cannot read keeps no digest: "unreadable" below (llama.cpp cannot load
     # it either), rather than failing every build of the workspace
     result = rctx.execute(["sha256sum", "--"] + paths)
