@@ -9,37 +9,16 @@ NESTED_BAZEL_OK), which CI runs with the rest; elsewhere in a sandbox it skips. 
     python3 -m pytest tools/artifacts/tests/test_bazel_distdir.py -m slow
 """
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from goldens.artifacts import archive, stanza
+from testing import nested_bazel
 from tools.artifacts.upload_artifact import main
 
-REPO = Path(__file__).resolve().parents[3]
-STANDINS = REPO / "third_party" / "bazel_standins"
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("bazel") is None, reason="bazel is not on PATH"),
-    pytest.mark.skipif(
-        "TEST_SRCDIR" in os.environ and os.environ.get("NESTED_BAZEL_OK") != "1",
-        reason="a nested Bazel runs only in //tools/artifacts:bazel_distdir_test (unsandboxed)",
-    ),
-    pytest.mark.skipif(not STANDINS.is_dir(), reason="third_party/bazel_standins is missing"),
-]
+pytestmark = nested_bazel.marks("//tools/artifacts:bazel_distdir_test")
 
 MODULE = """\
-module(name = "distdir_check")
-
-[
-    local_path_override(module_name = m, path = "bazel_standins/" + m)
-    for m in ["zlib", "protobuf", "buildozer", "apple_support"]
-]
-
 bazel_dep(name = "zlib", version = "")
 bazel_dep(name = "protobuf", version = "")
 bazel_dep(name = "buildozer", version = "")
@@ -67,11 +46,8 @@ def _publish(workspace: Path, version: str, golden: Path, *store: str) -> str:
 
 
 def _workspace(tmp_path: Path) -> Path:
-    workspace = tmp_path / "ws"
-    (workspace / "third_party").mkdir(parents=True)
-    shutil.copytree(STANDINS, workspace / "bazel_standins")
-    (workspace / "MODULE.bazel").write_text(MODULE)
-    (workspace / "BUILD.bazel").write_text("")
+    workspace = nested_bazel.workspace(tmp_path / "ws", "distdir_check", MODULE)
+    (workspace / "third_party").mkdir()
     return workspace
 
 
@@ -87,8 +63,7 @@ def test_bazel_takes_the_pinned_archive_from_the_store_and_refuses_a_corrupted_o
     # A stale distdir holding another test_llama_golden.tar.gz comes first: Bazel must match
     # by sha256, not by basename alone.
     (workspace / ".bazelrc").write_text(
-        "common --noenable_workspace\ncommon --lockfile_mode=off\n"
-        f"common --distdir=artifacts/test_llama_golden/1/{old_sha}\n"
+        nested_bazel.BAZELRC + f"common --distdir=artifacts/test_llama_golden/1/{old_sha}\n"
         "try-import %workspace%/third_party/golden_distdir.bazelrc\n"
     )
 
@@ -123,7 +98,7 @@ def test_bazel_downloads_an_s3_pin_anonymously_and_refuses_other_bytes(
         "test_llama_golden.tar.gz"
     )
     # No distdir and no repository cache: the pinned URL is the only place to get it from.
-    (workspace / ".bazelrc").write_text("common --noenable_workspace\ncommon --lockfile_mode=off\n")
+    (workspace / ".bazelrc").write_text(nested_bazel.BAZELRC)
 
     fetched = _bazel(workspace, tmp_path / "ob")
     assert fetched.returncode == 0, fetched.stderr[-3000:]

@@ -18,30 +18,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
+from testing import nested_bazel
 
 REPO = Path(__file__).resolve().parents[3]
-STANDINS = REPO / "third_party" / "bazel_standins"
 RULE = Path(os.environ.get("LLAMA_CPP_INSTALLED_BZL", REPO / "tools/llama_cpp/installed.bzl"))
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("bazel") is None, reason="bazel is not on PATH"),
-    pytest.mark.skipif(
-        "TEST_SRCDIR" in os.environ and os.environ.get("NESTED_BAZEL_OK") != "1",
-        reason="a nested Bazel runs only in //tools/llama_cpp:installed_watch_test (unsandboxed)",
-    ),
-    pytest.mark.skipif(not STANDINS.is_dir(), reason="third_party/bazel_standins is missing"),
-]
+pytestmark = nested_bazel.marks("//tools/llama_cpp:installed_watch_test")
 
 MODULE = """\
-module(name = "fingerprint_check")
-
-[
-    local_path_override(module_name = m, path = "bazel_standins/" + m)
-    for m in ["zlib", "protobuf", "buildozer", "apple_support"]
-]
-
 llama_cpp_installed = use_repo_rule("//:installed.bzl", "llama_cpp_installed")
 
 llama_cpp_installed(name = "llama_cpp_installed", backends = "{backends}")
@@ -68,15 +52,12 @@ def _digest_line(path: Path) -> str:
 def test_a_tool_or_backend_changed_added_or_removed_writes_a_new_fingerprint(
     tmp_path: Path,
 ) -> None:
-    workspace, fake_bin, output_base = tmp_path / "ws", tmp_path / "bin", tmp_path / "ob"
-    backends = tmp_path / "backends0"
-    for folder in (workspace, fake_bin, backends):
+    fake_bin, output_base, backends = tmp_path / "bin", tmp_path / "ob", tmp_path / "backends0"
+    for folder in (fake_bin, backends):
         folder.mkdir()
-    shutil.copytree(STANDINS, workspace / "bazel_standins")
+    module = MODULE.format(backends=backends)
+    workspace = nested_bazel.workspace(tmp_path / "ws", "fingerprint_check", module, BUILD)
     shutil.copy(RULE, workspace / "installed.bzl")
-    (workspace / "MODULE.bazel").write_text(MODULE.format(backends=backends))
-    (workspace / "BUILD.bazel").write_text(BUILD)
-    (workspace / ".bazelrc").write_text("common --noenable_workspace\ncommon --lockfile_mode=off\n")
     env = os.environ | {"PATH": f"{fake_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
     env.pop("LLAMA_SERVER", None)
     startup = ["bazel", f"--output_base={output_base}", "--max_idle_secs=60"]
