@@ -86,8 +86,7 @@ def _impl(rctx):
         for path in _candidates(rctx, tool):
             rctx.watch(path)
             if found == None and rctx.path(path).exists and not rctx.path(path).is_dir:
-                found = str(rctx.path(path).realpath)
-                rctx.watch(found)
+                found = str(rctx.path(path).realpath)  # watched with the files below
         if found == None:
             lines.append("tool %s: absent" % tool)
             continue

@@ -12,6 +12,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from goldens.engines import llama_server
+from goldens.engines.base import EngineError
+
 FINGERPRINT = Path(os.environ["LLAMA_CPP_FINGERPRINT"])
 TOOLS = ("llama-server", "llama-perplexity", "llama-quantize", "llama-bench", "llama-batched-bench")
 BACKENDS = Path("/usr/lib/x86_64-linux-gnu/ggml/backends0")
@@ -36,9 +39,15 @@ def _fingerprint() -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
 
 
 def _found(tool: str) -> str | None:
-    """The tool the lanes run (goldens/engines/llama_server.py: $LLAMA_SERVER first)."""
-    named = os.environ.get("LLAMA_SERVER") if tool == "llama-server" else None
-    found = named or shutil.which(tool)
+    """The tool the lanes run: llama-server as the llama.cpp lane looks it up
+    (`llama_server.binary`: $LLAMA_SERVER first), the others on the PATH."""
+    if tool == "llama-server":
+        try:
+            found = llama_server.binary()
+        except EngineError:
+            found = None
+    else:
+        found = shutil.which(tool)
     return os.path.realpath(found) if found else None
 
 
@@ -65,7 +74,9 @@ def test_each_tool_is_the_one_the_tests_find_with_its_sha256() -> None:
         if found is None:
             assert tools[tool] == "absent", f"{tool}: not on this test's PATH, fingerprinted"
             continue
-        assert tools[tool] == found, f"{tool}: the tests run {found}, the fingerprint names it"
+        assert tools[tool] == found, (
+            f"{tool}: the tests run {found}, the fingerprint names {tools[tool]}"
+        )
         assert files.get(found) == _sha256(found), f"{found}: sha256"
 
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from testing import nested_bazel
 
-REPO = Path(__file__).resolve().parents[3]
-RULE = Path(os.environ.get("LLAMA_CPP_INSTALLED_BZL", REPO / "tools/llama_cpp/installed.bzl"))
+RULE = Path(
+    os.environ.get("LLAMA_CPP_INSTALLED_BZL", nested_bazel.REPO / "tools/llama_cpp/installed.bzl")
+)
 
 pytestmark = nested_bazel.marks("//tools/llama_cpp:installed_watch_test")
 
